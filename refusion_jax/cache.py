@@ -1,0 +1,129 @@
+"""A fixed-capacity KV cache held as plain data, and the masked writes into it.
+
+The cache stores tokens in *storage order* (the order in which they were
+decided), each with its true RoPE position. Its shapes never change: writing
+is a scatter at given indices, and "cropping" is simply not advancing
+`length`. Keys are stored after RoPE (and after the Qwen3 q/k norm), so an
+entry never needs its position again except for bookkeeping.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from refusion_jax.config import ModelConfig
+
+
+@flax.struct.dataclass
+class BlockKV:
+  """Keys and values a forward computed for its query block.
+
+  k, v: [layers, batch, block, kv_heads, head_dim]
+  """
+
+  k: jax.Array
+  v: jax.Array
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Per-layer keys and values plus per-entry bookkeeping.
+
+  k, v:       [layers, batch, capacity, kv_heads, head_dim]
+  positions:  [batch, capacity] int32, the true position of each entry
+  valid:      [batch, capacity] bool, whether the entry holds a token
+  length:     [batch] int32, the next free index (entries are written densely)
+  """
+
+  k: jax.Array
+  v: jax.Array
+  positions: jax.Array
+  valid: jax.Array
+  length: jax.Array
+
+  @classmethod
+  def create(cls, config: ModelConfig, batch: int, capacity: int) -> "KVCache":
+    shape = (config.num_layers, batch, capacity, config.num_kv_heads, config.head_dim)
+    return cls(
+        k=jnp.zeros(shape, config.compute_dtype),
+        v=jnp.zeros(shape, config.compute_dtype),
+        positions=jnp.zeros((batch, capacity), jnp.int32),
+        valid=jnp.zeros((batch, capacity), bool),
+        length=jnp.zeros((batch,), jnp.int32),
+    )
+
+  @property
+  def capacity(self) -> int:
+    return self.k.shape[2]
+
+  @property
+  def nbytes(self) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
+
+
+def write(
+    cache: KVCache,
+    kv: BlockKV,
+    indices: jax.Array,
+    positions: jax.Array,
+    write_mask: jax.Array,
+) -> KVCache:
+  """Scatter block entries into the cache at explicit indices.
+
+  Args:
+    cache: the cache to update (functionally).
+    kv: keys/values of the block, [layers, batch, block, kv_heads, head_dim].
+    indices: [batch, block] int32 destination index of each block token.
+    positions: [batch, block] int32 true positions of the block tokens.
+    write_mask: [batch, block] bool; tokens with False are not written.
+
+  Returns:
+    The cache with the masked entries written and marked valid. `length` is
+    left unchanged; `append` is the usual way to extend the cache.
+  """
+  capacity = cache.capacity
+  # Out-of-range indices are dropped by the scatter: that is the mask.
+  target = jnp.where(write_mask, indices, capacity)
+  batch_idx = jnp.arange(target.shape[0])[:, None]
+
+  def scatter(dst, src):
+    # dst [layers, batch, capacity, ...], src [layers, batch, block, ...]
+    return dst.at[:, batch_idx, target].set(src.astype(dst.dtype), mode="drop")
+
+  return cache.replace(
+      k=scatter(cache.k, kv.k),
+      v=scatter(cache.v, kv.v),
+      positions=cache.positions.at[batch_idx, target].set(positions, mode="drop"),
+      valid=cache.valid.at[batch_idx, target].set(True, mode="drop"),
+  )
+
+
+def append(cache: KVCache, kv: BlockKV, positions: jax.Array, take: jax.Array) -> KVCache:
+  """Append the taken block tokens, in block order, after each row's last entry.
+
+  Args:
+    kv: [layers, batch, block, kv_heads, head_dim].
+    positions: [batch, block] true positions.
+    take: [batch, block] bool; the taken tokens keep their block order.
+  """
+  take = take.astype(bool)
+  rank = jnp.cumsum(take, axis=-1) - 1
+  indices = cache.length[:, None] + rank
+  cache = write(cache, kv, indices, positions, take)
+  return cache.replace(length=cache.length + take.sum(-1).astype(jnp.int32))
+
+
+def block_mask(cache: KVCache, within_block: jax.Array) -> jax.Array:
+  """The full attention mask of a block that sees every valid cache entry.
+
+  Args:
+    within_block: [batch, block, block] bool, which block tokens each query sees.
+
+  Returns:
+    [batch, block, capacity + block] bool.
+  """
+  batch, block, _ = within_block.shape
+  sees_cache = jnp.broadcast_to(cache.valid[:, None, :], (batch, block, cache.capacity))
+  return jnp.concatenate([sees_cache, within_block], axis=-1)

@@ -1,0 +1,177 @@
+"""Model architecture configuration: one frozen dataclass and its named presets.
+
+The same backbone covers three Hugging Face families, chosen by two switches:
+
+| family | per-head q/k RMSNorm (`qk_norm`) | q/k/v bias (`qkv_bias`) |
+| ------ | -------------------------------- | ----------------------- |
+| Qwen3  | yes                              | no                      |
+| Qwen2  | no                               | yes                     |
+| Llama  | no                               | no                      |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax.numpy as jnp
+
+Architecture = Literal["qwen3", "qwen2", "llama"]
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shapes and switches of a causal decoder-only transformer.
+
+  Hashable, so it can be a static argument of `jax.jit`.
+  """
+
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  architecture: Architecture = "qwen3"
+  qk_norm: bool = True
+  qkv_bias: bool = False
+  tie_embeddings: bool = False
+  rope_theta: float = 1_000_000.0
+  # Linear RoPE scaling ("type": "linear" in HF configs): positions are divided by it.
+  rope_scaling_factor: float = 1.0
+  rms_norm_eps: float = 1e-6
+  max_position_embeddings: int = 40_960
+  # Special tokens; None means "not known from the checkpoint" (the decoder then
+  # needs them passed explicitly).
+  mask_token_id: int | None = None
+  eos_token_id: int | None = None
+  pad_token_id: int | None = None
+  # Activations and the KV cache use `dtype`; parameters are stored in `param_dtype`.
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  # Rematerialise each decoder layer in the backward pass (training memory saver).
+  remat: bool = False
+
+  def __post_init__(self):
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads} (GQA)."
+      )
+    for field in ("dtype", "param_dtype"):
+      if getattr(self, field) not in _DTYPES:
+        raise ValueError(f"{field}={getattr(self, field)!r}; expected one of {sorted(_DTYPES)}.")
+    if self.architecture not in ("qwen3", "qwen2", "llama"):
+      raise ValueError(f"architecture={self.architecture!r}; expected 'qwen3', 'qwen2' or 'llama'.")
+
+  @property
+  def compute_dtype(self) -> jnp.dtype:
+    return _DTYPES[self.dtype]
+
+  @property
+  def weight_dtype(self) -> jnp.dtype:
+    return _DTYPES[self.param_dtype]
+
+  def replace(self, **changes) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)
+
+
+def family_switches(architecture: Architecture) -> dict:
+  """The `qk_norm` / `qkv_bias` defaults of each family."""
+  return {
+      "qwen3": dict(qk_norm=True, qkv_bias=False),
+      "qwen2": dict(qk_norm=False, qkv_bias=True),
+      "llama": dict(qk_norm=False, qkv_bias=False),
+  }[architecture]
+
+
+def tiny(vocab_size: int = 256, architecture: Architecture = "qwen3", **overrides) -> ModelConfig:
+  """A two-layer model for tests and CPU demos (GQA ratio 2)."""
+  fields = dict(
+      vocab_size=vocab_size,
+      hidden_size=64,
+      intermediate_size=128,
+      num_layers=2,
+      num_heads=4,
+      num_kv_heads=2,
+      head_dim=16,
+      architecture=architecture,
+      max_position_embeddings=4096,
+      rope_theta=10_000.0,
+      **family_switches(architecture),
+  )
+  fields.update(overrides)
+  return ModelConfig(**fields)
+
+
+def small(vocab_size: int = 512, **overrides) -> ModelConfig:
+  """A ~20M-parameter Qwen3-shaped model: the largest the CPU benchmarks use."""
+  fields = dict(
+      vocab_size=vocab_size,
+      hidden_size=512,
+      intermediate_size=1536,
+      num_layers=6,
+      num_heads=8,
+      num_kv_heads=4,
+      head_dim=64,
+      max_position_embeddings=4096,
+  )
+  fields.update(overrides)
+  return ModelConfig(**fields)
+
+
+def _qwen3(hidden, intermediate, layers, heads, tie, vocab=151_936, **overrides) -> ModelConfig:
+  return ModelConfig(
+      vocab_size=vocab,
+      hidden_size=hidden,
+      intermediate_size=intermediate,
+      num_layers=layers,
+      num_heads=heads,
+      num_kv_heads=8,
+      head_dim=128,
+      tie_embeddings=tie,
+      eos_token_id=151_645,
+      pad_token_id=151_643,
+      **overrides,
+  )
+
+
+def qwen3_0p6b(**overrides) -> ModelConfig:
+  return _qwen3(1024, 3072, 28, 16, tie=True, **overrides)
+
+
+def qwen3_1p7b(**overrides) -> ModelConfig:
+  return _qwen3(2048, 6144, 28, 16, tie=True, **overrides)
+
+
+def qwen3_4b(**overrides) -> ModelConfig:
+  return _qwen3(2560, 9728, 36, 32, tie=True, **overrides)
+
+
+def qwen3_8b(**overrides) -> ModelConfig:
+  return _qwen3(4096, 12288, 36, 32, tie=False, **overrides)
+
+
+def refusion_8b(**overrides) -> ModelConfig:
+  """The released ReFusion weights: Qwen3-8B with a 151,671-token vocabulary."""
+  return qwen3_8b(vocab=151_671, **overrides)
+
+
+PRESETS = {
+    "tiny": tiny,
+    "small": small,
+    "qwen3_0p6b": qwen3_0p6b,
+    "qwen3_1p7b": qwen3_1p7b,
+    "qwen3_4b": qwen3_4b,
+    "qwen3_8b": qwen3_8b,
+    "refusion_8b": refusion_8b,
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+  """Look a preset up by name, e.g. `preset("qwen3_8b", dtype="bfloat16")`."""
+  if name not in PRESETS:
+    raise ValueError(f"Unknown model preset {name!r}; choose one of {sorted(PRESETS)}.")
+  return PRESETS[name](**overrides)

@@ -1,0 +1,237 @@
+"""The causal decoder-only transformer (Qwen3 / Qwen2 / Llama) in Flax NNX.
+
+One forward serves training, every decode phase and the baselines: a block of
+T query tokens with explicit positions and an explicit boolean attention mask,
+optionally against a fixed-capacity `KVCache`. Causality comes from the mask,
+never from the positions, which is what lets ReFusion store tokens out of
+position order.
+
+Every parameter carries logical axis names (`embed`, `heads`, `kv_heads`,
+`head_dim`, `mlp`, `vocab`, `layers`) as metadata; `refusion_jax.sharding`
+maps them to mesh axes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from refusion_jax.cache import BlockKV, KVCache, block_mask
+from refusion_jax.config import ModelConfig
+
+# Large negative instead of -inf: a fully masked query row (padding, finished
+# decode rows) then gives a harmless uniform average rather than NaN.
+_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def _param(rngs: nnx.Rngs, shape, axes, config: ModelConfig, init=None) -> nnx.Param:
+  init = init or nnx.initializers.normal(0.02)
+  value = init(rngs.params(), shape, config.weight_dtype)
+  return nnx.Param(value, sharding_names=axes, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+  """Root-mean-square norm over the last axis, computed in float32."""
+
+  def __init__(self, dim: int, axis_name: str, config: ModelConfig, rngs: nnx.Rngs):
+    self.weight = _param(rngs, (dim,), (axis_name,), config, nnx.initializers.ones)
+    self.eps = config.rms_norm_eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.weight.value.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float, scaling_factor: float) -> jax.Array:
+  """Rotary embedding in the Hugging Face "rotate half" layout.
+
+  Args:
+    x: [batch, length, heads, head_dim].
+    positions: [batch, length] true positions.
+  """
+  head_dim = x.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  angles = (positions.astype(jnp.float32) / scaling_factor)[..., None] * inv_freq  # [B, T, D/2]
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  x32 = x.astype(jnp.float32)
+  first, second = jnp.split(x32, 2, axis=-1)
+  rotated = jnp.concatenate([-second, first], axis=-1)
+  return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  """Grouped-query attention against an optional cache, with an explicit mask."""
+
+  def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    c = config
+    self.config = config
+    self.q_proj = _param(rngs, (c.hidden_size, c.num_heads, c.head_dim), ("embed", "heads", "head_dim"), c)
+    self.k_proj = _param(rngs, (c.hidden_size, c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), c)
+    self.v_proj = _param(rngs, (c.hidden_size, c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), c)
+    self.o_proj = _param(rngs, (c.num_heads, c.head_dim, c.hidden_size), ("heads", "head_dim", "embed"), c)
+    if c.qkv_bias:
+      zeros = nnx.initializers.zeros
+      self.q_bias = _param(rngs, (c.num_heads, c.head_dim), ("heads", "head_dim"), c, zeros)
+      self.k_bias = _param(rngs, (c.num_kv_heads, c.head_dim), ("kv_heads", "head_dim"), c, zeros)
+      self.v_bias = _param(rngs, (c.num_kv_heads, c.head_dim), ("kv_heads", "head_dim"), c, zeros)
+    if c.qk_norm:
+      self.q_norm = RMSNorm(c.head_dim, "head_dim", c, rngs)
+      self.k_norm = RMSNorm(c.head_dim, "head_dim", c, rngs)
+
+  def _project(self, x, kernel, bias_name):
+    out = jnp.einsum("bte,ehd->bthd", x, kernel.value.astype(x.dtype))
+    if self.config.qkv_bias:
+      out = out + getattr(self, bias_name).value.astype(x.dtype)
+    return out
+
+  def __call__(
+      self,
+      x: jax.Array,
+      positions: jax.Array,
+      mask: jax.Array,
+      cached: tuple[jax.Array, jax.Array] | None,
+  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Attend the block to the cache and to itself.
+
+    Args:
+      x: [batch, block, embed].
+      positions: [batch, block].
+      mask: [batch, block, capacity + block] (or [batch, block, block] without a cache).
+      cached: this layer's cache keys and values, each [batch, capacity, kv_heads, head_dim].
+
+    Returns:
+      The attention output [batch, block, embed] and the block's own keys and
+      values after RoPE, each [batch, block, kv_heads, head_dim].
+    """
+    c = self.config
+    q = self._project(x, self.q_proj, "q_bias")
+    k = self._project(x, self.k_proj, "k_bias")
+    v = self._project(x, self.v_proj, "v_bias")
+    if c.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q = rope(q, positions, c.rope_theta, c.rope_scaling_factor)
+    k = rope(k, positions, c.rope_theta, c.rope_scaling_factor)
+
+    batch, block = x.shape[:2]
+    groups = c.num_heads // c.num_kv_heads
+    q = q.reshape(batch, block, c.num_kv_heads, groups, c.head_dim) * (c.head_dim ** -0.5)
+
+    # Scores against the cache and against the block are computed apart and
+    # joined only as scores, so the cache itself is never concatenated.
+    scores = [jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)]
+    if cached is not None:
+      cache_k, cache_v = cached
+      scores.insert(0, jnp.einsum("btkgd,bskd->bkgts", q, cache_k, preferred_element_type=jnp.float32))
+    scores = jnp.concatenate(scores, axis=-1)
+    scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+
+    out = jnp.einsum("bkgts,bskd->btkgd", probs[..., -block:], v)
+    if cached is not None:
+      out = out + jnp.einsum("bkgts,bskd->btkgd", probs[..., :-block], cache_v)
+    out = out.reshape(batch, block, c.num_heads, c.head_dim)
+    out = jnp.einsum("bthd,hde->bte", out, self.o_proj.value.astype(x.dtype))
+    return out, (k, v)
+
+
+class MLP(nnx.Module):
+  """SwiGLU feed-forward."""
+
+  def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    c = config
+    self.gate_proj = _param(rngs, (c.hidden_size, c.intermediate_size), ("embed", "mlp"), c)
+    self.up_proj = _param(rngs, (c.hidden_size, c.intermediate_size), ("embed", "mlp"), c)
+    self.down_proj = _param(rngs, (c.intermediate_size, c.hidden_size), ("mlp", "embed"), c)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    gate = x @ self.gate_proj.value.astype(x.dtype)
+    up = x @ self.up_proj.value.astype(x.dtype)
+    return (jax.nn.silu(gate) * up) @ self.down_proj.value.astype(x.dtype)
+
+
+class DecoderLayer(nnx.Module):
+  """Pre-norm attention block followed by a pre-norm MLP block."""
+
+  def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    self.input_layernorm = RMSNorm(config.hidden_size, "embed", config, rngs)
+    self.self_attn = Attention(config, rngs)
+    self.post_attention_layernorm = RMSNorm(config.hidden_size, "embed", config, rngs)
+    self.mlp = MLP(config, rngs)
+
+  def __call__(self, x, positions, mask, cached):
+    attn_out, kv = self.self_attn(self.input_layernorm(x), positions, mask, cached)
+    x = x + attn_out
+    x = x + self.mlp(self.post_attention_layernorm(x))
+    return x, kv
+
+
+def causal_mask(batch: int, length: int) -> jax.Array:
+  """[batch, length, length] lower-triangular mask."""
+  tri = jnp.tril(jnp.ones((length, length), bool))
+  return jnp.broadcast_to(tri, (batch, length, length))
+
+
+class Transformer(nnx.Module):
+  """Token embedding, decoder layers, final norm and LM head."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    c = config
+    self.config = config
+    self.embed_tokens = _param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), c)
+    self.layers = nnx.List([DecoderLayer(c, rngs) for _ in range(c.num_layers)])
+    self.norm = RMSNorm(c.hidden_size, "embed", c, rngs)
+    if not c.tie_embeddings:
+      self.lm_head = _param(rngs, (c.hidden_size, c.vocab_size), ("embed", "vocab"), c)
+
+  def __call__(
+      self,
+      tokens: jax.Array,
+      positions: jax.Array | None = None,
+      mask: jax.Array | None = None,
+      cache: KVCache | None = None,
+  ) -> tuple[jax.Array, BlockKV]:
+    """Forward a block of tokens.
+
+    Args:
+      tokens: [batch, block] int token ids.
+      positions: [batch, block] true RoPE positions; defaults to 0..block-1.
+      mask: [batch, block, capacity + block] bool with a cache, [batch, block,
+        block] without; entry [b, i, j] says whether query i sees key j (cache
+        entries first, then the block). Defaults to causal over the block (and
+        every valid cache entry).
+      cache: an optional `KVCache` the block attends to. It is only read; use
+        `refusion_jax.cache.append` / `write` to store the returned keys.
+
+    Returns:
+      logits [batch, block, vocab] in float32, and the block's keys and values
+      `BlockKV` ([layers, batch, block, kv_heads, head_dim]).
+    """
+    c = self.config
+    batch, block = tokens.shape
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(block, dtype=jnp.int32), (batch, block))
+    if mask is None:
+      mask = causal_mask(batch, block)
+      if cache is not None:
+        mask = block_mask(cache, mask)
+
+    x = self.embed_tokens.value[tokens].astype(c.compute_dtype)
+    keys, values = [], []
+    for i, layer in enumerate(self.layers):
+      cached = None if cache is None else (cache.k[i], cache.v[i])
+      call = nnx.remat(type(layer).__call__) if c.remat else type(layer).__call__
+      x, (k, v) = call(layer, x, positions, mask, cached)
+      keys.append(k)
+      values.append(v)
+    x = self.norm(x)
+    head = self.embed_tokens.value.T if c.tie_embeddings else self.lm_head.value
+    logits = jnp.einsum("bte,ev->btv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+    return logits, BlockKV(k=jnp.stack(keys), v=jnp.stack(values))
+
+
+def init_model(config: ModelConfig, seed: int = 0) -> Transformer:
+  """A randomly initialised model."""
+  return Transformer(config, rngs=nnx.Rngs(params=seed))
