@@ -1,0 +1,135 @@
+"""What every decoder shares: input checks, prompt buckets and the result type.
+
+ReFusion (`refusion_jax.decode`), its eager reference and the AR / MDM
+baselines (`refusion_jax.baselines`) all take token-id prompts, reject bad
+input before anything is compiled, pad prompts into a few length buckets so
+new prompts do not recompile, and return a `DecodeResult`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from refusion_jax.config import ModelConfig
+
+# Prompt lengths are padded up to the smallest bucket that holds them.
+PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+# Phase codes recorded in `DecodeResult.commit_phase`.
+PHASE_NONE = -1
+PHASE_VERIFY = 0  # committed as a whole slot by the global verification (DESIGN §1.2 step 2)
+PHASE_INFILL = 1  # committed after parallel infill (step 3)
+PHASE_STEP = 2  # baselines: committed by an AR step or an MDM unmasking step
+PHASE_NAMES = {PHASE_VERIFY: "verify", PHASE_INFILL: "infill", PHASE_STEP: "step"}
+
+
+@dataclasses.dataclass
+class DecodeResult:
+  """The output of a decode call over a batch of B prompts.
+
+  Attributes:
+    tokens: per row, the generated answer read back by true position, up to and
+      including the first EOS (the whole generation when there is none).
+    num_forwards: [B] model forwards each row took part in before it finished.
+    steps: [B] decode iterations per row (ReFusion: plan steps; AR: tokens;
+      MDM: unmasking steps).
+    commit_iteration: [B, G] the iteration (0-based) that committed each
+      answer position, -1 where nothing was committed.
+    commit_phase: [B, G] how each position was committed (`PHASE_*`).
+    seconds: wall-clock time of the call, compilation included when it happened.
+  """
+
+  tokens: list[list[int]]
+  num_forwards: np.ndarray
+  steps: np.ndarray
+  commit_iteration: np.ndarray
+  commit_phase: np.ndarray
+  seconds: float = 0.0
+
+  @property
+  def tpf(self) -> np.ndarray:
+    """[B] answer tokens ÷ model forwards, per row."""
+    lengths = np.array([len(t) for t in self.tokens], np.float64)
+    return lengths / np.maximum(self.num_forwards, 1)
+
+  @property
+  def overall_tpf(self) -> float:
+    """All rows' answer tokens ÷ all rows' forwards."""
+    return float(sum(len(t) for t in self.tokens) / max(int(np.sum(self.num_forwards)), 1))
+
+  def trace(self, row: int = 0) -> list[tuple[int, int, int, str]]:
+    """(position, token, iteration, phase name) of every answer token of `row`."""
+    return [
+        (pos, tok, int(self.commit_iteration[row, pos]),
+         PHASE_NAMES.get(int(self.commit_phase[row, pos]), "none"))
+        for pos, tok in enumerate(self.tokens[row])
+    ]
+
+
+def bucket_length(length: int, buckets: Sequence[int] = PROMPT_BUCKETS) -> int:
+  """The smallest bucket that holds `length` tokens."""
+  for bucket in buckets:
+    if length <= bucket:
+      return bucket
+  raise ValueError(f"A prompt of {length} tokens is longer than the largest bucket ({buckets[-1]}).")
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, buckets: Sequence[int] = PROMPT_BUCKETS):
+  """Right-pad prompts into one bucket.
+
+  Returns:
+    tokens [B, bucket] int32 and lengths [B] int32.
+  """
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  width = bucket_length(int(lengths.max()), buckets)
+  tokens = np.full((len(prompts), width), pad_id, np.int32)
+  for row, prompt in enumerate(prompts):
+    tokens[row, : len(prompt)] = prompt
+  return tokens, lengths
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], config: ModelConfig, gen_length: int) -> None:
+  """Reject empty prompts, ids outside the vocabulary and over-long requests."""
+  if isinstance(prompts, (str, bytes)) or not len(prompts):
+    raise ValueError("prompt_ids must be a non-empty list of token-id lists, e.g. [[1, 2, 3]].")
+  if gen_length < 1:
+    raise ValueError(f"gen_length={gen_length} must be at least 1.")
+  for row, prompt in enumerate(prompts):
+    if isinstance(prompt, (int, np.integer)):
+      raise ValueError("prompt_ids must be a list of lists (one list per batch row), got a flat list of ints.")
+    if len(prompt) == 0:
+      raise ValueError(f"Prompt {row} is empty; every row needs at least one token.")
+    ids = np.asarray(prompt)
+    bad = ids[(ids < 0) | (ids >= config.vocab_size)]
+    if bad.size:
+      raise ValueError(
+          f"Prompt {row} has token id {int(bad[0])} outside the vocabulary [0, {config.vocab_size})."
+      )
+    total = len(prompt) + gen_length
+    if total > config.max_position_embeddings:
+      raise ValueError(
+          f"Prompt {row} has {len(prompt)} tokens; with gen_length={gen_length} that is {total} "
+          f"positions, more than the model's maximum {config.max_position_embeddings}. "
+          f"Shorten the prompt or lower gen_length to at most {config.max_position_embeddings - len(prompt)}."
+      )
+
+
+def check_special_id(name: str, value: int | None, config: ModelConfig) -> int:
+  """A special token id that must exist and lie inside the vocabulary."""
+  if value is None:
+    raise ValueError(
+        f"No {name} is known for this model: pass {name}=... explicitly "
+        f"(the checkpoint's config and tokenizer did not define one)."
+    )
+  if not 0 <= value < config.vocab_size:
+    raise ValueError(f"{name}={value} lies outside the vocabulary [0, {config.vocab_size}).")
+  return int(value)
+
+
+def check_threshold(name: str, value: float) -> float:
+  if not 0.0 < value <= 1.0:
+    raise ValueError(f"{name}={value} must lie in (0, 1].")
+  return float(value)
