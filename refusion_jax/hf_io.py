@@ -1,0 +1,508 @@
+"""Hugging Face checkpoints (config.json + safetensors) to and from our `Transformer`.
+
+One table, `_RULES`, says which Hugging Face tensor becomes which NNX
+parameter and how its layout changes. Loading reads the table from the
+Hugging Face side, saving from ours, so the two directions cannot drift.
+
+Loading never holds two copies of the model: the module is built abstractly
+(`nnx.eval_shape`, no random init) and its parameters are filled one tensor
+at a time straight from the memory-mapped safetensors files. Anything that
+does not fit (an unmapped tensor, a shape that disagrees with config.json,
+a parameter left unfilled, a truncated file) is an error naming the culprit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import pathlib
+import re
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from refusion_jax.config import ModelConfig, family_switches
+from refusion_jax.model import Transformer
+
+# Hugging Face class name of each family we load and save.
+_HF_CLASSES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+
+_SINGLE_FILE = "model.safetensors"
+_INDEX_FILE = "model.safetensors.index.json"
+
+# Added tokens that are taken for the mask token when the tokenizer does not
+# declare one: "<|mask|>", "<mask>", "[MASK]", "<|mdm_mask|>" (LLaDA), any case.
+_MASK_TOKEN = re.compile(r"[<\[]\|?(mdm_)?mask\|?[>\]]", re.IGNORECASE)
+
+
+# --------------------------------------------------------------------------
+# The name and layout table.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """How a Hugging Face tensor's layout relates to ours.
+
+  Hugging Face linear weights are [out_features, in_features] with the heads
+  fused into one axis; ours put the input axis first and keep heads apart,
+  e.g. q_proj [embed, heads, head_dim], o_proj [heads, head_dim, embed].
+  Both functions work on numpy arrays and on abstract jax values alike.
+  """
+
+  to_ours: Callable[[Any, tuple[int, ...]], Any]
+  to_hf: Callable[[Any], Any]
+
+
+_COPY = _Layout(lambda x, shape: x, lambda y: y)
+# Biases [heads * head_dim] <-> [heads, head_dim].
+_SPLIT_HEADS = _Layout(lambda x, shape: x.reshape(shape), lambda y: y.reshape(-1))
+# Linear layers whose input is our first axis (q/k/v [embed, heads, head_dim],
+# gate/up [embed, mlp], lm_head [embed, vocab]).
+_LINEAR_INPUT_FIRST = _Layout(lambda x, shape: x.T.reshape(shape), lambda y: y.reshape(y.shape[0], -1).T)
+# Linear layers whose output is our last axis (o_proj [heads, head_dim, embed],
+# down_proj [mlp, embed]).
+_LINEAR_OUTPUT_LAST = _Layout(lambda x, shape: x.T.reshape(shape), lambda y: y.reshape(-1, y.shape[-1]).T)
+
+# What each {placeholder} in a rule may stand for.
+_PLACEHOLDERS = {"layer": r"\d+", "qkv": "q|k|v", "qk": "q|k", "gate_up": "gate|up"}
+
+# (Hugging Face name, NNX parameter path, layout). Every tensor of the three
+# families is listed; anything else in a checkpoint is an error.
+_TABLE = (
+    ("model.embed_tokens.weight", "embed_tokens", _COPY),
+    ("model.norm.weight", "norm.weight", _COPY),
+    ("lm_head.weight", "lm_head", _LINEAR_INPUT_FIRST),
+    ("model.layers.{layer}.input_layernorm.weight", "layers.{layer}.input_layernorm.weight", _COPY),
+    (
+        "model.layers.{layer}.post_attention_layernorm.weight",
+        "layers.{layer}.post_attention_layernorm.weight",
+        _COPY,
+    ),
+    ("model.layers.{layer}.self_attn.{qkv}_proj.weight", "layers.{layer}.self_attn.{qkv}_proj", _LINEAR_INPUT_FIRST),
+    ("model.layers.{layer}.self_attn.{qkv}_proj.bias", "layers.{layer}.self_attn.{qkv}_bias", _SPLIT_HEADS),
+    ("model.layers.{layer}.self_attn.o_proj.weight", "layers.{layer}.self_attn.o_proj", _LINEAR_OUTPUT_LAST),
+    ("model.layers.{layer}.self_attn.{qk}_norm.weight", "layers.{layer}.self_attn.{qk}_norm.weight", _COPY),
+    ("model.layers.{layer}.mlp.{gate_up}_proj.weight", "layers.{layer}.mlp.{gate_up}_proj", _LINEAR_INPUT_FIRST),
+    ("model.layers.{layer}.mlp.down_proj.weight", "layers.{layer}.mlp.down_proj", _LINEAR_OUTPUT_LAST),
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _template_regex(template: str) -> re.Pattern:
+  parts = re.split(r"\{(\w+)\}", template)
+  # Even entries are literal text, odd entries placeholder names.
+  pattern = "".join(
+      re.escape(part) if i % 2 == 0 else f"(?P<{part}>{_PLACEHOLDERS[part]})" for i, part in enumerate(parts)
+  )
+  return re.compile(pattern)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+  hf: str
+  ours: str
+  layout: _Layout
+
+  def translate(self, name: str, to_hf: bool) -> str | None:
+    """The other side's name of `name`, or None when this rule does not match it."""
+    source, target = (self.ours, self.hf) if to_hf else (self.hf, self.ours)
+    match = _template_regex(source).fullmatch(name)
+    return None if match is None else target.format(**match.groupdict())
+
+
+_RULES = tuple(_Rule(*row) for row in _TABLE)
+
+
+def _rule_for(name: str, to_hf: bool) -> tuple[str, _Rule] | None:
+  for rule in _RULES:
+    translated = rule.translate(name, to_hf)
+    if translated is not None:
+      return translated, rule
+  return None
+
+
+def _dotted(path: tuple) -> str:
+  return ".".join(str(part) for part in path)
+
+
+def _hf_shape(rule: _Rule, our_shape: tuple[int, ...]) -> tuple[int, ...]:
+  return jax.eval_shape(rule.layout.to_hf, jax.ShapeDtypeStruct(our_shape, jnp.float32)).shape
+
+
+# --------------------------------------------------------------------------
+# config.json
+
+
+def _architecture(hf_config: dict) -> str:
+  supported = f"supported: {sorted(_HF_CLASSES.values())} (model_type {sorted(_HF_CLASSES)})"
+  names = hf_config.get("architectures") or []
+  for name in names:
+    for family, hf_class in _HF_CLASSES.items():
+      if name == hf_class:
+        return family
+  if names:
+    raise ValueError(
+        f"Unsupported architecture {names} in config.json; {supported}. If the checkpoint is one of these "
+        "under another class name, set \"architectures\" in its config.json."
+    )
+  model_type = hf_config.get("model_type")
+  if model_type in _HF_CLASSES:
+    return model_type
+  raise ValueError(f"Unsupported model_type {model_type!r} in config.json (no architectures given); {supported}.")
+
+
+def _single_rope_dict(value: dict | None) -> dict:
+  """A rope settings dict; transformers 5 may nest one per layer type."""
+  if not value:
+    return {}
+  if all(isinstance(v, dict) for v in value.values()):
+    distinct = {json.dumps(v, sort_keys=True) for v in value.values()}
+    if len(distinct) > 1:
+      raise NotImplementedError(f"Per-layer-type RoPE settings {value} are not supported; all layers share one RoPE.")
+    return next(iter(value.values()))
+  return value
+
+
+def _rope(hf_config: dict) -> tuple[float, float]:
+  """(theta, linear scaling factor) from either the transformers 4 or 5 layout."""
+  # transformers 5 writes `rope_parameters` (theta inside); 4 writes `rope_theta` + `rope_scaling`.
+  settings = {**_single_rope_dict(hf_config.get("rope_parameters")), **_single_rope_dict(hf_config.get("rope_scaling"))}
+  theta = float(settings.get("rope_theta", hf_config.get("rope_theta", 10_000.0)))
+  partial = settings.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))
+  if partial != 1.0:
+    raise NotImplementedError(f"partial_rotary_factor={partial} is not supported; RoPE covers the whole head.")
+  rope_type = settings.get("rope_type", settings.get("type", "default"))
+  if rope_type == "default":
+    return theta, 1.0
+  if rope_type == "linear":
+    return theta, float(settings["factor"])
+  raise NotImplementedError(
+      f"RoPE scaling type {rope_type!r} is not supported; only 'default' and 'linear' are implemented."
+  )
+
+
+def _check_supported_features(hf_config: dict, family: str) -> None:
+  act = hf_config.get("hidden_act", "silu")
+  if act != "silu":
+    raise NotImplementedError(f"hidden_act={act!r} is not supported; the MLP is SwiGLU (silu).")
+  if hf_config.get("use_sliding_window"):
+    raise NotImplementedError("use_sliding_window=true is not supported; attention is global.")
+  if hf_config.get("mlp_bias"):
+    raise NotImplementedError("mlp_bias=true is not supported; the MLP has no biases.")
+  if family != "qwen2" and hf_config.get("attention_bias"):
+    # In Qwen3 and Llama this flag also gives o_proj a bias, which the backbone lacks.
+    raise NotImplementedError(f"attention_bias=true is not supported for {family}: it adds an o_proj bias.")
+
+
+def _first_id(value: int | list[int] | None) -> int | None:
+  if isinstance(value, (list, tuple)):
+    return value[0] if value else None
+  return value
+
+
+def config_from_hf(hf_config: dict, **overrides) -> ModelConfig:
+  """Map a Hugging Face config.json (as a dict) to a `ModelConfig`.
+
+  Args:
+    hf_config: the parsed config.json of a Qwen3ForCausalLM, Qwen2ForCausalLM or
+      LlamaForCausalLM checkpoint. A `mask_token_id` key, if present, is kept.
+    **overrides: `ModelConfig` fields that replace the mapped ones (e.g.
+      dtype="bfloat16").
+  """
+  family = _architecture(hf_config)
+  _check_supported_features(hf_config, family)
+  missing = [
+      key
+      for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+      if key not in hf_config
+  ]
+  if missing:
+    raise ValueError(f"config.json lacks the required fields {missing}.")
+  heads = hf_config["num_attention_heads"]
+  theta, scaling = _rope(hf_config)
+  fields = dict(
+      vocab_size=hf_config["vocab_size"],
+      hidden_size=hf_config["hidden_size"],
+      intermediate_size=hf_config["intermediate_size"],
+      num_layers=hf_config["num_hidden_layers"],
+      num_heads=heads,
+      num_kv_heads=hf_config.get("num_key_value_heads") or heads,
+      head_dim=hf_config.get("head_dim") or hf_config["hidden_size"] // heads,
+      architecture=family,
+      tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+      rope_theta=theta,
+      rope_scaling_factor=scaling,
+      rms_norm_eps=hf_config.get("rms_norm_eps", 1e-6),
+      max_position_embeddings=hf_config.get("max_position_embeddings", 32_768),
+      mask_token_id=hf_config.get("mask_token_id"),
+      eos_token_id=_first_id(hf_config.get("eos_token_id")),
+      pad_token_id=_first_id(hf_config.get("pad_token_id")),
+      **family_switches(family),
+  )
+  fields.update(overrides)
+  return ModelConfig(**fields)
+
+
+def config_to_hf(config: ModelConfig) -> dict:
+  """The config.json that makes transformers build the same model.
+
+  RoPE settings are written both in the transformers 5 layout
+  (`rope_parameters`) and the older one (`rope_theta`, `rope_scaling`).
+  """
+  if (config.qk_norm, config.qkv_bias) != tuple(family_switches(config.architecture).values()):
+    raise ValueError(
+        f"qk_norm={config.qk_norm}, qkv_bias={config.qkv_bias} do not match any Hugging Face {config.architecture} "
+        f"model ({family_switches(config.architecture)}); such a model cannot be saved in that format."
+    )
+  rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+  scaling = None
+  if config.rope_scaling_factor != 1.0:
+    scaling = {"rope_type": "linear", "type": "linear", "factor": config.rope_scaling_factor}
+    rope.update(scaling)
+  hf_config = dict(
+      architectures=[_HF_CLASSES[config.architecture]],
+      model_type=config.architecture,
+      vocab_size=config.vocab_size,
+      hidden_size=config.hidden_size,
+      intermediate_size=config.intermediate_size,
+      num_hidden_layers=config.num_layers,
+      num_attention_heads=config.num_heads,
+      num_key_value_heads=config.num_kv_heads,
+      head_dim=config.head_dim,
+      hidden_act="silu",
+      max_position_embeddings=config.max_position_embeddings,
+      rms_norm_eps=config.rms_norm_eps,
+      rope_theta=config.rope_theta,
+      rope_scaling=scaling,
+      rope_parameters=rope,
+      tie_word_embeddings=config.tie_embeddings,
+      eos_token_id=config.eos_token_id,
+      pad_token_id=config.pad_token_id,
+      mask_token_id=config.mask_token_id,
+      dtype=config.param_dtype,
+  )
+  if config.architecture != "qwen2":
+    hf_config["attention_bias"] = False
+  return hf_config
+
+
+def _read_json(file: pathlib.Path) -> dict:
+  return json.loads(file.read_text()) if file.exists() else {}
+
+
+def find_mask_token_id(path: str | pathlib.Path) -> int | None:
+  """The mask token id the tokenizer files in `path` define, if any.
+
+  A declared `mask_token` (tokenizer_config.json or special_tokens_map.json)
+  wins; otherwise the added token with the lowest id whose text looks like a
+  mask token ("<|mask|>", "<mask>", "[MASK]", "<|mdm_mask|>").
+  """
+  path = pathlib.Path(path)
+  tokenizer_config = _read_json(path / "tokenizer_config.json")
+  tokenizer = _read_json(path / "tokenizer.json")
+  ids = dict((tokenizer.get("model") or {}).get("vocab") or {})
+  added = {int(i): token["content"] for i, token in (tokenizer_config.get("added_tokens_decoder") or {}).items()}
+  added.update({token["id"]: token["content"] for token in tokenizer.get("added_tokens") or []})
+  ids.update({content: i for i, content in sorted(added.items(), reverse=True)})
+  declared = tokenizer_config.get("mask_token") or _read_json(path / "special_tokens_map.json").get("mask_token")
+  if isinstance(declared, dict):
+    declared = declared.get("content")
+  if declared in ids:
+    return ids[declared]
+  candidates = [i for i, content in sorted(added.items()) if _MASK_TOKEN.fullmatch(content)]
+  return candidates[0] if candidates else None
+
+
+def load_hf_config(path: str | pathlib.Path, **overrides) -> ModelConfig:
+  """`config_from_hf` of `path`/config.json, with the mask token taken from
+  config.json's `mask_token_id` or else from the tokenizer files in `path`."""
+  path = pathlib.Path(path)
+  config_file = path / "config.json"
+  if not config_file.exists():
+    raise FileNotFoundError(f"{config_file} not found; point at a Hugging Face checkpoint directory.")
+  hf_config = json.loads(config_file.read_text())
+  if hf_config.get("mask_token_id") is None:
+    hf_config["mask_token_id"] = find_mask_token_id(path)
+  return config_from_hf(hf_config, **overrides)
+
+
+# --------------------------------------------------------------------------
+# Loading.
+
+
+def _checkpoint_files(path: pathlib.Path) -> list[pathlib.Path]:
+  index = path / _INDEX_FILE
+  if index.exists():
+    names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    absent = [name for name in names if not (path / name).exists()]
+    if absent:
+      raise FileNotFoundError(f"{index} lists shards that are missing from {path}: {absent}.")
+    return [path / name for name in names]
+  if (path / _SINGLE_FILE).exists():
+    return [path / _SINGLE_FILE]
+  raise FileNotFoundError(f"No {_SINGLE_FILE} or {_INDEX_FILE} in {path}.")
+
+
+class _SafetensorsFile:
+  """A safe_open'ed file whose read errors say which file is broken."""
+
+  def __init__(self, file: pathlib.Path):
+    self.file = file
+
+  def __enter__(self):
+    try:
+      self._handle = safe_open(self.file, framework="numpy")
+      return self._handle.__enter__()
+    except SafetensorError as error:
+      raise self._broken(error) from error
+
+  def __exit__(self, kind, error, trace):
+    self._handle.__exit__(kind, error, trace)
+    if isinstance(error, SafetensorError):
+      raise self._broken(error) from error
+
+  def _broken(self, error: Exception) -> ValueError:
+    return ValueError(
+        f"Could not read {self.file} ({error}); it looks truncated or corrupt. Download or save it again."
+    )
+
+
+def _read_tensor(file: pathlib.Path, name: str) -> np.ndarray:
+  with _SafetensorsFile(file) as handle:
+    return handle.get_tensor(name)
+
+
+def _read_parameters(files: list[pathlib.Path], config: ModelConfig, targets: dict) -> dict[str, jax.Array]:
+  """Every parameter of `targets` (dotted path -> abstract Param), filled from `files`."""
+  values: dict[str, jax.Array] = {}
+  source: dict[str, pathlib.Path] = {}
+  tied_head: pathlib.Path | None = None
+  misfit = f"the checkpoint does not fit the config ({config})"
+  for file in files:
+    with _SafetensorsFile(file) as handle:
+      for name in handle.keys():
+        if name == "lm_head.weight" and config.tie_embeddings:
+          tied_head = file
+          continue
+        found = _rule_for(name, to_hf=False)
+        if found is None:
+          raise ValueError(f"{file.name}: tensor {name} has no counterpart in the model; {misfit}.")
+        target, rule = found
+        if target not in targets:
+          raise ValueError(f"{file.name}: tensor {name} (our {target}) is not part of this config; {misfit}.")
+        if target in values:
+          raise ValueError(f"{file.name}: tensor {name} appears twice (also in {source[target].name}).")
+        our_shape = targets[target].shape
+        expected = _hf_shape(rule, our_shape)
+        got = tuple(handle.get_slice(name).get_shape())
+        if got != expected:
+          raise ValueError(
+              f"{file.name}: tensor {name} has shape {got}, expected {expected} (our {target} is {our_shape}); "
+              f"{misfit}."
+          )
+        array = rule.layout.to_ours(handle.get_tensor(name), our_shape)
+        values[target] = jnp.asarray(array, dtype=config.weight_dtype)
+        source[target] = file
+  missing = sorted(set(targets) - set(values))
+  if missing:
+    names = [f"{_rule_for(target, to_hf=True)[0]} (our {target})" for target in missing]
+    raise ValueError(f"The checkpoint lacks {len(missing)} tensors: {names}; {misfit}.")
+  if tied_head is not None:
+    head = _read_tensor(tied_head, "lm_head.weight")
+    if not np.array_equal(head, _read_tensor(source["embed_tokens"], "model.embed_tokens.weight")):
+      raise ValueError(
+          f"{tied_head.name}: lm_head.weight differs from model.embed_tokens.weight although config.json says "
+          "tie_word_embeddings=true; load with config_overrides={'tie_embeddings': False}."
+      )
+  return values
+
+
+def load_hf(
+    path: str | pathlib.Path,
+    dtype: str = "float32",
+    param_dtype: str | None = None,
+    config_overrides: dict | None = None,
+) -> Transformer:
+  """Load a Hugging Face Qwen3 / Qwen2 / Llama checkpoint directory.
+
+  Args:
+    path: a directory with config.json and model.safetensors, or shards
+      listed in model.safetensors.index.json.
+    dtype: activation dtype of the model.
+    param_dtype: parameter dtype (defaults to `dtype`); tensors are cast to it.
+    config_overrides: `ModelConfig` fields replacing the ones from config.json.
+
+  Returns:
+    The model, its parameters filled from the checkpoint.
+  """
+  path = pathlib.Path(path)
+  config = load_hf_config(path, dtype=dtype, param_dtype=param_dtype or dtype, **(config_overrides or {}))
+  abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  flat = list(nnx.to_flat_state(state))
+  targets = {_dotted(p): variable.get_value() for p, variable in flat}
+  values = _read_parameters(_checkpoint_files(path), config, targets)
+  filled = [(p, variable.replace(values[_dotted(p)])) for p, variable in flat]
+  return nnx.merge(graphdef, nnx.from_flat_state(filled))
+
+
+# --------------------------------------------------------------------------
+# Saving.
+
+
+def _shard(sizes: list[int], max_bytes: int | None) -> list[list[int]]:
+  """Consecutive groups of tensor indices of at most `max_bytes` each (a
+  tensor larger than that gets a group of its own)."""
+  groups: list[list[int]] = [[]]
+  total = 0
+  for i, size in enumerate(sizes):
+    if groups[-1] and max_bytes is not None and total + size > max_bytes:
+      groups.append([])
+      total = 0
+    groups[-1].append(i)
+    total += size
+  return groups
+
+
+def save_hf(model: Transformer, path: str | pathlib.Path, max_shard_bytes: int | None = None) -> None:
+  """Write `model` as a Hugging Face checkpoint that transformers'
+  `AutoModelForCausalLM.from_pretrained(path)` loads.
+
+  Writes config.json and model.safetensors, or, when the tensors exceed
+  `max_shard_bytes`, model-0000i-of-0000n.safetensors shards with
+  model.safetensors.index.json. Replaces any checkpoint files already in
+  `path`. Tensors are copied to the host one shard at a time.
+  """
+  path = pathlib.Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  (path / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
+
+  entries = []  # (Hugging Face name, rule, parameter variable)
+  for p, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    name, rule = _rule_for(_dotted(p), to_hf=True)
+    entries.append((name, rule, variable))
+  sizes = [math.prod(v.shape) * v.dtype.itemsize for _, _, v in entries]
+  groups = _shard(sizes, max_shard_bytes)
+
+  for stale in [path / _SINGLE_FILE, path / _INDEX_FILE, *path.glob("model-*-of-*.safetensors")]:
+    stale.unlink(missing_ok=True)
+  count = len(groups)
+  file_names = [_SINGLE_FILE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+  weight_map = {}
+  for file_name, group in zip(file_names, groups):
+    tensors = {}
+    for i in group:
+      name, rule, variable = entries[i]
+      tensors[name] = np.ascontiguousarray(rule.layout.to_hf(np.asarray(variable.get_value())))
+      weight_map[name] = file_name
+    save_file(tensors, path / file_name, metadata={"format": "pt"})
+  if count > 1:
+    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(weight_map.items()))}
+    (path / _INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
