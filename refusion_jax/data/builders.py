@@ -1,0 +1,187 @@
+"""tensorflow-datasets builders that write raw text examples to array_record, read back with `tfds.data_source`.
+
+No TensorFlow is needed: `GeneratorBasedBuilder` with `file_format="array_record"`
+serialises `tfds.features.Text` features with numpy only, and
+`tfds.data_source` / `builder.as_data_source()` reads them back as random-access
+sequences of {"query": bytes, "response": bytes, "task": bytes} (Text decodes to
+UTF-8 bytes without TensorFlow). Tokenisation happens later, in the pipeline.
+
+Two datasets:
+- `query_response_json`: the released ReFusion format, JSON files holding a list
+  of {"query", "response"} objects (JSON Lines, one object a line, also works).
+- `refusion_tasks`: the built-in verifiable tasks of `tasks.py`.
+
+Configs are named from their contents (sizes and seed; file paths, sizes and
+modification times), so changing the data builds a new dataset directory instead
+of silently reusing a stale one. Use `build_refusion_tasks` /
+`build_query_response_json`; the builders themselves also work by name:
+
+    tfds.data_source("refusion_tasks/tiny", data_dir=d,
+                     builder_kwargs={"file_format": "array_record"})
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Iterator, Mapping, Sequence
+
+import tensorflow_datasets as tfds
+
+from refusion_jax.data import tasks
+
+_FILE_FORMAT = "array_record"
+
+
+def _features() -> tfds.features.FeaturesDict:
+  return tfds.features.FeaturesDict(
+      {"query": tfds.features.Text(), "response": tfds.features.Text(), "task": tfds.features.Text()}
+  )
+
+
+# Built-in tasks -------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ReFusionTasksConfig(tfds.core.BuilderConfig):
+  """Sizes of the splits of the built-in tasks, the generation seed and the task list."""
+
+  num_train: int = 20_000
+  num_validation: int = 1_000
+  num_test: int = 1_000
+  seed: int = 0
+  tasks: tuple[str, ...] = tasks.TASKS
+
+
+class ReFusionTasks(tfds.core.GeneratorBasedBuilder):
+  """The built-in verifiable tasks (see `refusion_jax.data.tasks`), train/validation/test."""
+
+  name = "refusion_tasks"
+  VERSION = tfds.core.Version("1.0.0")
+  BUILDER_CONFIGS = [
+      ReFusionTasksConfig(name="default", description="20k train / 1k validation / 1k test."),
+      ReFusionTasksConfig(
+          name="tiny", num_train=512, num_validation=64, num_test=64, description="For smoke tests."
+      ),
+  ]
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    return tfds.core.DatasetInfo(builder=self, features=_features(), description=tasks.__doc__)
+
+  def _split_generators(self, dl_manager):
+    del dl_manager  # generated locally
+    config = self.builder_config
+    sizes = {"train": config.num_train, "validation": config.num_validation, "test": config.num_test}
+    return {split: self._generate_examples(split, size) for split, size in sizes.items() if size > 0}
+
+  def _generate_examples(self, split: str, size: int) -> Iterator[tuple[int, dict[str, str]]]:
+    config = self.builder_config
+    yield from enumerate(tasks.generate_examples(split, size, seed=config.seed, tasks=config.tasks))
+
+
+def _content_name(prefix: str, *parts) -> str:
+  return f"{prefix}_{hashlib.sha256(repr(parts).encode()).hexdigest()[:12]}"
+
+
+def build_refusion_tasks(
+    data_dir: str,
+    *,
+    num_train: int = 20_000,
+    num_validation: int = 1_000,
+    num_test: int = 1_000,
+    seed: int = 0,
+    task_names: Sequence[str] = tasks.TASKS,
+) -> dict[str, Sequence[dict[str, bytes]]]:
+  """Builds the built-in tasks under `data_dir` (once) and returns {split: data source}."""
+  task_names = tuple(task_names)
+  sizes = (num_train, num_validation, num_test)
+  config = ReFusionTasksConfig(
+      name=_content_name("n" + "_".join(map(str, sizes)), seed, task_names),
+      num_train=num_train,
+      num_validation=num_validation,
+      num_test=num_test,
+      seed=seed,
+      tasks=task_names,
+  )
+  return _prepare(ReFusionTasks, config, data_dir)
+
+
+# User JSON files ------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class QueryResponseJsonConfig(tfds.core.BuilderConfig):
+  """{split name: JSON files}; each file a list of {"query", "response"[, "task"]} objects."""
+
+  split_files: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+
+
+def _read_records(path: str) -> list[dict]:
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  try:
+    if path.endswith(".jsonl"):
+      return [json.loads(line) for line in text.splitlines() if line.strip()]
+    records = json.loads(text)
+  except json.JSONDecodeError as error:
+    raise ValueError(f"{path} is not valid JSON ({error}); expected a list of {{\"query\", \"response\"}} objects.")
+  if not isinstance(records, list):
+    raise ValueError(f"{path} holds a JSON {type(records).__name__}; expected a list of {{\"query\", \"response\"}} objects.")
+  return records
+
+
+class QueryResponseJson(tfds.core.GeneratorBasedBuilder):
+  """Query/response pairs from JSON files (the released ReFusion training data format)."""
+
+  name = "query_response_json"
+  VERSION = tfds.core.Version("1.0.0")
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    return tfds.core.DatasetInfo(builder=self, features=_features(), description=self.__doc__)
+
+  def _split_generators(self, dl_manager):
+    del dl_manager  # local files
+    split_files = self.builder_config.split_files
+    if not split_files:
+      raise ValueError("QueryResponseJsonConfig.split_files is empty; map a split name to its JSON files.")
+    return {split: self._generate_examples(files) for split, files in split_files.items()}
+
+  def _generate_examples(self, files: Sequence[str]) -> Iterator[tuple[str, dict[str, str]]]:
+    for path in files:
+      for index, record in enumerate(_read_records(path)):
+        if not isinstance(record, dict) or not isinstance(record.get("query"), str) or not isinstance(
+            record.get("response"), str
+        ):
+          raise ValueError(f"{path}, record {index}: expected an object with string 'query' and 'response' fields.")
+        yield f"{path}:{index}", {
+            "query": record["query"],
+            "response": record["response"],
+            "task": str(record.get("task", "")),
+        }
+
+
+def build_query_response_json(
+    data_dir: str, split_files: Mapping[str, Sequence[str]]
+) -> dict[str, Sequence[dict[str, bytes]]]:
+  """Builds {split: JSON files} into array_record under `data_dir` (once per file content) and returns {split: data source}."""
+  resolved = {}
+  for split, files in split_files.items():
+    paths = tuple(os.path.abspath(path) for path in ([files] if isinstance(files, str) else files))
+    missing = [path for path in paths if not os.path.isfile(path)]
+    if missing:
+      raise FileNotFoundError(f"Split {split!r}: no such JSON file(s): {missing}.")
+    resolved[split] = paths
+  stamps = sorted((split, path, os.stat(path).st_size, os.stat(path).st_mtime_ns)
+                  for split, paths in resolved.items() for path in paths)
+  config = QueryResponseJsonConfig(name=_content_name("files", stamps), split_files=resolved)
+  return _prepare(QueryResponseJson, config, data_dir)
+
+
+def _prepare(builder_cls, config, data_dir: str) -> dict[str, Sequence[dict[str, bytes]]]:
+  return tfds.data_source(
+      builder_cls.name,
+      data_dir=data_dir,
+      builder_kwargs={"config": config, "file_format": _FILE_FORMAT},
+  )
