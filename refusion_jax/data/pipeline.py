@@ -1,0 +1,199 @@
+"""The grain input pipeline: raw {query, response} records -> fixed-shape token batches.
+
+Order of operations (all deterministic given the seed):
+
+    source -> shard (every shard_count-th record from shard_index) -> shuffle(seed)
+      -> repeat(num_epochs; reshuffled each epoch) -> tokenise -> drop too long
+      -> pad to seq_len -> [prefetch threads] -> batch
+
+Batch contract (numpy int32), B = batch_size, L = seq_len:
+    tokens      [B, L]  prompt ++ response ++ EOS ++ pad_id ...
+    prompt_len  [B]     number of prompt tokens
+    answer_len  [B]     number of response tokens + 1 (the EOS)
+A final partial batch (num_epochs set and drop_remainder=False) is filled with
+rows of pad_id whose prompt_len = answer_len = 0.
+
+Examples whose prompt + response + EOS exceed L are *dropped*, never truncated:
+a truncated answer would teach the model to stop without EOS. Each drop is
+counted and logged (absl WARNING at the 1st, 2nd, 4th, 8th, ... drop), so pick
+seq_len from the log if it complains. Dropping also means that, with a finite
+num_epochs, shards can yield different numbers of batches: a multi-host loop
+over a finite pass should run a fixed number of steps or use one process.
+
+Checkpointing: `it = iter(dataset)` is a `grain.DatasetIterator`;
+`it.get_state()` is a small JSON-serialisable dict and `it.set_state(state)`
+on a fresh iterator of the same dataset resumes exactly. Inside an orbax
+checkpoint use `grain.checkpoint.CheckpointSave(it)` /
+`grain.checkpoint.CheckpointRestore(it)` (one JSON file per process), e.g. as
+the "data" item of an `ocp.args.Composite`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Mapping, Sequence
+
+import grain
+import jax
+import numpy as np
+from absl import logging
+
+from refusion_jax.tokenizer import Tokenizer
+
+Batch = dict[str, np.ndarray]
+
+# Records are tiny and tokenising holds the GIL, so a few threads and a short
+# read-ahead suffice; pass `read_options` to read from slow storage.
+_DEFAULT_READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=256)
+
+
+def decode_record(record: Mapping[str, Any]) -> dict[str, str]:
+  """A record with str or UTF-8 bytes fields (tfds Text features read back as bytes) -> str fields."""
+  return {key: value.decode("utf-8") if isinstance(value, bytes) else value for key, value in record.items()}
+
+
+class _Tokenize(grain.transforms.Map):
+  """record -> {"prompt": int32 [P], "answer": int32 [A]} with the EOS appended to the answer."""
+
+  def __init__(self, tokenizer: Tokenizer, chat_template: bool):
+    self._tokenizer = tokenizer
+    self._chat_template = chat_template
+
+  def map(self, record):
+    record = decode_record(record)
+    query = self._tokenizer.apply_chat_template(record["query"]) if self._chat_template else record["query"]
+    answer = self._tokenizer.encode(record["response"]) + [self._tokenizer.eos_id]
+    return {
+        "prompt": np.asarray(self._tokenizer.encode(query), np.int32),
+        "answer": np.asarray(answer, np.int32),
+    }
+
+
+class _DropTooLong(grain.transforms.Filter):
+  """Keeps examples whose prompt + answer fit in seq_len; counts and logs the others."""
+
+  def __init__(self, seq_len: int):
+    self._seq_len = seq_len
+    self._dropped = itertools.count(1)  # next() is atomic under the GIL: safe across reader threads
+
+  def filter(self, example) -> bool:
+    length = len(example["prompt"]) + len(example["answer"])
+    if length <= self._seq_len:
+      return True
+    dropped = next(self._dropped)
+    if dropped & (dropped - 1) == 0:
+      logging.warning(
+          "Dropped %d example(s) longer than seq_len=%d so far (this one: %d prompt + %d answer tokens).",
+          dropped,
+          self._seq_len,
+          len(example["prompt"]),
+          len(example["answer"]),
+      )
+    return False
+
+
+class _PadToLength(grain.transforms.Map):
+  """{"prompt", "answer"} -> {"tokens": int32 [L], "prompt_len": int32 [], "answer_len": int32 []}."""
+
+  def __init__(self, seq_len: int, pad_id: int):
+    self._seq_len = seq_len
+    self._pad_id = pad_id
+
+  def map(self, example):
+    tokens = np.full(self._seq_len, self._pad_id, np.int32)
+    prompt, answer = example["prompt"], example["answer"]
+    tokens[: len(prompt)] = prompt
+    tokens[len(prompt) : len(prompt) + len(answer)] = answer
+    return {"tokens": tokens, "prompt_len": np.int32(len(prompt)), "answer_len": np.int32(len(answer))}
+
+
+def _stack_and_fill(rows: Sequence[Batch], batch_size: int, seq_len: int, pad_id: int) -> Batch:
+  """Stacks rows into a batch of exactly batch_size, filling with empty rows."""
+  fill = batch_size - len(rows)
+  return {
+      "tokens": np.concatenate(
+          [np.stack([row["tokens"] for row in rows]), np.full((fill, seq_len), pad_id, np.int32)]
+      ),
+      "prompt_len": np.asarray([row["prompt_len"] for row in rows] + [0] * fill, np.int32),
+      "answer_len": np.asarray([row["answer_len"] for row in rows] + [0] * fill, np.int32),
+  }
+
+
+def make_dataset(
+    source: Sequence[Mapping[str, Any]],
+    tokenizer: Tokenizer,
+    *,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    shuffle: bool = True,
+    num_epochs: int | None = None,
+    shard_index: int | None = None,
+    shard_count: int | None = None,
+    chat_template: bool = False,
+    drop_remainder: bool = False,
+    read_options: grain.ReadOptions | None = None,
+) -> grain.IterDataset:
+  """A grain dataset of token batches (see the module docstring for the contract).
+
+  Args:
+    source: random-access records with "query" and "response" (str or UTF-8
+      bytes), e.g. a split from `build_refusion_tasks` / `tfds.data_source`, or
+      a list of dicts.
+    tokenizer: encodes text; its pad_id fills and eos_id ends each answer.
+    seq_len: static length L of every row.
+    batch_size: rows per batch B (per process).
+    seed: shuffle seed; each epoch is reshuffled from it.
+    shuffle: False keeps the source order (within the shard).
+    num_epochs: passes over the data; None repeats forever.
+    shard_index, shard_count: this process's shard; default
+      `jax.process_index()` of `jax.process_count()`.
+    chat_template: wrap each query with `tokenizer.apply_chat_template`.
+    drop_remainder: drop a final partial batch instead of filling it.
+    read_options: grain reader threads and read-ahead.
+
+  Returns:
+    A `grain.IterDataset`; `iter()` of it is a checkpointable `grain.DatasetIterator`.
+  """
+  # Resolved here, not as defaults: jax.process_index() initialises the backend.
+  shard_index = jax.process_index() if shard_index is None else shard_index
+  shard_count = jax.process_count() if shard_count is None else shard_count
+  if not 0 <= shard_index < shard_count:
+    raise ValueError(f"shard_index={shard_index} must be in [0, shard_count={shard_count}).")
+  if seq_len < 2 or batch_size < 1:
+    raise ValueError(f"Need seq_len >= 2 and batch_size >= 1, got seq_len={seq_len}, batch_size={batch_size}.")
+  if num_epochs is not None and num_epochs < 1:
+    raise ValueError(f"num_epochs={num_epochs}; pass a positive count, or None to repeat forever.")
+  if len(source) < shard_count:
+    raise ValueError(f"The source has {len(source)} records, fewer than shard_count={shard_count}.")
+
+  dataset = grain.MapDataset.source(source)[shard_index::shard_count]
+  if shuffle:
+    dataset = dataset.shuffle(seed=seed)
+  if num_epochs != 1:
+    dataset = dataset.repeat(num_epochs)
+  dataset = (
+      dataset.map(_Tokenize(tokenizer, chat_template))
+      .filter(_DropTooLong(seq_len))
+      .map(_PadToLength(seq_len, tokenizer.pad_id))
+  )
+  return dataset.to_iter_dataset(read_options or _DEFAULT_READ_OPTIONS).batch(
+      batch_size,
+      drop_remainder=drop_remainder,
+      batch_fn=lambda rows: _stack_and_fill(rows, batch_size, seq_len, tokenizer.pad_id),
+  )
+
+
+def batch_prompts_and_answers(batch: Mapping[str, np.ndarray]) -> tuple[list[list[int]], list[list[int]]]:
+  """Per real row of a batch, its prompt ids and its answer ids (response + EOS).
+
+  Fill rows (prompt_len = answer_len = 0) are skipped.
+  """
+  tokens = np.asarray(batch["tokens"])
+  prompts, answers = [], []
+  for row, prompt_len, answer_len in zip(tokens, np.asarray(batch["prompt_len"]), np.asarray(batch["answer_len"])):
+    if prompt_len == 0 and answer_len == 0:
+      continue
+    prompts.append(row[:prompt_len].tolist())
+    answers.append(row[prompt_len : prompt_len + answer_len].tolist())
+  return prompts, answers
