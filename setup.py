@@ -18,6 +18,8 @@ setup(
         "chex>=0.1.92",
         "tensorflow-datasets>=4.9.10,<5",
         "array_record>=0.8.6",
+        # tfds needs it for builders defined inside a package, but does not declare it.
+        "importlib_resources>=6",
         "grain>=0.2.18,<0.3",
         "ml-collections>=1.1.0",
         "absl-py>=2.1",
