@@ -379,12 +379,21 @@ def _read_tensor(file: pathlib.Path, name: str) -> np.ndarray:
     return handle.get_tensor(name)
 
 
+def _summary(config: ModelConfig) -> str:
+  c = config
+  return (
+      f"{c.architecture}, vocab {c.vocab_size}, hidden {c.hidden_size}, mlp {c.intermediate_size}, "
+      f"{c.num_layers} layers, {c.num_heads} heads / {c.num_kv_heads} kv heads of {c.head_dim}, "
+      f"tied embeddings {c.tie_embeddings}"
+  )
+
+
 def _read_parameters(files: list[pathlib.Path], config: ModelConfig, targets: dict) -> dict[str, jax.Array]:
   """Every parameter of `targets` (dotted path -> abstract Param), filled from `files`."""
   values: dict[str, jax.Array] = {}
   source: dict[str, pathlib.Path] = {}
   tied_head: pathlib.Path | None = None
-  misfit = f"the checkpoint does not fit the config ({config})"
+  misfit = f"the checkpoint does not fit the config ({_summary(config)})"
   for file in files:
     with _SafetensorsFile(file) as handle:
       for name in handle.keys():
