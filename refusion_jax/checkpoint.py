@@ -1,0 +1,225 @@
+"""Orbax checkpoints of a training run, and rebuilding a model from one.
+
+A checkpoint directory holds one sub-directory per saved step, each with four items:
+
+| item     | format                 | content                                                 |
+| -------- | ---------------------- | ------------------------------------------------------- |
+| `params` | arrays (`StandardSave`)| the model's `nnx.State`                                 |
+| `train`  | arrays (`StandardSave`)| everything else that moves through the step (optimizer state, step, RNG) |
+| `data`   | JSON, one file per process | each process's input-iterator state, so a resumed run sees the same batches |
+| `meta`   | JSON                   | `ModelConfig` and tokenizer, so a sampler can rebuild the model alone |
+
+Saves are asynchronous (the arrays are copied off the devices before `save`
+returns; files are written in the background) and only fully written steps are
+ever listed, so a run killed mid-save resumes from the previous step. Restores
+go into an abstract target that carries the *current* shardings, after the
+stored shapes have been checked against it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from refusion_jax.config import ModelConfig
+from refusion_jax.model import Transformer
+
+PARAMS, TRAIN, DATA, META = "params", "train", "data", "meta"
+# Name of the checkpoint directory inside a workdir.
+CHECKPOINT_SUBDIR = "checkpoints"
+
+
+@dataclasses.dataclass
+class Restored:
+  """One restored step: `params` and `train` pytrees shaped as the targets, and `meta`."""
+
+  step: int
+  params: Any
+  train: Any
+  meta: dict
+
+
+class _IteratorSnapshot:
+  """An iterator's state frozen at `save` time.
+
+  grain's checkpoint handler calls `get_state()` when it writes, which an
+  asynchronous save may do after the loop has already consumed more batches.
+  """
+
+  def __init__(self, iterator: grain.DatasetIterator):
+    self._state = json.dumps(iterator.get_state()).encode()
+
+  def get_state(self) -> bytes:
+    return self._state
+
+
+class Checkpoints:
+  """Keep-N, asynchronous checkpoints of (params, train state, data state, metadata)."""
+
+  def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
+    self.directory = os.path.abspath(directory)
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True,
+    )
+    self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=(PARAMS, TRAIN, DATA, META))
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return list(self._manager.all_steps())
+
+  def save(self, step: int, *, params: Any, train: Any, data_iterator: grain.DatasetIterator, meta: dict) -> None:
+    """Start saving `step` (returns once the arrays are off the devices)."""
+    self._manager.save(
+        step,
+        args=ocp.args.Composite(**{
+            PARAMS: ocp.args.StandardSave(params),
+            TRAIN: ocp.args.StandardSave(train),
+            DATA: grain.checkpoint.CheckpointSave(_IteratorSnapshot(data_iterator)),
+            META: ocp.args.JsonSave(meta),
+        }),
+        force=True,
+    )
+
+  def restore(
+      self,
+      step: int,
+      *,
+      abstract_params: Any,
+      abstract_train: Any | None = None,
+      data_iterator: grain.DatasetIterator | None = None,
+  ) -> Restored:
+    """Restore `step` into abstract targets (`jax.ShapeDtypeStruct` leaves with shardings).
+
+    With `abstract_train=None` only the parameters (and metadata) are read; a
+    given `data_iterator` is moved, in place, to the saved position.
+
+    Raises:
+      ValueError: the step is missing or unreadable (truncated, corrupt), or a
+        stored array's shape or structure does not fit the target.
+    """
+    if step not in self.all_steps():
+      raise ValueError(f"No checkpoint for step {step} in {self.directory}; saved steps: {self.all_steps()}.")
+    targets = {PARAMS: abstract_params} if abstract_train is None else {PARAMS: abstract_params, TRAIN: abstract_train}
+    try:
+      stored = self._manager.item_metadata(step)
+      for name, target in targets.items():
+        _check_shapes(name, stored[name], target, os.path.join(self.directory, str(step)))
+      args = {name: ocp.args.StandardRestore(target) for name, target in targets.items()}
+      args[META] = ocp.args.JsonRestore()
+      if data_iterator is not None:
+        args[DATA] = grain.checkpoint.CheckpointRestore(data_iterator)
+      out = self._manager.restore(step, args=ocp.args.Composite(**args))
+    except CheckpointMismatchError:
+      raise
+    except Exception as error:  # orbax / tensorstore raise many types for unreadable files
+      raise ValueError(
+          f"Checkpoint step {step} in {self.directory} could not be read; it may be truncated or "
+          f"corrupt ({type(error).__name__}: {error}). Delete {os.path.join(self.directory, str(step))} "
+          "to fall back to an earlier step, or start from a fresh workdir."
+      ) from error
+    return Restored(step=step, params=out[PARAMS], train=out.get(TRAIN), meta=out[META])
+
+  def read_meta(self, step: int) -> dict:
+    return self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+
+  def reached_preemption(self, step: int) -> bool:
+    """Whether JAX's preemption notice (multi-host TPU) asks to save at `step`."""
+    return self._manager.reached_preemption(step)
+
+  def wait(self) -> None:
+    """Block until every started save is on disk."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.close()
+
+
+class CheckpointMismatchError(ValueError):
+  """A stored array does not fit the model/optimizer the config describes."""
+
+
+def _path_name(path) -> str:
+  keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+  return ".".join(k for k in keys if k != "value")
+
+
+def _check_shapes(item: str, stored: Any, target: Any, where: str) -> None:
+  stored_shapes = {_path_name(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(stored)[0]}
+  target_shapes = {_path_name(p): tuple(t.shape) for p, t in jax.tree_util.tree_flatten_with_path(target)[0]}
+  for name, shape in target_shapes.items():
+    if name not in stored_shapes:
+      raise CheckpointMismatchError(
+          f"Checkpoint {where} ({item}) has no array {name!r} that the current config needs; "
+          "the checkpoint was written for a different model or optimizer config."
+      )
+    if stored_shapes[name] != shape:
+      raise CheckpointMismatchError(
+          f"Checkpoint {where} ({item}) stores {name!r} with shape {stored_shapes[name]}, but the current "
+          f"config needs {shape}. Use the model config the checkpoint was trained with (see its meta item)."
+      )
+  extra = sorted(set(stored_shapes) - set(target_shapes))
+  if extra:
+    raise CheckpointMismatchError(
+        f"Checkpoint {where} ({item}) has arrays the current config lacks, e.g. {extra[0]!r}; "
+        "the checkpoint was written for a different model or optimizer config."
+    )
+
+
+def model_meta(model_config: ModelConfig, tokenizer: str, **extra) -> dict:
+  """The `meta` item: enough to rebuild the model and its tokenizer."""
+  return dict(model_config=dataclasses.asdict(model_config), tokenizer=tokenizer, **extra)
+
+
+def abstract_model(model_config: ModelConfig):
+  """(graphdef, abstract state) of a model, without allocating its weights."""
+  model = nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0)))
+  return nnx.split(model)
+
+
+def checkpoint_dir(path: str) -> str:
+  """A workdir or a checkpoint directory -> the checkpoint directory."""
+  inner = os.path.join(path, CHECKPOINT_SUBDIR)
+  return inner if os.path.isdir(inner) else path
+
+
+def load_model_from_checkpoint(path: str, step: int | None = None) -> tuple[Transformer, str]:
+  """Rebuild the trained model from a workdir or checkpoint directory.
+
+  Args:
+    path: a training workdir or its `checkpoints/` directory.
+    step: the step to load; defaults to the latest.
+
+  Returns:
+    The model on the default device, and the tokenizer name or path to pass to
+    `refusion_jax.tokenizer.load_tokenizer` (relative paths are resolved
+    against the checkpoint directory).
+  """
+  directory = checkpoint_dir(path)
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"No checkpoint directory at {path!r}; pass the --workdir of a training run.")
+  checkpoints = Checkpoints(directory, async_save=False)
+  try:
+    step = checkpoints.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"{directory} holds no complete checkpoint.")
+    meta = checkpoints.read_meta(step)
+    model_config = ModelConfig(**meta["model_config"])
+    graphdef, abstract_state = abstract_model(model_config)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_state)
+    restored = checkpoints.restore(step, abstract_params=target)
+  finally:
+    checkpoints.close()
+  tokenizer = meta["tokenizer"]
+  local = os.path.join(directory, tokenizer)
+  return nnx.merge(graphdef, restored.params), (local if os.path.isdir(local) else tokenizer)
+
