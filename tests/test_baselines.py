@@ -1,0 +1,185 @@
+"""The AR and MDM baselines against naive eager transcriptions on a tiny random model."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from refusion_jax import baselines, config, model as model_lib
+from refusion_jax.decoding import PHASE_NONE, PHASE_STEP
+
+MASK_ID = 255
+NAIVE_WIDTH = 48
+
+
+@pytest.fixture(scope="module")
+def model():
+  m = model_lib.init_model(config.tiny(mask_token_id=MASK_ID), seed=3)
+  # Random init gives near-uniform logits; a larger head spreads them so greedy
+  # choices are far from float ties between the cached and uncached forwards.
+  m.lm_head[...] = m.lm_head[...] * 40.0
+  return m
+
+
+def random_prompts(seed, lengths, vocab=200):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, vocab, size=n).tolist() for n in lengths]
+
+
+@nnx.jit
+def logits_of(model, tokens, mask=None):
+  return model(tokens, mask=mask)[0]
+
+
+def naive_greedy(model, prompt, gen_length, eos_id=None):
+  """Full causal forward over the whole sequence for every new token."""
+  seq = list(prompt)
+  answer = []
+  for _ in range(gen_length):
+    # Trailing filler changes nothing under the causal mask and keeps one shape.
+    padded = seq + [0] * (NAIVE_WIDTH - len(seq))
+    logits = logits_of(model, jnp.asarray([padded], jnp.int32))
+    token = int(jnp.argmax(logits[0, len(seq) - 1]))
+    answer.append(token)
+    seq.append(token)
+    if token == eos_id:
+      break
+  return answer
+
+
+def llada_low_confidence(model, prompt, gen_length, block_length, steps, mask_id):
+  """LLaDA generate.py (temperature 0, low_confidence remasking), batch 1, in NumPy."""
+  x = np.array(list(prompt) + [mask_id] * gen_length)
+  start = len(prompt)
+  num_blocks = gen_length // block_length
+  steps_per_block = steps // num_blocks
+  for block in range(num_blocks):
+    lo, hi = start + block * block_length, start + (block + 1) * block_length
+    masked = int((x[lo:hi] == mask_id).sum())
+    counts = np.full(steps_per_block, masked // steps_per_block)
+    counts[: masked % steps_per_block] += 1
+    for i in range(steps_per_block):
+      mask_index = x == mask_id
+      full = jnp.ones((1, len(x), len(x)), bool)
+      logits = np.asarray(logits_of(model, jnp.asarray(x[None], jnp.int32), full)[0], np.float64)
+      x0 = logits.argmax(-1)
+      p = np.exp(logits - logits.max(-1, keepdims=True))
+      p /= p.sum(-1, keepdims=True)
+      x0_p = p[np.arange(len(x)), x0]
+      x0_p[hi:] = -np.inf
+      x0 = np.where(mask_index, x0, x)
+      confidence = np.where(mask_index, x0_p, -np.inf)
+      select = np.argsort(-confidence, kind="stable")[: counts[i]]
+      x[select] = x0[select]
+  return x[start:].tolist()
+
+
+def test_ar_greedy_matches_naive_loop_for_a_ragged_batch(model):
+  prompts = random_prompts(0, [5, 1, 12, 20])
+  result = baselines.ar_generate(model, prompts, gen_length=10)
+  for row, prompt in enumerate(prompts):
+    assert result.tokens[row] == naive_greedy(model, prompt, 10)
+
+
+def test_ar_rows_stop_at_their_own_eos(model):
+  prompts = random_prompts(1, [7, 3, 9])
+  free = [naive_greedy(model, p, 12) for p in prompts]
+  eos_id = free[0][3]
+  result = baselines.ar_generate(model, prompts, gen_length=12, eos_id=eos_id)
+  for row, prompt in enumerate(prompts):
+    expected = naive_greedy(model, prompt, 12, eos_id=eos_id)
+    assert result.tokens[row] == expected
+    # The prefill yields the first token, each later token costs one forward.
+    assert result.num_forwards[row] == len(expected)
+    assert list(result.commit_iteration[row, : len(expected)]) == list(range(len(expected)))
+    assert (result.commit_iteration[row, len(expected):] == -1).all()
+    assert (result.commit_phase[row, : len(expected)] == PHASE_STEP).all()
+    assert (result.commit_phase[row, len(expected):] == PHASE_NONE).all()
+  assert len(result.tokens[0]) == free[0].index(eos_id) + 1
+
+
+def test_ar_without_eos_costs_one_forward_per_token(model):
+  result = baselines.ar_generate(model, random_prompts(2, [4, 6]), gen_length=9)
+  assert [len(t) for t in result.tokens] == [9, 9]
+  assert result.num_forwards.tolist() == [9, 9]
+  assert result.overall_tpf == pytest.approx(1.0)
+
+
+def test_ar_sampling_is_reproducible_per_seed():
+  prompts = random_prompts(3, [6, 11])
+  hot = model_lib.init_model(config.tiny(mask_token_id=MASK_ID), seed=4)  # flat logits: samples vary
+  first = baselines.ar_generate(hot, prompts, gen_length=16, temperature=1.0, seed=7)
+  again = baselines.ar_generate(hot, prompts, gen_length=16, temperature=1.0, seed=7)
+  other = baselines.ar_generate(hot, prompts, gen_length=16, temperature=1.0, seed=8)
+  assert first.tokens == again.tokens
+  assert first.tokens != other.tokens
+
+
+@pytest.mark.parametrize("gen_length,block_length,steps", [(8, 8, 8), (12, 4, 6), (12, 6, 4)])
+def test_mdm_matches_llada_transcription(model, gen_length, block_length, steps):
+  prompts = random_prompts(4, [6, 2, 13])
+  result = baselines.mdm_generate(model, prompts, gen_length=gen_length, block_length=block_length, steps=steps)
+  for row, prompt in enumerate(prompts):
+    assert result.tokens[row] == llada_low_confidence(model, prompt, gen_length, block_length, steps, MASK_ID)
+  assert result.num_forwards.tolist() == [steps] * len(prompts)
+
+
+def test_mdm_unmasks_the_schedule_per_step_and_cuts_after_eos(model):
+  prompts = random_prompts(5, [8])
+  free = baselines.mdm_generate(model, prompts, gen_length=12, block_length=4, steps=6)
+  counts = np.bincount(free.commit_iteration[0], minlength=6)
+  assert counts.tolist() == [2] * 6  # 4 tokens per block over 2 steps each
+  eos_id = free.tokens[0][5]
+  cut = baselines.mdm_generate(model, prompts, gen_length=12, block_length=4, steps=6, eos_id=eos_id)
+  first = free.tokens[0].index(eos_id)
+  assert cut.tokens[0] == free.tokens[0][: first + 1]
+  assert (cut.commit_iteration[0, first + 1:] == -1).all()
+
+
+def test_mdm_sampling_is_reproducible_per_seed():
+  prompts = random_prompts(6, [5, 9])
+  kwargs = dict(gen_length=8, block_length=4, steps=4, temperature=1.0)
+  hot = model_lib.init_model(config.tiny(mask_token_id=MASK_ID), seed=5)
+  first = baselines.mdm_generate(hot, prompts, seed=1, **kwargs)
+  assert first.tokens == baselines.mdm_generate(hot, prompts, seed=1, **kwargs).tokens
+  assert first.tokens != baselines.mdm_generate(hot, prompts, seed=2, **kwargs).tokens
+
+
+def test_num_transfer_tokens_gives_the_remainder_to_the_first_steps():
+  assert baselines.num_transfer_tokens(10, 4).tolist() == [3, 3, 2, 2]
+  assert baselines.num_transfer_tokens(8, 8).tolist() == [1] * 8
+
+
+def test_new_prompts_in_one_bucket_do_not_recompile(model):
+  baselines.ar_generate(model, random_prompts(7, [3, 4]), gen_length=5)
+  before = baselines.compile_count()
+  baselines.ar_generate(model, random_prompts(8, [9, 2]), gen_length=5)
+  assert baselines.compile_count() == before
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(gen_length=10, block_length=4, steps=4), "multiple of block_length"),
+        (dict(gen_length=8, block_length=4, steps=3), "multiple of the number of blocks"),
+        (dict(gen_length=8, block_length=4, steps=16), "at most steps=8"),
+        (dict(gen_length=8, block_length=4, steps=4, temperature=-1.0), "temperature"),
+        (dict(gen_length=8, block_length=4, steps=4, mask_id=999), "mask_id=999"),
+    ],
+)
+def test_mdm_rejects_bad_arguments(model, kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    baselines.mdm_generate(model, [[1, 2, 3]], **kwargs)
+
+
+def test_mdm_needs_a_mask_id():
+  plain = model_lib.init_model(config.tiny(), seed=0)
+  with pytest.raises(ValueError, match="mask_id"):
+    baselines.mdm_generate(plain, [[1, 2]], gen_length=4, block_length=4, steps=4)
+
+
+def test_ar_rejects_bad_prompts(model):
+  with pytest.raises(ValueError, match="list of lists"):
+    baselines.ar_generate(model, [1, 2, 3], gen_length=4)
+  with pytest.raises(ValueError, match="outside the vocabulary"):
+    baselines.ar_generate(model, [[1, 300]], gen_length=4)
