@@ -1,0 +1,296 @@
+"""Training objectives: ReFusion's slot reordering (DESIGN §1.1) and the AR / MDM baselines.
+
+Every objective is one forward of the backbone over a [batch, length] layout
+built from the batch, and one cross entropy with two kinds of labelled tokens:
+
+- AR-labelled tokens: loss averaged over every such token of the batch;
+- MDM-labelled (masked) tokens: CE / p / answer_length, summed and divided by
+  the number of real rows.
+
+| kind       | layout                                                | AR labels                         | MDM labels               | attention                  |
+| ---------- | ----------------------------------------------------- | --------------------------------- | ------------------------ | -------------------------- |
+| `refusion` | prompt, clean slots shuffled, masked slots in order   | next token of the same clean slot | masked slots' tokens     | causal over storage order  |
+| `ar`       | unchanged                                             | next token, for answer targets    | none                     | causal                     |
+| `mdm`      | unchanged, answer tokens masked one by one w.p. p     | none                              | masked tokens            | bidirectional (real keys)  |
+
+All randomness comes from `draw_randomness`; `build_inputs` is deterministic
+given the draws, which lets tests replay the same draws in a plain NumPy
+transcription of §1.1. Shapes are static and there is no per-example Python
+loop: the reordering is one lexicographic sort per row.
+
+Batch contract (from the data pipeline): a dict with
+  tokens:     [batch, length] int32, prompt, then answer (response + EOS), then padding;
+  prompt_len: [batch] int32;
+  answer_len: [batch] int32, EOS included; 0 marks a padding row of a partial batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Mapping
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+ObjectiveKind = Literal["refusion", "ar", "mdm"]
+_KINDS = ("refusion", "ar", "mdm")
+
+# Sort groups of the ReFusion storage order.
+_PROMPT, _CLEAN, _MASKED, _PADDING = 0, 1, 2, 3
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ObjectiveConfig:
+  """Which objective to train and its constants. Hashable: a static jit argument.
+
+  Attributes:
+    kind: "refusion" (DESIGN §1.1), "ar" (next-token baseline) or "mdm"
+      (LLaDA-style token-level masked diffusion baseline).
+    slot_sizes: ReFusion draws each example's slot size S uniformly from these.
+    eps: the masking probability is p = (1 - eps) t + eps with t ~ U(0, 1).
+    mask_id: token id fed in place of a masked token.
+    pad_id: token id written into padding.
+  """
+
+  kind: ObjectiveKind
+  mask_id: int
+  pad_id: int
+  slot_sizes: tuple[int, ...] = (4, 8, 16, 32)
+  eps: float = 1e-3
+
+  def __post_init__(self):
+    if self.kind not in _KINDS:
+      raise ValueError(f"ObjectiveConfig.kind={self.kind!r}; expected one of {_KINDS}.")
+    object.__setattr__(self, "slot_sizes", tuple(int(s) for s in self.slot_sizes))
+    if not self.slot_sizes or min(self.slot_sizes) < 1:
+      raise ValueError(f"slot_sizes={self.slot_sizes}; give a non-empty tuple of positive ints.")
+    if not 0.0 < self.eps <= 1.0:
+      raise ValueError(f"eps={self.eps}; it must lie in (0, 1] so that p > 0 (the MDM term divides by p).")
+    if self.mask_id < 0 or self.pad_id < 0:
+      raise ValueError(f"mask_id={self.mask_id}, pad_id={self.pad_id}; set both to valid token ids.")
+
+
+@flax.struct.dataclass
+class Draws:
+  """Every random number an objective uses, drawn up front.
+
+  slot_size:    [batch] int32, ReFusion's slot size S of each example.
+  t:            [batch] float32, t ~ U(0, 1); the masking probability is
+                `mask_probability(t, eps)`.
+  mask_uniform: [batch, length] float32 ~ U(0, 1); unit k of an example is
+                masked iff mask_uniform[b, k] < p[b]. A unit is the k-th slot of
+                the answer (ReFusion) or the k-th answer token (MDM).
+  slot_rank:    [batch, length] int32, a random permutation of 0..length-1 per
+                row; ReFusion stores the clean slots by increasing rank.
+  """
+
+  slot_size: jax.Array
+  t: jax.Array
+  mask_uniform: jax.Array
+  slot_rank: jax.Array
+
+
+@flax.struct.dataclass
+class TrainingInputs:
+  """What the backbone is fed and what its logits are scored against.
+
+  All per-token fields are in *storage order* (the order the model sees).
+
+  tokens:      [batch, length] int32, fed tokens (masked ones = mask_id, padding = pad_id).
+  positions:   [batch, length] int32, true RoPE positions (0 on padding).
+  labels:      [batch, length] int32, target of each labelled token (0 elsewhere).
+  ar_weights:  [batch, length] float32, 1 where the token has an AR label.
+  mdm_weights: [batch, length] float32, 1 / (p * answer_len) where the token has an MDM label.
+  valid:       [batch, length] bool, prompt and answer tokens (not padding).
+  real_rows:   [batch] bool, rows with an answer (answer_len > 0).
+  p:           [batch] float32, masking probability (0 for "ar").
+  slot_size:   [batch] int32, masking unit (ReFusion's S; 1 for "mdm"; 0 for "ar").
+  """
+
+  tokens: jax.Array
+  positions: jax.Array
+  labels: jax.Array
+  ar_weights: jax.Array
+  mdm_weights: jax.Array
+  valid: jax.Array
+  real_rows: jax.Array
+  p: jax.Array
+  slot_size: jax.Array
+
+
+def mask_probability(t: jax.Array, eps: float) -> jax.Array:
+  """p = (1 - eps) t + eps, so that p never reaches 0."""
+  return (1.0 - eps) * t + eps
+
+
+def draw_randomness(key: jax.Array, batch_size: int, length: int, config: ObjectiveConfig) -> Draws:
+  """Draw all randomness of one batch (see `Draws` for the meaning of each field)."""
+  size_key, t_key, mask_key, rank_key = jax.random.split(key, 4)
+  ranks = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch_size, length))
+  return Draws(
+      slot_size=jax.random.choice(size_key, jnp.asarray(config.slot_sizes, jnp.int32), (batch_size,)),
+      t=jax.random.uniform(t_key, (batch_size,), jnp.float32),
+      mask_uniform=jax.random.uniform(mask_key, (batch_size, length), jnp.float32),
+      slot_rank=jax.random.permutation(rank_key, ranks, axis=1, independent=True),
+  )
+
+
+def _check_batch(batch: Mapping[str, jax.Array]) -> None:
+  missing = {"tokens", "prompt_len", "answer_len"} - set(batch)
+  if missing:
+    raise ValueError(f"Batch lacks {sorted(missing)}; expected keys tokens, prompt_len, answer_len.")
+  tokens, prompt_len, answer_len = batch["tokens"], batch["prompt_len"], batch["answer_len"]
+  if tokens.ndim != 2 or prompt_len.shape != tokens.shape[:1] or answer_len.shape != tokens.shape[:1]:
+    raise ValueError(
+        f"Batch shapes tokens={tokens.shape}, prompt_len={prompt_len.shape}, answer_len={answer_len.shape}; "
+        "expected tokens [batch, length] and prompt_len, answer_len [batch]."
+    )
+  # Values can only be checked on concrete host arrays, not under a trace.
+  if isinstance(prompt_len, np.ndarray) and isinstance(answer_len, np.ndarray):
+    if (prompt_len < 0).any() or (answer_len < 0).any():
+      raise ValueError("prompt_len and answer_len must be non-negative.")
+    if (prompt_len + answer_len > tokens.shape[1]).any():
+      raise ValueError(
+          f"Some rows have prompt_len + answer_len > length={tokens.shape[1]}; "
+          "truncate them or pad the batch to a longer length."
+      )
+
+
+def _gather(x: jax.Array, order: jax.Array) -> jax.Array:
+  return jnp.take_along_axis(x, order, axis=1)
+
+
+def build_inputs(batch: Mapping[str, jax.Array], draws: Draws, config: ObjectiveConfig) -> TrainingInputs:
+  """Lay the batch out for `config.kind` using the given draws (deterministic).
+
+  Args:
+    batch: tokens [batch, length], prompt_len [batch], answer_len [batch].
+    draws: from `draw_randomness(key, batch, length, config)`.
+    config: the objective.
+
+  Returns:
+    `TrainingInputs` in storage order.
+  """
+  _check_batch(batch)
+  tokens = jnp.asarray(batch["tokens"], jnp.int32)
+  prompt_len = jnp.asarray(batch["prompt_len"], jnp.int32)[:, None]
+  answer_len = jnp.asarray(batch["answer_len"], jnp.int32)[:, None]
+  batch_size, length = tokens.shape
+  index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch_size, length))
+  is_prompt = index < prompt_len
+  valid = index < prompt_len + answer_len
+  is_answer = valid & ~is_prompt
+  answer_offset = jnp.where(is_answer, index - prompt_len, 0)
+  # Token at index + 1; the wrapped last column is only read where it is unused.
+  next_token = jnp.roll(tokens, -1, axis=1)
+  zeros = jnp.zeros((batch_size,), jnp.int32)
+
+  if config.kind == "ar":
+    p, unit_size = jnp.zeros((batch_size,), jnp.float32), zeros
+    masked = jnp.zeros_like(valid)
+    ar_labelled = (index + 1 >= prompt_len) & (index + 1 < prompt_len + answer_len)
+  else:
+    p = mask_probability(draws.t, config.eps)
+    unit_size = draws.slot_size if config.kind == "refusion" else zeros + 1
+    size = unit_size[:, None]
+    unit = answer_offset // size
+    masked = is_answer & (_gather(draws.mask_uniform, unit) < p[:, None])
+    if config.kind == "refusion":
+      offset_in_slot = answer_offset % size
+      ar_labelled = is_answer & ~masked & (offset_in_slot + 1 < size) & (answer_offset + 1 < answer_len)
+    else:
+      ar_labelled = jnp.zeros_like(valid)
+
+  fed = jnp.where(masked, config.mask_id, jnp.where(valid, tokens, config.pad_id))
+  labels = jnp.where(ar_labelled, next_token, jnp.where(masked, tokens, 0))
+  mdm_weights = jnp.where(masked, 1.0 / (p[:, None] * jnp.maximum(answer_len, 1)), 0.0)
+
+  if config.kind == "refusion":
+    # Storage order = lexicographic sort on (group, rank within group, offset in slot).
+    # A clean slot's tokens share its random rank and stay contiguous; prompt,
+    # masked and padding tokens keep their original order.
+    group = jnp.where(is_prompt, _PROMPT, jnp.where(masked, _MASKED, jnp.where(is_answer, _CLEAN, _PADDING)))
+    clean = group == _CLEAN
+    within_group = jnp.where(clean, _gather(draws.slot_rank, unit), index)
+    order = jnp.lexsort((jnp.where(clean, offset_in_slot, 0), group * length + within_group), axis=-1)
+    fed, labels, ar_labelled, mdm_weights, valid = (
+        _gather(x, order) for x in (fed, labels, ar_labelled, mdm_weights, valid)
+    )
+  else:
+    order = index
+
+  return TrainingInputs(
+      tokens=fed,
+      positions=jnp.where(valid, order, 0).astype(jnp.int32),
+      labels=labels.astype(jnp.int32),
+      ar_weights=ar_labelled.astype(jnp.float32),
+      mdm_weights=mdm_weights.astype(jnp.float32),
+      valid=valid,
+      real_rows=answer_len[:, 0] > 0,
+      p=p,
+      slot_size=unit_size,
+  )
+
+
+def reorganize(batch: Mapping[str, jax.Array], key: jax.Array, config: ObjectiveConfig) -> TrainingInputs:
+  """Draw the randomness from `key` and lay the batch out (DESIGN §1.1 steps 1-4 for "refusion")."""
+  _check_batch(batch)
+  batch_size, length = batch["tokens"].shape
+  return build_inputs(batch, draw_randomness(key, batch_size, length, config), config)
+
+
+def attention_mask(inputs: TrainingInputs, config: ObjectiveConfig) -> jax.Array | None:
+  """[batch, length, length] bool for "mdm" (every real key); None = the model's causal default."""
+  if config.kind != "mdm":
+    # Causal over storage order: padding is stored last, so no query that
+    # carries a label ever sees it.
+    return None
+  batch_size, length = inputs.tokens.shape
+  return jnp.broadcast_to(inputs.valid[:, None, :], (batch_size, length, length))
+
+
+def forward(model: nnx.Module, inputs: TrainingInputs, config: ObjectiveConfig) -> jax.Array:
+  """Logits [batch, length, vocab] float32 of the objective's forward."""
+  logits, _ = model(inputs.tokens, inputs.positions, attention_mask(inputs, config))
+  return logits
+
+
+def loss_from_inputs(
+    model: nnx.Module, inputs: TrainingInputs, config: ObjectiveConfig
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Loss = AR CE averaged over AR-labelled tokens + sum(CE / p / answer_len) over masked tokens / real rows.
+
+  Returns:
+    The scalar loss and metrics {loss, ar_loss, mdm_loss, num_ar_tokens, num_mdm_tokens}.
+  """
+  logits = forward(model, inputs, config).astype(jnp.float32)
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, inputs.labels)
+  num_ar = jnp.sum(inputs.ar_weights)
+  # max(., 1): a batch without AR-labelled tokens (or without real rows) gives 0, not NaN.
+  ar_loss = jnp.sum(ce * inputs.ar_weights) / jnp.maximum(num_ar, 1.0)
+  num_rows = jnp.sum(inputs.real_rows.astype(jnp.float32))
+  mdm_loss = jnp.sum(ce * inputs.mdm_weights) / jnp.maximum(num_rows, 1.0)
+  loss = ar_loss + mdm_loss
+  metrics = dict(
+      loss=loss,
+      ar_loss=ar_loss,
+      mdm_loss=mdm_loss,
+      num_ar_tokens=num_ar,
+      num_mdm_tokens=jnp.sum((inputs.mdm_weights > 0).astype(jnp.float32)),
+  )
+  return loss, metrics
+
+
+def loss_fn(
+    model: nnx.Module, batch: Mapping[str, jax.Array], key: jax.Array, config: ObjectiveConfig
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The training loss of one batch: `reorganize` then `loss_from_inputs`.
+
+  Jit it with the config static, e.g.
+  `nnx.jit(nnx.value_and_grad(loss_fn, has_aux=True), static_argnames="config")`.
+  """
+  return loss_from_inputs(model, reorganize(batch, key, config), config)

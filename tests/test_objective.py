@@ -1,0 +1,396 @@
+"""The training objectives against a plain NumPy transcription of DESIGN §1.1.
+
+The reference below loops over examples and slots in Python and consumes the
+very draws the jitted code uses (`objective.draw_randomness`), so layouts and
+losses must agree exactly (up to float rounding).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from refusion_jax import objective
+from refusion_jax.config import tiny
+from refusion_jax.model import init_model
+
+VOCAB = 64
+MASK_ID = VOCAB - 1
+PAD_ID = 0
+LAYOUT_FIELDS = ("tokens", "positions", "labels", "ar_weights", "mdm_weights")
+
+
+def make_config(kind, **overrides):
+  return objective.ObjectiveConfig(kind=kind, mask_id=MASK_ID, pad_id=PAD_ID, **overrides)
+
+
+def make_batch(rng, prompt_lens, answer_lens, length):
+  """Random real tokens; the padding holds random garbage, which must not matter."""
+  batch_size = len(prompt_lens)
+  return dict(
+      tokens=rng.integers(1, MASK_ID, (batch_size, length)).astype(np.int32),
+      prompt_len=np.asarray(prompt_lens, np.int32),
+      answer_len=np.asarray(answer_lens, np.int32),
+  )
+
+
+def host_draws(draws):
+  return jax.tree.map(np.asarray, draws)
+
+
+# ---------------------------------------------------------------- NumPy reference of DESIGN §1.1
+
+
+def reference_p(t, config):
+  # Same float32 rounding as the jitted code, so "u < p" decides identically.
+  return np.float32(1.0 - config.eps) * np.float32(t) + np.float32(config.eps)
+
+
+def reference_refusion_row(tokens, P, A, draws, b, config):
+  """Stored (token, position, label, ar_weight, mdm_weight) of one example, per §1.1."""
+  p = reference_p(draws.t[b], config)
+  S = int(draws.slot_size[b])
+  answer = tokens[P : P + A]
+  # 1. Cut the answer into slots of S tokens; the last may be shorter.
+  slots = [list(range(start, min(start + S, A))) for start in range(0, A, S)]
+  # 2. Mask each slot independently with probability p.
+  masked = [bool(draws.mask_uniform[b, k] < p) for k in range(len(slots))]
+  # 3. Prompt, then clean slots in random order, then masked slots in original order.
+  clean_order = sorted((k for k in range(len(slots)) if not masked[k]), key=lambda k: draws.slot_rank[b, k])
+  rows = [(tokens[i], i, 0, 0.0, 0.0) for i in range(P)]
+  for k in clean_order:
+    for j, a in enumerate(slots[k]):
+      # 4. A clean token predicts the next token of its own slot; the slot's last has no label.
+      if j + 1 < len(slots[k]):
+        rows.append((answer[a], P + a, answer[a + 1], 1.0, 0.0))
+      else:
+        rows.append((answer[a], P + a, 0, 0.0, 0.0))
+  for k in range(len(slots)):
+    if masked[k]:
+      for a in slots[k]:
+        # 4. A masked token predicts itself, weighted 1 / (p * answer_length).
+        rows.append((MASK_ID, P + a, answer[a], 0.0, 1.0 / (p * A)))
+  return rows
+
+
+def reference_ar_row(tokens, P, A, draws, b, config):
+  """Plain next-token prediction; only answer tokens are targets."""
+  rows = []
+  for i in range(P + A):
+    if P <= i + 1 < P + A:
+      rows.append((tokens[i], i, tokens[i + 1], 1.0, 0.0))
+    else:
+      rows.append((tokens[i], i, 0, 0.0, 0.0))
+  return rows
+
+
+def reference_mdm_row(tokens, P, A, draws, b, config):
+  """LLaDA-style: each answer token masked on its own with probability p; order unchanged."""
+  p = reference_p(draws.t[b], config)
+  rows = [(tokens[i], i, 0, 0.0, 0.0) for i in range(P)]
+  for a in range(A):
+    if draws.mask_uniform[b, a] < p:
+      rows.append((MASK_ID, P + a, tokens[P + a], 0.0, 1.0 / (p * A)))
+    else:
+      rows.append((tokens[P + a], P + a, 0, 0.0, 0.0))
+  return rows
+
+
+REFERENCE_ROWS = {"refusion": reference_refusion_row, "ar": reference_ar_row, "mdm": reference_mdm_row}
+
+
+def reference_layout(batch, draws, config):
+  """Per-example reference rows, padded with (pad_id, 0, 0, 0, 0) to the batch length."""
+  draws = host_draws(draws)
+  batch_size, length = batch["tokens"].shape
+  out = {name: np.zeros((batch_size, length), np.float64) for name in LAYOUT_FIELDS}
+  for b in range(batch_size):
+    P, A = int(batch["prompt_len"][b]), int(batch["answer_len"][b])
+    rows = REFERENCE_ROWS[config.kind](batch["tokens"][b], P, A, draws, b, config)
+    rows += [(PAD_ID, 0, 0, 0.0, 0.0)] * (length - len(rows))
+    for name, column in zip(LAYOUT_FIELDS, zip(*rows)):
+      out[name][b] = column
+  return out
+
+
+def reference_loss(model, batch, draws, config):
+  """Per example: forward the reference layout alone, then §1.1 step 5 in float64.
+
+  Each example runs as a batch of one; the mask written here hides its padding
+  from every real query (causal for "refusion"/"ar", all real tokens for
+  "mdm"), so padding cannot change a real token's logits.
+  """
+  layout = reference_layout(batch, draws, config)
+  length = batch["tokens"].shape[1]
+  ar_sum, ar_count, mdm_sum, real_rows = 0.0, 0.0, 0.0, 0
+  for b in range(batch["tokens"].shape[0]):
+    if batch["answer_len"][b] == 0:
+      continue
+    real_rows += 1
+    n = int(batch["prompt_len"][b] + batch["answer_len"][b])
+    if config.kind == "mdm":
+      mask = np.zeros((length, length), bool)
+      mask[:, :n] = True
+    else:
+      mask = np.tril(np.ones((length, length), bool))
+    tokens, positions = (layout[name][b : b + 1].astype(np.int32) for name in ("tokens", "positions"))
+    logits = np.asarray(jit_model(model, tokens, positions, mask[None]), np.float64)[0, :n]
+    log_probs = logits - logits.max(-1, keepdims=True)
+    log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+    ce = -log_probs[np.arange(n), layout["labels"][b, :n].astype(int)]
+    ar_sum += (ce * layout["ar_weights"][b, :n]).sum()
+    ar_count += layout["ar_weights"][b, :n].sum()
+    mdm_sum += (ce * layout["mdm_weights"][b, :n]).sum()
+  return ar_sum / max(ar_count, 1.0) + mdm_sum / max(real_rows, 1)
+
+
+# ---------------------------------------------------------------- jitted entry points
+
+build_inputs = jax.jit(objective.build_inputs, static_argnames="config")
+draw_randomness = jax.jit(objective.draw_randomness, static_argnums=(1, 2, 3))
+
+
+@nnx.jit
+def jit_model(model, tokens, positions, mask):
+  return model(tokens, positions, mask)[0]
+
+
+@nnx.jit(static_argnames="config")
+def jit_loss(model, batch, key, config):
+  return objective.loss_fn(model, batch, key, config)
+
+
+@nnx.jit(static_argnames="config")
+def jit_loss_from_draws(model, batch, draws, config):
+  return objective.loss_from_inputs(model, objective.build_inputs(batch, draws, config), config)
+
+
+@nnx.jit(static_argnames="config")
+def jit_loss_and_grad_from_draws(model, batch, draws, config):
+  def loss(model):
+    return objective.loss_from_inputs(model, objective.build_inputs(batch, draws, config), config)
+
+  return nnx.value_and_grad(loss, has_aux=True)(model)
+
+
+@nnx.jit(static_argnames="config")
+def jit_forward(model, inputs, config):
+  return objective.forward(model, inputs, config)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return init_model(tiny(vocab_size=VOCAB), seed=0)
+
+
+# ---------------------------------------------------------------- cases
+
+# Every case has the same [batch, length], and slot sizes are forced through the
+# draws rather than the (static) config, so each kind compiles once.
+BATCH, LENGTH = 4, 24
+
+# name: (prompt lengths, answer lengths, forced slot sizes or None, other forced draws)
+CASES = {
+    "ragged_answers": ([3, 5, 1, 2], [9, 16, 7, 21], [2, 3, 4, 5], {}),
+    "drawn_slot_sizes": ([4, 2, 1, 3], [20, 21, 23, 13], None, {}),
+    "answers_of_whole_slots": ([2, 3, 1, 4], [4, 8, 16, 20], [4, 4, 8, 4], {}),
+    "all_slots_masked": ([3, 2, 6, 1], [11, 7, 18, 23], [2, 3, 5, 1], {"t": 1.0}),
+    "no_slot_masked": ([3, 2, 6, 1], [11, 7, 18, 23], [2, 3, 5, 1], {"mask_uniform": 1.0}),
+    "padding_rows": ([3, 4, 0, 0], [9, 6, 0, 0], [2, 3, 4, 4], {}),
+}
+KINDS = ["refusion", "ar", "mdm"]
+
+
+def case_inputs(case, kind):
+  """(batch, draws, config) of a named case; the seed is fixed per case."""
+  prompt_lens, answer_lens, slot_sizes, overrides = CASES[case]
+  config = make_config(kind)
+  rng = np.random.default_rng(sorted(CASES).index(case))
+  batch = make_batch(rng, prompt_lens, answer_lens, LENGTH)
+  draws = draw_randomness(jax.random.key(rng.integers(1 << 30)), BATCH, LENGTH, config)
+  if slot_sizes is not None:
+    overrides = {**overrides, "slot_size": np.asarray(slot_sizes, np.int32)}
+  return batch, force(draws, overrides), config
+
+
+def force(draws, overrides):
+  return draws.replace(
+      **{name: jnp.broadcast_to(jnp.asarray(value, getattr(draws, name).dtype), getattr(draws, name).shape)
+         for name, value in overrides.items()}
+  )
+
+
+def assert_layout_matches_reference(inputs, batch, draws, config):
+  expected = reference_layout(batch, draws, config)
+  for name in ("tokens", "positions", "labels"):
+    np.testing.assert_array_equal(np.asarray(getattr(inputs, name)), expected[name], err_msg=name)
+  for name in ("ar_weights", "mdm_weights"):
+    np.testing.assert_allclose(np.asarray(getattr(inputs, name)), expected[name], rtol=1e-6, err_msg=name)
+
+
+# ---------------------------------------------------------------- layout equivalence
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_layout_matches_numpy_reference(case, kind):
+  batch, draws, config = case_inputs(case, kind)
+  assert_layout_matches_reference(build_inputs(batch, draws, config=config), batch, draws, config)
+
+
+@st.composite
+def random_cases(draw):
+  rows = []
+  for row in range(BATCH):
+    if row and draw(st.integers(0, 3)) == 0:
+      rows.append((0, 0, 1))  # a padding row
+      continue
+    prompt = draw(st.integers(1, LENGTH - 1))
+    rows.append((prompt, draw(st.integers(1, LENGTH - prompt)), draw(st.integers(1, 9))))
+  prompt_lens, answer_lens, slot_sizes = zip(*rows)
+  return prompt_lens, answer_lens, slot_sizes, draw(st.integers(0, 2**30))
+
+
+@settings(max_examples=20, deadline=None)
+@given(random_cases(), st.sampled_from(KINDS))
+def test_layout_matches_numpy_reference_on_random_lengths(random_case, kind):
+  prompt_lens, answer_lens, slot_sizes, seed = random_case
+  config = make_config(kind)
+  batch = make_batch(np.random.default_rng(seed), prompt_lens, answer_lens, LENGTH)
+  draws = force(draw_randomness(jax.random.key(seed), BATCH, LENGTH, config), {"slot_size": slot_sizes})
+  assert_layout_matches_reference(build_inputs(batch, draws, config=config), batch, draws, config)
+
+
+def test_reorganize_uses_the_draws_of_its_key():
+  config = make_config("refusion")
+  batch = make_batch(np.random.default_rng(7), [3, 2, 5, 1], [10, 22, 19, 8], LENGTH)
+  key = jax.random.key(11)
+  inputs = jax.jit(objective.reorganize, static_argnames="config")(batch, key, config=config)
+  assert_layout_matches_reference(inputs, batch, draw_randomness(key, BATCH, LENGTH, config), config)
+
+
+def test_draws_have_the_documented_ranges():
+  config = make_config("refusion")
+  draws = host_draws(draw_randomness(jax.random.key(3), 64, 20, config))
+  assert set(np.unique(draws.slot_size)) <= set(config.slot_sizes)
+  assert ((draws.t >= 0) & (draws.t < 1)).all()
+  assert ((draws.mask_uniform >= 0) & (draws.mask_uniform < 1)).all()
+  np.testing.assert_array_equal(np.sort(draws.slot_rank, axis=1), np.broadcast_to(np.arange(20), (64, 20)))
+  assert len({tuple(row) for row in draws.slot_rank}) > 1  # rows get their own permutations
+
+
+# ---------------------------------------------------------------- losses
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("case", ["ragged_answers", "all_slots_masked", "no_slot_masked", "padding_rows"])
+def test_loss_matches_numpy_reference(model, case, kind):
+  batch, draws, config = case_inputs(case, kind)
+  loss, metrics = jit_loss_from_draws(model, batch, draws, config=config)
+  np.testing.assert_allclose(float(loss), reference_loss(model, batch, draws, config), rtol=2e-5)
+  np.testing.assert_allclose(float(metrics["ar_loss"] + metrics["mdm_loss"]), float(loss), rtol=1e-6)
+
+
+def test_loss_fn_draws_from_its_key(model):
+  config = make_config("refusion")
+  batch = make_batch(np.random.default_rng(5), [4, 2, 3, 1], [11, 13, 6, 23], LENGTH)
+  key = jax.random.key(9)
+  draws = draw_randomness(key, BATCH, LENGTH, config)
+  loss, metrics = jit_loss(model, batch, key, config=config)
+  np.testing.assert_allclose(float(loss), reference_loss(model, batch, draws, config), rtol=2e-5)
+  layout = reference_layout(batch, draws, config)
+  assert metrics["num_ar_tokens"] == layout["ar_weights"].sum()
+  assert metrics["num_mdm_tokens"] == (layout["mdm_weights"] > 0).sum()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradients_are_finite(model, kind):
+  batch, draws, config = case_inputs("ragged_answers", kind)
+  (loss, _), grads = jit_loss_and_grad_from_draws(model, batch, draws, config=config)
+  assert np.isfinite(float(loss))
+  leaves = jax.tree.leaves(grads)
+  assert all(np.isfinite(g).all() for g in leaves)
+  assert all(np.abs(g).max() > 0 for g in leaves)
+
+
+def test_batch_without_ar_labels_has_finite_loss_and_gradients(model):
+  batch, draws, config = case_inputs("all_slots_masked", "refusion")
+  (loss, metrics), grads = jit_loss_and_grad_from_draws(model, batch, draws, config=config)
+  assert metrics["num_ar_tokens"] == 0 and metrics["ar_loss"] == 0
+  assert np.isfinite(float(loss)) and float(loss) > 0
+  assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_padding_rows_add_nothing(model, kind):
+  padded, draws, config = case_inputs("padding_rows", kind)
+  real = {name: value[:2] for name, value in padded.items()}
+  _, padded_metrics = jit_loss_from_draws(model, padded, draws, config=config)
+  _, real_metrics = jit_loss_from_draws(model, real, jax.tree.map(lambda x: x[:2], draws), config=config)
+  for name in real_metrics:
+    np.testing.assert_allclose(float(padded_metrics[name]), float(real_metrics[name]), rtol=1e-6, err_msg=name)
+
+
+# ---------------------------------------------------------------- attention patterns
+
+
+def changed_token(inputs, row, index):
+  return inputs.replace(tokens=inputs.tokens.at[row, index].set((inputs.tokens[row, index] + 1) % MASK_ID))
+
+
+def test_mdm_attention_is_bidirectional_over_real_tokens(model):
+  batch, draws, config = case_inputs("padding_rows", "mdm")  # row 0: 12 real tokens, then padding
+  inputs = build_inputs(batch, draws, config=config)
+  logits = jit_forward(model, inputs, config=config)
+  later_logits = jit_forward(model, changed_token(inputs, 0, 11), config=config)
+  assert np.abs(later_logits[0, 0] - logits[0, 0]).max() > 1e-4
+  padding_logits = jit_forward(model, changed_token(inputs, 0, 15), config=config)
+  np.testing.assert_allclose(padding_logits[0, :12], logits[0, :12], atol=1e-6)
+
+
+def test_refusion_attention_is_causal_over_storage_order(model):
+  batch, draws, config = case_inputs("ragged_answers", "refusion")
+  inputs = build_inputs(batch, draws, config=config)
+  assert not np.array_equal(inputs.positions[1, :21], np.arange(21))  # stored out of position order
+  logits = jit_forward(model, inputs, config=config)
+  stored = 12
+  changed_logits = jit_forward(model, changed_token(inputs, 1, stored), config=config)
+  np.testing.assert_allclose(changed_logits[1, :stored], logits[1, :stored], atol=1e-6)
+  assert np.abs(changed_logits[1, stored:21] - logits[1, stored:21]).max(-1).min() > 1e-4
+
+
+# ---------------------------------------------------------------- input checks
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(kind="bert"), "kind"),
+        (dict(kind="refusion", eps=0.0), "eps"),
+        (dict(kind="refusion", slot_sizes=()), "slot_sizes"),
+        (dict(kind="refusion", mask_id=-1), "mask_id"),
+    ],
+)
+def test_bad_config_is_rejected(fields, message):
+  with pytest.raises(ValueError, match=message):
+    objective.ObjectiveConfig(**{"mask_id": MASK_ID, "pad_id": PAD_ID, **fields})
+
+
+def test_config_is_hashable_with_list_slot_sizes():
+  assert hash(make_config("refusion", slot_sizes=[4, 8])) == hash(make_config("refusion", slot_sizes=(4, 8)))
+
+
+def test_overlong_rows_are_rejected():
+  batch = make_batch(np.random.default_rng(0), [6], [11], 16)
+  with pytest.raises(ValueError, match="prompt_len \\+ answer_len"):
+    objective.reorganize(batch, jax.random.key(0), make_config("refusion"))
+
+
+def test_missing_batch_field_is_rejected():
+  batch = make_batch(np.random.default_rng(0), [6], [5], 16)
+  del batch["answer_len"]
+  with pytest.raises(ValueError, match="answer_len"):
+    objective.reorganize(batch, jax.random.key(0), make_config("refusion"))
