@@ -133,3 +133,32 @@ def check_threshold(name: str, value: float) -> float:
   if not 0.0 < value <= 1.0:
     raise ValueError(f"{name}={value} must lie in (0, 1].")
   return float(value)
+
+
+def check_temperature(temperature: float) -> float:
+  if temperature < 0:
+    raise ValueError(f"temperature={temperature} must be >= 0 (0 means greedy).")
+  return float(temperature)
+
+
+def check_slot_layout(gen_length: int, slot_size: int, serial_blocks: int) -> None:
+  """ReFusion splits G into serial blocks of whole slots: G must be a multiple of S × NB."""
+  if slot_size < 1:
+    raise ValueError(f"slot_size={slot_size} must be at least 1 (the paper uses 4, 8, 16 or 32).")
+  if serial_blocks < 1:
+    raise ValueError(f"serial_blocks={serial_blocks} must be at least 1.")
+  unit = slot_size * serial_blocks
+  if gen_length % unit:
+    nearest = max(unit, unit * round(gen_length / unit))
+    raise ValueError(
+        f"gen_length={gen_length} must be a multiple of slot_size × serial_blocks = {unit}; "
+        f"use gen_length={nearest}, or change slot_size / serial_blocks."
+    )
+
+
+def answer_tokens(out: np.ndarray, eos_id: int) -> list[list[int]]:
+  """Per row of `out` [B, G] (ids by true position), the answer up to and including the first EOS."""
+  rows = []
+  for row in np.asarray(out).tolist():
+    rows.append(row[: row.index(eos_id) + 1] if eos_id in row else row)
+  return rows
