@@ -70,8 +70,10 @@ class ObjectiveConfig:
       raise ValueError(f"slot_sizes={self.slot_sizes}; give a non-empty tuple of positive ints.")
     if not 0.0 < self.eps <= 1.0:
       raise ValueError(f"eps={self.eps}; it must lie in (0, 1] so that p > 0 (the MDM term divides by p).")
-    if self.mask_id < 0 or self.pad_id < 0:
-      raise ValueError(f"mask_id={self.mask_id}, pad_id={self.pad_id}; set both to valid token ids.")
+    for field in ("mask_id", "pad_id"):
+      value = getattr(self, field)
+      if not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"ObjectiveConfig.{field}={value!r}; set it to a token id (an int >= 0).")
 
 
 @flax.struct.dataclass

@@ -372,6 +372,7 @@ def test_refusion_attention_is_causal_over_storage_order(model):
         (dict(kind="refusion", eps=0.0), "eps"),
         (dict(kind="refusion", slot_sizes=()), "slot_sizes"),
         (dict(kind="refusion", mask_id=-1), "mask_id"),
+        (dict(kind="ar", pad_id=None), "pad_id"),
     ],
 )
 def test_bad_config_is_rejected(fields, message):
