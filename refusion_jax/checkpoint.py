@@ -68,7 +68,14 @@ class Checkpoints:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True,
     )
-    self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=(PARAMS, TRAIN, DATA, META))
+    # Explicit handlers, so that a fresh manager can read item metadata before any restore.
+    handlers = {
+        PARAMS: ocp.StandardCheckpointHandler(),
+        TRAIN: ocp.StandardCheckpointHandler(),
+        DATA: grain.checkpoint.CheckpointHandler(),
+        META: ocp.JsonCheckpointHandler(),
+    }
+    self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()

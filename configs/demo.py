@@ -1,0 +1,119 @@
+"""ReFusion on the built-in tasks with a small byte-level model: trains on a laptop CPU in minutes.
+
+    python -m refusion_jax.train --config configs/demo.py --workdir /tmp/refusion_demo
+
+Builds the task data under the workdir on first use, evaluates exact match and
+tokens per forward on validation periodically, and prints sampled answers at
+the end. Override any field from the command line, e.g.
+`--config.num_train_steps=200 --config.eval.num_examples=32`.
+
+`--config configs/demo.py:smoke` shrinks everything (model, data, steps) to a
+seconds-long run for tests and quick checks of the plumbing.
+"""
+
+import ml_collections
+
+from refusion_jax.sharding import LOGICAL_AXIS_RULES
+
+
+def get_config(variant: str = "") -> ml_collections.ConfigDict:
+  """`variant`: "" for the demo, "smoke" for a tiny plumbing check."""
+  if variant not in ("", "smoke"):
+    raise ValueError(f"Unknown config variant {variant!r}; use '' or 'smoke'.")
+  config = ml_collections.ConfigDict()
+  config.seed = 0  # parameter init, data shuffling and objective randomness
+  config.tokenizer = "bytes"  # "bytes" (pad 256, bos 257, eos 258, mask 259) or a HF tokenizer directory
+  config.init_from_hf = ""  # HF checkpoint directory to fine-tune from (overrides config.model)
+  config.init_from_checkpoint = ""  # workdir of another run to take parameters from
+  config.vocab_multiple = 128  # a vocabulary grown for a new mask token is rounded up to this
+
+  config.model = ml_collections.ConfigDict()
+  config.model.preset = "tiny"  # refusion_jax.config preset; the fields below override it
+  config.model.vocab_size = 260  # the byte tokenizer's vocabulary
+  config.model.hidden_size = 192  # residual width
+  config.model.intermediate_size = 512  # SwiGLU width
+  config.model.num_layers = 4  # decoder layers
+  config.model.num_heads = 6  # query heads
+  config.model.num_kv_heads = 2  # key/value heads (GQA)
+  config.model.head_dim = 32  # per-head width
+  config.model.dtype = "float32"  # activation dtype ("bfloat16" on accelerators)
+  config.model.param_dtype = "float32"  # parameter dtype
+  config.model.remat = False  # recompute layer activations in the backward pass
+
+  config.objective = ml_collections.ConfigDict()
+  config.objective.kind = "refusion"  # "refusion", "ar" or "mdm"
+  config.objective.slot_sizes = (4, 8)  # slot sizes drawn per example (the paper: 4, 8, 16, 32)
+  config.objective.eps = 1e-3  # masking probability p = (1 - eps) t + eps
+
+  config.data = ml_collections.ConfigDict()
+  config.data.dataset = "tasks"  # "tasks" (built-in, generated) or "json" (query/response files)
+  config.data.data_dir = ""  # where the tfds data is built; "" = <workdir>/data
+  config.data.num_train = 20_000  # built-in tasks: training examples
+  config.data.num_validation = 1_000  # built-in tasks: validation examples
+  config.data.num_test = 1_000  # built-in tasks: test examples
+  config.data.seed = 0  # built-in tasks: generation seed
+  config.data.train_files = ""  # json: comma-separated training files
+  config.data.validation_files = ""  # json: comma-separated validation files
+  config.data.seq_len = 112  # prompt + answer + EOS; longer examples are dropped (logged)
+  config.data.chat_template = False  # wrap queries in the tokenizer's chat template
+
+  config.batch_size = 32  # global batch (all processes)
+  config.grad_accum_steps = 1  # microbatches per step (lax.scan inside the step)
+  config.num_train_steps = 1_500  # optimizer updates; <= 0 means num_epochs passes over the data
+  config.num_epochs = 1  # used only when num_train_steps <= 0
+  config.stop_after_step = -1  # save and stop at this step while keeping the schedule of num_train_steps
+
+  config.optimizer = ml_collections.ConfigDict()
+  config.optimizer.lr = 2e-3  # peak learning rate
+  config.optimizer.warmup_steps = 100  # linear warmup from 0
+  config.optimizer.decay = "cosine"  # "cosine", "linear" or "constant" after warmup
+  config.optimizer.final_lr_ratio = 0.1  # final lr = lr * this
+  config.optimizer.weight_decay = 0.01  # AdamW decoupled weight decay (matrices only)
+  config.optimizer.b1 = 0.9  # Adam first-moment decay
+  config.optimizer.b2 = 0.98  # Adam second-moment decay
+  config.optimizer.eps = 1e-8  # Adam epsilon
+  config.optimizer.grad_clip = 1.0  # global-norm gradient clipping
+
+  config.mesh = ml_collections.ConfigDict()
+  config.mesh.data = -1  # data-parallel ways (-1: all remaining devices)
+  config.mesh.fsdp = 1  # parameter-sharded data-parallel ways
+  config.mesh.tensor = 1  # tensor-parallel ways
+  config.sharding_rules = LOGICAL_AXIS_RULES  # logical axis -> mesh axes
+
+  config.log_every = 50  # steps between console / TensorBoard training lines
+  config.eval_every = 250  # steps between evaluations (and at the end); <= 0 disables
+  config.num_samples_to_print = 8  # decoded validation answers shown after training
+
+  config.eval = ml_collections.ConfigDict()
+  config.eval.num_loss_batches = 4  # validation batches for the loss
+  config.eval.num_examples = 128  # validation examples decoded for exact match
+  config.eval.batch_size = 64  # prompts decoded together
+  config.eval.gen_length = 64  # answer budget G (responses are <= 48 bytes + EOS)
+  config.eval.slot_size = 8  # ReFusion slot size S at decoding
+  config.eval.serial_blocks = 1  # ReFusion serial blocks NB (G must divide by S * NB)
+  config.eval.slot_threshold = 0.9  # ReFusion: plan slots with first-token confidence above this
+  config.eval.token_threshold = 0.5  # ReFusion: verified tokens need AR probability above this
+  config.eval.mdm_block_length = 64  # MDM baseline: semi-autoregressive block length
+  config.eval.mdm_steps = 64  # MDM baseline: total unmasking steps
+
+  config.checkpoint = ml_collections.ConfigDict()
+  config.checkpoint.every = 500  # steps between checkpoints (and at the end / on SIGTERM)
+  config.checkpoint.max_to_keep = 2  # older checkpoints are deleted
+  config.checkpoint.async_save = True  # write files in the background
+  if variant == "smoke":
+    _shrink(config)
+  return config
+
+
+def _shrink(config: ml_collections.ConfigDict) -> None:
+  """A model, data set and schedule small enough to train and evaluate in seconds."""
+  config.model.update(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16)
+  config.data.update(num_train=256, num_validation=32, num_test=8)
+  config.batch_size = 8
+  config.num_train_steps = 4
+  config.optimizer.warmup_steps = 1
+  config.log_every = 1
+  config.eval_every = 2
+  config.eval.update(num_loss_batches=1, num_examples=8, batch_size=8, gen_length=16, slot_size=4)
+  config.eval.update(mdm_block_length=16, mdm_steps=8)
+  config.checkpoint.every = 2
