@@ -37,7 +37,9 @@ def token_texts(tokens: list[int], tokenizer: Tokenizer | None) -> list[str]:
   for token in tokens:
     text = tokenizer.decode([token])
     text = text.replace("\n", "\u21b5").replace("\t", "\u2192").replace(" ", "\u00b7")
-    texts.append(text if text else f"<{token}>")
+    text = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text)
+    # A lone piece of a multi-byte character decodes to U+FFFD: its id says more.
+    texts.append(text if text.strip("\ufffd") else f"<{token}>")
   return texts
 
 

@@ -1,0 +1,188 @@
+"""Sample from a checkpoint on the command line.
+
+    python -m refusion_jax.sample --hf_checkpoint DIR --prompt "What is 2+3?" --chat_template
+    python -m refusion_jax.sample --checkpoint WORKDIR --prompt "..." --method ar --json
+    python -m refusion_jax.sample --random_init tiny --prompt "hello" --trace trace.png
+
+All prompts are decoded as one batch. Without --json, each answer is printed
+with its statistics (and with --trace, a coloured decode-order trace); with
+--json, one JSON object per prompt. Bad input gives a one-line message and
+exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Sequence
+
+import jax
+from flax import nnx
+
+from refusion_jax import checkpoint, config as config_lib, hf_io
+from refusion_jax.decoding import DecodeResult
+from refusion_jax.model import Transformer, init_model
+from refusion_jax.sampler import METHODS, Sampler, decoder_options
+from refusion_jax.tokenizer import Tokenizer, load_tokenizer
+from refusion_jax.trace_plot import format_trace_terminal, plot_trace
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog="python -m refusion_jax.sample", description=__doc__.split("\n\n")[0],
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  source = parser.add_argument_group("model (exactly one)")
+  source.add_argument("--hf_checkpoint", metavar="DIR", help="Hugging Face checkpoint directory (config.json + safetensors).")
+  source.add_argument("--checkpoint", metavar="DIR", help="orbax checkpoint: a training workdir or its checkpoints/ directory.")
+  source.add_argument("--step", type=int, help="with --checkpoint: the step to load (default: the latest).")
+  source.add_argument("--random_init", metavar="PRESET", choices=sorted(config_lib.PRESETS),
+                      help="demo on a randomly initialised model of this preset with the byte tokenizer.")
+  source.add_argument("--init_seed", type=int, default=0, help="with --random_init: the weights' seed.")
+  parser.add_argument("--tokenizer", help="'bytes' or a directory with tokenizer.json (default: the checkpoint's "
+                      "tokenizer when it has one, else 'bytes').")
+  parser.add_argument("--dtype", choices=DTYPES, help="activation and parameter dtype (default: as stored).")
+
+  prompts = parser.add_argument_group("prompts (one or more)")
+  prompts.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a text prompt (repeatable).")
+  prompts.add_argument("--prompt_ids", action="append", default=[], metavar="1,2,3",
+                       help="a prompt as comma-separated token ids (repeatable).")
+  prompts.add_argument("--chat_template", action="store_true", help="wrap text prompts with the chat template.")
+
+  knobs = parser.add_argument_group("decoding")
+  knobs.add_argument("--method", choices=sorted(METHODS), default="refusion")
+  knobs.add_argument("--gen_length", type=int, default=64, help="G, answer tokens at most.")
+  knobs.add_argument("--slot_size", type=int, default=4, help="refusion: S, tokens per slot.")
+  knobs.add_argument("--serial_blocks", type=int, default=1, help="refusion: NB, blocks decoded left to right.")
+  knobs.add_argument("--slot_threshold", type=float, default=0.9, help="refusion: plan confidence to choose a slot.")
+  knobs.add_argument("--token_threshold", type=float, default=0.9, help="refusion: AR probability to accept a token.")
+  knobs.add_argument("--block_length", type=int, help="mdm: tokens per block (default min(32, G)).")
+  knobs.add_argument("--steps", type=int, help="mdm: total unmasking steps (default G).")
+  knobs.add_argument("--temperature", type=float, default=0.0)
+  knobs.add_argument("--seed", type=int, default=0)
+  knobs.add_argument("--mask_id", type=int, help="default: the tokenizer's, else the model config's.")
+  knobs.add_argument("--eos_id", type=int, help="default: the tokenizer's, else the model config's.")
+  knobs.add_argument("--pad_id", type=int, help="default: the tokenizer's, else the model config's.")
+
+  output = parser.add_argument_group("output")
+  output.add_argument("--json", action="store_true", help="print one JSON object per prompt.")
+  output.add_argument("--trace", metavar="PNG", help="save the decode-order picture (one file per prompt: "
+                      "name-<i>.png when there are several) and print a coloured trace.")
+  return parser
+
+
+class UsageError(ValueError):
+  """Bad command-line input, reported without a traceback."""
+
+
+def _parse_ids(text: str) -> list[int]:
+  try:
+    return [int(piece) for piece in text.split(",") if piece.strip()]
+  except ValueError:
+    raise UsageError(f"--prompt_ids {text!r} is not a comma-separated list of integers, e.g. --prompt_ids 1,2,3.") from None
+
+
+def load_model(args: argparse.Namespace) -> tuple[Transformer, Tokenizer]:
+  """The model and tokenizer the flags name."""
+  sources = [name for name in ("hf_checkpoint", "checkpoint", "random_init") if getattr(args, name)]
+  if len(sources) != 1:
+    raise UsageError("Give exactly one of --hf_checkpoint DIR, --checkpoint DIR or --random_init PRESET.")
+  overrides = {} if args.dtype is None else dict(dtype=args.dtype, param_dtype=args.dtype)
+
+  if args.random_init:
+    tokenizer = load_tokenizer(args.tokenizer or "bytes")
+    model_config = config_lib.preset(args.random_init).replace(
+        vocab_size=tokenizer.vocab_size, mask_token_id=tokenizer.mask_id,
+        eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id, **overrides,
+    )
+    return init_model(model_config, args.init_seed), tokenizer
+
+  if args.hf_checkpoint:
+    if not os.path.isdir(args.hf_checkpoint):
+      raise UsageError(f"--hf_checkpoint {args.hf_checkpoint!r} is not a directory.")
+    model = hf_io.load_hf(args.hf_checkpoint, **({"dtype": args.dtype} if args.dtype else {}))
+    has_tokenizer = os.path.isfile(os.path.join(args.hf_checkpoint, "tokenizer.json"))
+    return model, load_tokenizer(args.tokenizer or (args.hf_checkpoint if has_tokenizer else "bytes"))
+
+  model, stored_tokenizer = checkpoint.load_model_from_checkpoint(args.checkpoint, args.step)
+  if overrides:
+    model = cast_model(model, args.dtype)
+  return model, load_tokenizer(args.tokenizer or stored_tokenizer)
+
+
+def cast_model(model: Transformer, dtype: str) -> Transformer:
+  """The same weights with activations and parameters in `dtype`."""
+  model_config = model.config.replace(dtype=dtype, param_dtype=dtype)
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0))))
+  state = jax.tree.map(lambda x: x.astype(model_config.weight_dtype), nnx.state(model))
+  return nnx.merge(graphdef, state)
+
+
+def decode_kwargs(args: argparse.Namespace) -> dict:
+  """The flags the chosen method's decoder takes (unset optional ones left to the sampler's defaults)."""
+  options = decoder_options(METHODS[args.method][0])
+  return {name: getattr(args, name) for name in options if getattr(args, name, None) is not None}
+
+
+def trace_paths(path: str, count: int) -> list[str]:
+  if count == 1:
+    return [path]
+  stem, suffix = os.path.splitext(path)
+  return [f"{stem}-{i}{suffix or '.png'}" for i in range(count)]
+
+
+def report(result: DecodeResult, prompts: list[str], answers: list[str], args, tokenizer: Tokenizer) -> None:
+  """Print each prompt's answer (text or JSON) and write the traces."""
+  paths = trace_paths(args.trace, len(answers)) if args.trace else [None] * len(answers)
+  for row, (prompt, answer, path) in enumerate(zip(prompts, answers, paths)):
+    if path:
+      plot_trace(result, row, tokenizer=tokenizer, path=path)
+    stats = dict(num_forwards=int(result.num_forwards[row]), tpf=float(result.tpf[row]), seconds=result.seconds)
+    if args.json:
+      print(json.dumps(dict(tokens=result.tokens[row], text=answer, **stats)))
+      continue
+    print(f"[{row}] prompt: {prompt!r}")
+    print(f"[{row}] answer: {answer!r}")
+    print(f"[{row}] {len(result.tokens[row])} tokens, {stats['num_forwards']} forwards, TPF {stats['tpf']:.2f}, "
+          f"{stats['seconds']:.2f}s for the batch")
+    if path:
+      print(format_trace_terminal(result, row, tokenizer))
+      print(f"[{row}] trace saved to {path}")
+
+
+def run(args: argparse.Namespace) -> None:
+  if not args.prompt and not args.prompt_ids:
+    raise UsageError("Give at least one --prompt TEXT or --prompt_ids 1,2,3.")
+  if args.step is not None and not args.checkpoint:
+    raise UsageError("--step only applies to --checkpoint.")
+  id_prompts = [_parse_ids(text) for text in args.prompt_ids]
+  model, tokenizer = load_model(args)
+  sampler = Sampler(model, tokenizer, method=args.method, chat_template=args.chat_template, **decode_kwargs(args))
+  prompt_ids = [sampler.encode(text) for text in args.prompt] + id_prompts
+  result = sampler.decode_ids(prompt_ids)
+  answers = [tokenizer.decode(tokens) for tokens in result.tokens]
+  shown = list(args.prompt) + [tokenizer.decode(ids) for ids in id_prompts]
+  report(result, shown, answers, args, tokenizer)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Entry point; returns the exit status (2 on bad input)."""
+  parser = build_parser()
+  try:
+    args = parser.parse_args(argv)
+  except SystemExit as exit_:  # argparse has printed its message
+    return int(exit_.code or 0)
+  try:
+    run(args)
+  except (ValueError, FileNotFoundError) as error:
+    print(f"error: {error}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,180 @@
+"""The text front end (`Sampler`) and the sampling CLI on tiny saved checkpoints."""
+
+import json
+
+import grain
+import numpy as np
+import pytest
+from flax import nnx
+
+from refusion_jax import baselines, checkpoint, config, decode, hf_io, model as model_lib, sample
+from refusion_jax.sampler import Sampler
+from refusion_jax.tokenizer import ByteTokenizer
+
+TOK = ByteTokenizer()
+REFUSION = dict(gen_length=8, slot_size=4, serial_blocks=1, slot_threshold=0.5, token_threshold=0.5)
+
+
+def byte_model(seed=0):
+  model_config = config.tiny(
+      vocab_size=TOK.vocab_size, mask_token_id=TOK.mask_id, eos_token_id=TOK.eos_id, pad_token_id=TOK.pad_id,
+  )
+  return model_lib.init_model(model_config, seed)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return byte_model(1)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory, model):
+  path = tmp_path_factory.mktemp("hf")
+  hf_io.save_hf(model, path)
+  return str(path)
+
+
+def run_cli(capsys, *argv):
+  code = sample.main([str(a) for a in argv])
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+# ------------------------------------------------------------------- Sampler
+
+
+def test_sampler_text_in_text_out(model):
+  sampler = Sampler(model, "bytes", **REFUSION)
+  texts, result = sampler.generate(["hello", "a longer prompt"])
+  assert texts == [TOK.decode(t) for t in result.tokens]
+  assert sampler("hello") == texts[0]
+  assert sampler(["hello", "a longer prompt"]) == texts
+  expected = decode.generate(model, [TOK.encode("hello")], eos_id=TOK.eos_id, mask_id=TOK.mask_id, **REFUSION)
+  assert result.tokens[0] == expected.tokens[0]
+
+
+def test_sampler_compiles_once_per_bucket(model):
+  sampler = Sampler(model, TOK, gen_length=12, slot_size=4, slot_threshold=0.7)  # settings no other test uses
+  before = decode.compile_count()
+  sampler(["first prompt"])
+  assert decode.compile_count() == before + 1
+  sampler(["other words"])  # same bucket (16), same batch size
+  assert decode.compile_count() == before + 1
+
+
+@pytest.mark.parametrize("method,kwargs", [("ar", dict(gen_length=6)), ("mdm", dict(gen_length=8, block_length=4, steps=4))])
+def test_sampler_dispatches_to_the_baselines(model, method, kwargs):
+  rng = np.random.default_rng(0)
+  prompts = ["".join(chr(c) for c in rng.integers(97, 123, size=n)) for n in (3, 9)]
+  _, result = Sampler(model, TOK, method=method, **kwargs).generate(prompts)
+  direct = getattr(baselines, f"{method}_generate")(model, [TOK.encode(p) for p in prompts], **kwargs)
+  assert result.tokens == direct.tokens
+
+
+def test_sampler_mdm_defaults_follow_gen_length(model):
+  sampler = Sampler(model, TOK, method="mdm", gen_length=16)
+  assert (sampler.decode_kwargs["block_length"], sampler.decode_kwargs["steps"]) == (16, 16)
+
+
+def test_sampler_chat_template_changes_the_prompt(model):
+  class Bracketing(ByteTokenizer):
+    def apply_chat_template(self, query):
+      return f"[{query}]"
+
+  assert Sampler(model, Bracketing(), chat_template=True).encode("hi") == TOK.encode("[hi]")
+
+
+def test_sampler_rejects_unknown_options(model):
+  with pytest.raises(ValueError, match="takes no slot_size"):
+    Sampler(model, TOK, method="ar", slot_size=4)
+  with pytest.raises(ValueError, match="Unknown method"):
+    Sampler(model, TOK, method="beam")
+
+
+# ----------------------------------------------------------------------- CLI
+
+
+def test_cli_json_on_a_hf_checkpoint(capsys, hf_dir, model):
+  code, out, err = run_cli(
+      capsys, "--hf_checkpoint", hf_dir, "--prompt", "hello", "--prompt_ids", "5,6,7,8,9",
+      "--gen_length", 8, "--slot_threshold", 0.5, "--token_threshold", 0.5, "--json",
+  )
+  assert code == 0, err
+  rows = [json.loads(line) for line in out.strip().splitlines()]
+  assert len(rows) == 2
+  expected = decode.generate(model, [TOK.encode("hello"), [5, 6, 7, 8, 9]], eos_id=TOK.eos_id, **REFUSION)
+  for row, data in enumerate(rows):
+    assert set(data) == {"tokens", "text", "num_forwards", "tpf", "seconds"}
+    assert data["tokens"] == expected.tokens[row]
+    assert data["text"] == TOK.decode(expected.tokens[row])
+    assert data["num_forwards"] == int(expected.num_forwards[row])
+    assert data["tpf"] == pytest.approx(len(data["tokens"]) / data["num_forwards"])
+
+
+@pytest.mark.parametrize("method", ["ar", "mdm"])
+def test_cli_baseline_methods(capsys, hf_dir, model, method):
+  code, out, err = run_cli(capsys, "--hf_checkpoint", hf_dir, "--prompt_ids", "3,1,4", "--method", method,
+                           "--gen_length", 8, "--json")
+  assert code == 0, err
+  kwargs = dict(gen_length=8) if method == "ar" else dict(gen_length=8, block_length=8, steps=8)
+  expected = getattr(baselines, f"{method}_generate")(model, [[3, 1, 4]], **kwargs)
+  assert json.loads(out)["tokens"] == expected.tokens[0]
+
+
+def test_cli_trace_writes_pngs_and_prints_a_coloured_trace(capsys, tmp_path, hf_dir):
+  png = tmp_path / "trace.png"
+  code, out, err = run_cli(capsys, "--hf_checkpoint", hf_dir, "--prompt", "ab", "--prompt", "cd",
+                           "--gen_length", 8, "--trace", png)
+  assert code == 0, err
+  for i in range(2):
+    written = tmp_path / f"trace-{i}.png"
+    assert written.read_bytes()[:4] == b"\x89PNG"
+  assert out.count("\x1b[") > 16
+  assert "TPF" in out and "answer:" in out
+
+
+def test_cli_orbax_checkpoint(capsys, tmp_path):
+  trained = byte_model(2)
+  checkpoints = checkpoint.Checkpoints(str(tmp_path / "checkpoints"), async_save=False)
+  checkpoints.save(
+      3, params=nnx.state(trained), train={"step": 3},
+      data_iterator=iter(grain.MapDataset.range(4).to_iter_dataset()),
+      meta=checkpoint.model_meta(trained.config, "bytes"),
+  )
+  checkpoints.wait()
+  checkpoints.close()
+  code, out, err = run_cli(capsys, "--checkpoint", tmp_path, "--prompt_ids", "9,8,7", "--method", "ar",
+                           "--gen_length", 6, "--json")
+  assert code == 0, err
+  assert json.loads(out)["tokens"] == baselines.ar_generate(trained, [[9, 8, 7]], gen_length=6).tokens[0]
+  code, out, err = run_cli(capsys, "--checkpoint", tmp_path, "--prompt_ids", "9,8,7", "--method", "ar",
+                           "--gen_length", 6, "--json", "--dtype", "bfloat16")
+  assert code == 0, err
+  assert 1 <= len(json.loads(out)["tokens"]) <= 6
+
+
+def test_cli_random_init_demo(capsys):
+  code, out, err = run_cli(capsys, "--random_init", "tiny", "--prompt", "hi", "--gen_length", 8, "--json")
+  assert code == 0, err
+  data = json.loads(out)
+  assert 1 <= len(data["tokens"]) <= 8
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--prompt", "x"], "exactly one of"),
+        (["--random_init", "tiny"], "at least one --prompt"),
+        (["--random_init", "tiny", "--prompt_ids", "1,two"], "comma-separated"),
+        (["--random_init", "tiny", "--prompt", "x", "--gen_length", "10"], "multiple of slot_size"),
+        (["--random_init", "tiny", "--prompt_ids", "1,999"], "outside the vocabulary"),
+        (["--random_init", "tiny", "--prompt", "x", "--method", "beam"], "invalid choice"),
+        (["--hf_checkpoint", "/nonexistent/dir", "--prompt", "x"], "not a directory"),
+        (["--checkpoint", "/nonexistent/dir", "--prompt", "x"], "No checkpoint directory"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_a_message(capsys, argv, message):
+  code, out, err = run_cli(capsys, *argv)
+  assert code == 2
+  assert message in err
+  assert "Traceback" not in err
