@@ -143,10 +143,10 @@ def _hf_shape(rule: _Rule, our_shape: tuple[int, ...]) -> tuple[int, ...]:
 def _architecture(hf_config: dict) -> str:
   supported = f"supported: {sorted(_HF_CLASSES.values())} (model_type {sorted(_HF_CLASSES)})"
   names = hf_config.get("architectures") or []
+  families = {hf_class: family for family, hf_class in _HF_CLASSES.items()}
   for name in names:
-    for family, hf_class in _HF_CLASSES.items():
-      if name == hf_class:
-        return family
+    if name in families:
+      return families[name]
   if names:
     raise ValueError(
         f"Unsupported architecture {names} in config.json; {supported}. If the checkpoint is one of these "
@@ -173,8 +173,10 @@ def _single_rope_dict(value: dict | None) -> dict:
 def _rope(hf_config: dict) -> tuple[float, float]:
   """(theta, linear scaling factor) from either the transformers 4 or 5 layout."""
   # transformers 5 writes `rope_parameters` (theta inside); 4 writes `rope_theta` + `rope_scaling`.
-  settings = {**_single_rope_dict(hf_config.get("rope_parameters")), **_single_rope_dict(hf_config.get("rope_scaling"))}
-  theta = float(settings.get("rope_theta", hf_config.get("rope_theta", 10_000.0)))
+  # As in transformers 5, a `rope_scaling` entry replaces `rope_parameters` but may lack the theta.
+  parameters = _single_rope_dict(hf_config.get("rope_parameters"))
+  settings = _single_rope_dict(hf_config.get("rope_scaling")) or parameters
+  theta = float(settings.get("rope_theta", parameters.get("rope_theta", hf_config.get("rope_theta", 10_000.0))))
   partial = settings.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))
   if partial != 1.0:
     raise NotImplementedError(f"partial_rotary_factor={partial} is not supported; RoPE covers the whole head.")

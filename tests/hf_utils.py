@@ -48,7 +48,9 @@ def save_tiny_hf_model(directory: pathlib.Path, family: str, seed: int = 0, **co
   return model
 
 
-def hf_logits(model: transformers.PreTrainedModel, tokens: np.ndarray, positions: np.ndarray | None = None) -> np.ndarray:
+def hf_logits(
+    model: transformers.PreTrainedModel, tokens: np.ndarray, positions: np.ndarray | None = None
+) -> np.ndarray:
   """Logits [batch, length, vocab] of a transformers model as float32 numpy."""
   kwargs = {} if positions is None else {"position_ids": torch.from_numpy(np.asarray(positions, np.int64))}
   with torch.no_grad():

@@ -67,6 +67,10 @@ def test_config_reads_transformers5_rope_parameters_like_the_legacy_fields():
   new = _qwen3_8b_like(rope_parameters={"rope_type": "linear", "factor": 3.0, "rope_theta": 5e5})
   del new["rope_theta"], new["rope_scaling"]
   assert config_from_hf(new) == legacy
+  # A legacy rope_scaling entry (no theta in it) overrides rope_parameters, as in transformers 5.
+  both = dict(new, rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+              rope_scaling={"type": "linear", "factor": 3.0})
+  assert config_from_hf(both) == legacy
   assert (legacy.rope_theta, legacy.rope_scaling_factor) == (5e5, 3.0)
 
 
