@@ -50,7 +50,9 @@ from refusion_jax.decoding import (
 )
 from refusion_jax.model import Transformer
 
-__all__ = ["DecodeKnobs", "DecodeOutputs", "DecodeSettings", "DecodeResult", "compile_count", "decode_loop", "generate"]
+__all__ = [
+    "DecodeKnobs", "DecodeOutputs", "DecodeResult", "DecodeSettings", "compile_count", "decode_loop", "generate",
+]
 
 # Stage of a row: what its next forward is.
 STAGE_PLAN, STAGE_VERIFY, STAGE_DRAFT, STAGE_CHECK = 0, 1, 2, 3
@@ -151,6 +153,11 @@ def _leading_run(passes: jax.Array, slot_size: int) -> jax.Array:
   return jnp.sum(jnp.cumprod(slots.astype(jnp.int32), axis=-1), axis=-1)
 
 
+def _offset_in_slot(settings: DecodeSettings) -> jax.Array:
+  """[T] each block token's index inside its slot."""
+  return jnp.arange(settings.block_length) % settings.slot_size
+
+
 def _first_true(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   """[B, K] bool -> whether any is True [B] and the index of the first [B] (0 when none)."""
   return jnp.any(x, axis=-1), jnp.argmax(x, axis=-1)
@@ -176,7 +183,7 @@ def _plan_noise(key: jax.Array, steps: jax.Array, shape: tuple[int, int]) -> jax
 def _query(state: _RowState, settings: DecodeSettings, mask_id: jax.Array):
   """Each row's query tokens [B, T] and which block tokens each query sees [B, T, T]."""
   S, T = settings.slot_size, settings.block_length
-  offset = jnp.arange(T) % S
+  offset = _offset_in_slot(settings)
   slot = jnp.arange(T) // S
   causal = jnp.tril(jnp.ones((T, T), bool))
   same_slot = slot[:, None] == slot[None, :]
@@ -218,7 +225,7 @@ def _global_verify(probs, state: _RowState, knobs: DecodeKnobs, settings: Decode
   """
   S, T = settings.slot_size, settings.block_length
   chosen_tok = _per_token(state.chosen, S)
-  first_of_slot = jnp.arange(T) % S == 0
+  first_of_slot = _offset_in_slot(settings) == 0
   passes = first_of_slot[None] | (_previous_token_probs(probs, state.drafts) > knobs.token_threshold)
   # The prefix of the chosen tokens' concatenation: unchosen tokens are skipped, not failed.
   in_prefix = chosen_tok & (jnp.cumsum(chosen_tok & ~passes, axis=-1) == 0)
@@ -231,8 +238,9 @@ def _global_verify(probs, state: _RowState, knobs: DecodeKnobs, settings: Decode
 
 def _infill_draft(logits, state: _RowState, settings: DecodeSettings):
   """Step 3a: argmax drafts for the chosen slots' unaccepted tokens."""
-  offset = jnp.arange(settings.block_length) % settings.slot_size
-  redraft = _per_token(state.chosen, settings.slot_size) & (offset[None] >= _per_token(state.accepted, settings.slot_size))
+  S = settings.slot_size
+  unaccepted = _offset_in_slot(settings)[None] >= _per_token(state.accepted, S)
+  redraft = _per_token(state.chosen, S) & unaccepted
   return jnp.where(redraft, jnp.argmax(logits, axis=-1).astype(jnp.int32), state.drafts)
 
 
@@ -245,7 +253,7 @@ def _infill_check(probs, state: _RowState, knobs: DecodeKnobs, settings: DecodeS
     is accepted.
   """
   S, T = settings.slot_size, settings.block_length
-  offset = jnp.arange(T) % S
+  offset = _offset_in_slot(settings)
   # Accepted tokens and the first one after them pass without a test.
   forced = offset[None] <= _per_token(state.accepted, S)
   passes = forced | (_previous_token_probs(probs, state.drafts) > knobs.token_threshold)
@@ -288,10 +296,14 @@ def _commit(state: _RowState, kv, positions, take, settings: DecodeSettings, eos
       commit_phase=out.commit_phase.at[rows, target].set(
           jnp.broadcast_to(phase[:, None], take.shape), mode="drop"),
   )
-  return state.replace(cache=cache, undecided=state.undecided & ~removed, eos_seen=state.eos_seen | has_eos, out=out)
+  return state.replace(
+      cache=cache, undecided=state.undecided & ~removed, eos_seen=state.eos_seen | has_eos, out=out
+  )
 
 
-def _step(model: Transformer, state: _RowState, prompt_lengths, knobs: DecodeKnobs, settings: DecodeSettings) -> _RowState:
+def _step(
+    model: Transformer, state: _RowState, prompt_lengths, knobs: DecodeKnobs, settings: DecodeSettings
+) -> _RowState:
   """One forward for the whole batch, then each live row advances by its stage."""
   T = settings.block_length
   live = ~state.finished
@@ -316,7 +328,9 @@ def _step(model: Transformer, state: _RowState, prompt_lengths, knobs: DecodeKno
   state = state.replace(
       drafts=drafts,
       chosen=jnp.where(row(is_plan), plan_chosen, jnp.where(row(is_check), check_chosen, state.chosen)),
-      accepted=jnp.where(row(is_verify), verify_accepted, jnp.where(row(is_check), check_accepted, state.accepted)),
+      accepted=jnp.where(
+          row(is_verify), verify_accepted, jnp.where(row(is_check), check_accepted, state.accepted)
+      ),
       out=out,
   )
   state = _commit(state, kv, positions, take, settings, knobs.eos_id)
@@ -436,8 +450,11 @@ def generate(
       config's pad, else its EOS, else 0 (padding is never attended).
 
   Returns:
-    A `DecodeResult`; commit_iteration is the plan step whose cycle committed
-    each answer position, commit_phase PHASE_VERIFY or PHASE_INFILL.
+    A `DecodeResult`. num_forwards counts plan, verification, infill draft
+    and infill verify passes (not the prompt prefill); steps counts plans;
+    commit_iteration is the plan step whose cycle committed each answer
+    position and commit_phase PHASE_VERIFY or PHASE_INFILL (-1 / PHASE_NONE
+    past the answer, also where a slot after the EOS was committed).
   """
   config = model.config
   check_slot_layout(gen_length, slot_size, serial_blocks)

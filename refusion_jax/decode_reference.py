@@ -2,7 +2,9 @@
 
 It exists to be read next to the paper and to check `refusion_jax.decode`
 against: plain Python loops, dynamic shapes, and nothing shared with the
-jitted decoder but the model forward. It is slow; do not serve with it.
+jitted decoder but the model forward (itself jitted, on shapes padded to
+powers of two, only so that hundreds of test cases run in seconds). It is
+slow; do not serve with it.
 
 The cache is kept as explicit per-token keys and values in commit order. Each
 committed token keeps the KV of the pass that committed it: the global
@@ -45,7 +47,8 @@ def _bucket(n: int, least: int = 1) -> int:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _padded_forward(graphdef, params, tokens, positions, cache):
-  return nnx.merge(graphdef, params)(tokens, positions, cache=cache)
+  logits, kv = nnx.merge(graphdef, params)(tokens, positions, cache=cache)
+  return logits, jax.nn.softmax(logits, axis=-1), kv
 
 
 class _Storage:
@@ -64,17 +67,18 @@ class _Storage:
   def forward(self, tokens: list[list[int]], positions: list[list[int]]):
     """Forward R rows of T tokens; each row sees every stored entry and its own earlier tokens.
 
-    Only shapes are padded, to powers of two, so that the forward compiles a
-    few times rather than once per step: stored entries past the length are
-    invalid, extra query tokens come after the real ones (unseen under the
-    causal mask) and extra rows are dropped.
+    Only shapes are padded (to powers of two, at least 16 query tokens and 64
+    stored entries) so that the forward compiles a few times rather than once
+    per step: stored entries past the length are invalid, extra query tokens
+    come after the real ones (unseen under the causal mask) and extra rows
+    are dropped.
 
     Returns:
       logits [R, T, vocab] and softmax probabilities [R, T, vocab] (numpy
       float32), and the rows' keys and values, each numpy [layers, R, T, kv_heads, head_dim].
     """
     rows, width, length = len(tokens), len(tokens[0]), len(self.positions)
-    padded_rows, padded_width, capacity = _bucket(rows), _bucket(width), _bucket(length, 16)
+    padded_rows, padded_width, capacity = _bucket(rows), _bucket(width, 16), _bucket(length, 64)
     query = np.zeros((padded_rows, padded_width), np.int32)
     query_positions = np.zeros((padded_rows, padded_width), np.int32)
     query[:rows, :width], query_positions[:rows, :width] = tokens, positions
@@ -89,11 +93,9 @@ class _Storage:
         valid=np.broadcast_to(np.arange(capacity) < length, (padded_rows, capacity)),
         length=np.full((padded_rows,), length, np.int32),
     )
-    logits, kv = _padded_forward(self.graphdef, self.params, query, query_positions, cache)
-    logits = logits[:rows, :width]
-    probs = jax.nn.softmax(logits, axis=-1)
-    keys, values = (np.asarray(x[:, :rows, :width]) for x in (kv.k, kv.v))
-    return np.asarray(logits), np.asarray(probs), keys, values
+    outputs = _padded_forward(self.graphdef, self.params, query, query_positions, cache)
+    logits, probs, kv = jax.device_get(outputs)
+    return logits[:rows, :width], probs[:rows, :width], kv.k[:, :rows, :width], kv.v[:, :rows, :width]
 
   def extend(self, k: np.ndarray, v: np.ndarray, positions: list[int]) -> None:
     """Append entries ([layers, 1, n, kv_heads, head_dim]) after the stored ones."""
@@ -183,7 +185,8 @@ def decode_reference(
 
       # 1. Plan: every undecided slot as mask tokens, causal in original order.
       offsets = [slot + j for slot in undecided for j in range(S)]
-      logits, probs, _, _ = storage.forward([[mask_id] * len(offsets)], [[prompt_length + o for o in offsets]])
+      positions = [[prompt_length + o for o in offsets]]
+      logits, probs, _, _ = storage.forward([[mask_id] * len(offsets)], positions)
       forwards += 1
       scores = logits[0]
       if temperature > 0:

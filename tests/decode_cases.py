@@ -78,7 +78,8 @@ def random_case(group: Group, template: Transformer, rng: np.random.Generator) -
       weight_std=float(rng.uniform(0.05, 0.4)),
       head_std=float(np.exp(rng.uniform(np.log(0.1), np.log(1.5)))),
   )
-  prompts = [rng.integers(0, vocab - 1, int(rng.integers(1, group.max_prompt + 1))).tolist() for _ in range(group.batch)]
+  lengths = rng.integers(1, group.max_prompt + 1, group.batch)
+  prompts = [rng.integers(0, vocab - 1, int(n)).tolist() for n in lengths]
   knobs = dict(
       gen_length=group.gen_length,
       slot_size=group.slot_size,

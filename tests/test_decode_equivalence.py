@@ -24,7 +24,8 @@ GROUPS = [
     Group("slots of 8, llama", vocab_size=32, gen_length=32, slot_size=8, serial_blocks=2,
           architecture="llama", cases=25),
     Group("single-token slots", vocab_size=16, gen_length=8, slot_size=1, serial_blocks=2, cases=25),
-    Group("batched", vocab_size=16, gen_length=16, slot_size=4, serial_blocks=2, batch=3, max_prompt=30, cases=25),
+    Group("batched", vocab_size=16, gen_length=16, slot_size=4, serial_blocks=2, batch=3, max_prompt=30,
+          cases=25),
     Group("sampled", vocab_size=24, gen_length=16, slot_size=4, serial_blocks=1, sample=True, cases=30),
 ]
 

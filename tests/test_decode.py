@@ -1,0 +1,165 @@
+"""ReFusion decoder behaviour: hand-built cases with a known outcome, compilation, sampling, input checks."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from refusion_jax.config import tiny
+from refusion_jax.decode import compile_count, generate
+from refusion_jax.decode_reference import decode_reference
+from refusion_jax.decoding import PHASE_INFILL, PHASE_VERIFY
+from refusion_jax.model import init_model
+from tests.decode_cases import random_weights
+
+VOCAB, MASK, EOS, WORD = 8, 7, 6, 1
+LOGIT = 3.0  # softmax([3, 0 x 7])[0] ≈ 0.742
+
+
+def bigram_model(mask_predicts: int, word_follows: int):
+  """A model whose logits at a position depend only on that position's input token.
+
+  The attention and MLP outputs are zeroed, so the residual stream is the
+  token embedding (one-hot), and the LM head maps token v to logits
+  `LOGIT * onehot(next[v])`: a mask predicts `mask_predicts`, WORD predicts
+  `word_follows`, everything else predicts token 0.
+  """
+  model = init_model(tiny(vocab_size=VOCAB, mask_token_id=MASK, eos_token_id=EOS))
+  hidden = model.config.hidden_size
+  model.embed_tokens[...] = jnp.eye(VOCAB, hidden)
+  for layer in model.layers:
+    layer.self_attn.o_proj[...] = jnp.zeros_like(layer.self_attn.o_proj[...])
+    layer.mlp.down_proj[...] = jnp.zeros_like(layer.mlp.down_proj[...])
+  follows = np.zeros(VOCAB, int)
+  follows[MASK], follows[WORD] = mask_predicts, word_follows
+  # The final norm scales a one-hot embedding to sqrt(hidden).
+  head = np.zeros((hidden, VOCAB), np.float32)
+  head[np.arange(VOCAB), follows] = LOGIT / np.sqrt(hidden)
+  model.lm_head[...] = jnp.asarray(head)
+  return model
+
+
+HAND_CASES = {
+    # Every slot is confident and every AR check passes: one plan commits the whole block.
+    "all slots at once": dict(
+        model=(WORD, WORD), slot_threshold=0.5, token_threshold=0.5, serial_blocks=1,
+        tokens=[WORD] * 8, forwards=[2], steps=[1], iteration=[0] * 8, phase=[PHASE_VERIFY] * 8,
+    ),
+    "one plan per serial block": dict(
+        model=(WORD, WORD), slot_threshold=0.5, token_threshold=0.5, serial_blocks=2,
+        tokens=[WORD] * 8, forwards=[4], steps=[2], iteration=[0] * 4 + [1] * 4, phase=[PHASE_VERIFY] * 8,
+    ),
+    # No slot reaches the slot threshold: equal confidences, so the first slot wins each plan.
+    "one slot per plan": dict(
+        model=(WORD, WORD), slot_threshold=0.9, token_threshold=0.5, serial_blocks=1,
+        tokens=[WORD] * 8, forwards=[4], steps=[2], iteration=[0] * 4 + [1] * 4, phase=[PHASE_VERIFY] * 8,
+    ),
+    # AR checks fail: both slots go to the infill, which accepts one forced token per round (3 rounds).
+    "token by token infill": dict(
+        model=(WORD, 0), slot_threshold=0.5, token_threshold=0.5, serial_blocks=1,
+        tokens=[WORD] * 8, forwards=[2 + 2 * 3], steps=[1], iteration=[0] * 8, phase=[PHASE_INFILL] * 8,
+    ),
+    # Every draft is EOS: the global verification commits the first slot cut after its EOS.
+    "eos first": dict(
+        model=(EOS, 0), slot_threshold=0.5, token_threshold=0.5, serial_blocks=2,
+        tokens=[EOS], forwards=[2], steps=[1], iteration=[0] + [-1] * 7, phase=[PHASE_VERIFY] + [-1] * 7,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", HAND_CASES)
+def test_hand_built_model_decodes_as_derived(name):
+  case = HAND_CASES[name]
+  model = bigram_model(*case["model"])
+  knobs = dict(gen_length=8, slot_size=4, serial_blocks=case["serial_blocks"],
+               slot_threshold=case["slot_threshold"], token_threshold=case["token_threshold"])
+  prompts = [[2, 3, 4], [5] * 20]  # the prompt is invisible to this model: both rows decode alike
+  result = generate(model, prompts, **knobs)
+  reference = decode_reference(model, prompts[0], mask_id=MASK, eos_id=EOS, **knobs)
+  for got in (result, reference):
+    for row in range(len(got.tokens)):
+      assert got.tokens[row] == case["tokens"]
+      assert got.num_forwards[row] == case["forwards"][0]
+      assert got.steps[row] == case["steps"][0]
+      assert got.commit_iteration[row].tolist() == case["iteration"]
+      assert got.commit_phase[row].tolist() == case["phase"]
+
+
+KNOBS = dict(
+    gen_length=8, slot_size=2, serial_blocks=2, slot_threshold=0.6, token_threshold=0.4, mask_id=15, eos_id=14
+)
+
+
+def random_model(seed: int, head_std: float = 0.5):
+  return random_weights(init_model(tiny(vocab_size=16)), seed, weight_std=0.2, head_std=head_std)
+
+
+def test_new_prompts_and_weights_in_one_bucket_compile_once():
+  rng = np.random.default_rng(0)
+  knobs = dict(KNOBS, gen_length=12, slot_size=3)  # a layout no other test compiles
+  before = compile_count()
+  generate(random_model(0), [rng.integers(0, 14, 3).tolist()], **knobs)
+  assert compile_count() == before + 1
+  for index in range(10):
+    prompt = rng.integers(0, 14, int(rng.integers(1, 17))).tolist()
+    generate(random_model(index + 1), [prompt], **dict(knobs, slot_threshold=float(rng.uniform(0.1, 0.9))))
+  assert compile_count() == before + 1
+
+
+def test_sampling_is_reproducible_per_seed():
+  model = random_model(1, head_std=0.05)  # nearly flat logits: samples vary a lot
+  prompts = [[1, 2, 3], [4, 5]]
+  sample = lambda seed: generate(model, prompts, **KNOBS, temperature=1.0, seed=seed).tokens
+  first = sample(7)
+  assert sample(7) == first
+  assert any(sample(seed) != first for seed in (8, 9, 10))
+
+
+def test_batched_rows_equal_their_single_calls():
+  rng = np.random.default_rng(3)
+  for case in range(3):
+    model = random_model(100 + case, head_std=float(rng.uniform(0.2, 1.5)))
+    prompts = [rng.integers(0, 14, int(n)).tolist() for n in (2, 9, 16, 5)]
+    knobs = dict(KNOBS, token_threshold=float(rng.uniform(0.1, 0.9)), eos_id=int(rng.integers(0, 14)))
+    batched = generate(model, prompts, **knobs)
+    for row, prompt in enumerate(prompts):
+      single = generate(model, [prompt], **knobs)
+      assert batched.tokens[row] == single.tokens[0]
+      assert batched.num_forwards[row] == single.num_forwards[0]
+      np.testing.assert_array_equal(batched.commit_iteration[row], single.commit_iteration[0])
+
+
+def test_defaults_come_from_the_model_config():
+  model = bigram_model(WORD, WORD)
+  result = generate(
+      model, [[1, 2]], gen_length=8, slot_size=4, serial_blocks=1, slot_threshold=0.5, token_threshold=0.5
+  )
+  assert result.tokens == [[WORD] * 8]
+
+
+BAD_INPUTS = [
+    (dict(prompt_ids=[]), "non-empty list"),
+    (dict(prompt_ids=[[1, 99]]), "outside the vocabulary"),
+    (dict(gen_length=10), "use gen_length=8"),
+    (dict(gen_length=3), "use gen_length=4"),
+    (dict(slot_size=0), "slot_size=0"),
+    (dict(serial_blocks=0), "serial_blocks=0"),
+    (dict(slot_threshold=0.0), r"slot_threshold=0.0 must lie in \(0, 1\]"),
+    (dict(token_threshold=1.5), r"token_threshold=1.5 must lie in \(0, 1\]"),
+    (dict(temperature=-0.5), "temperature=-0.5 must be >= 0"),
+    (dict(mask_id=None), "pass mask_id=..."),
+    (dict(mask_id=16), "mask_id=16 lies outside"),
+    (dict(eos_id=None), "pass eos_id=..."),
+    (dict(eos_id=-1), "eos_id=-1 lies outside"),
+    (dict(gen_length=4096), "maximum 4096"),
+]
+
+
+@pytest.mark.parametrize("change,message", BAD_INPUTS, ids=[m for _, m in BAD_INPUTS])
+def test_bad_input_is_rejected_before_compiling(change, message):
+  model = init_model(tiny(vocab_size=16))  # no mask or EOS id in the config
+  args = dict(KNOBS, prompt_ids=[[1, 2, 3]])
+  args.update(change)
+  before = compile_count()
+  with pytest.raises(ValueError, match=message):
+    generate(model, **args)
+  assert compile_count() == before
