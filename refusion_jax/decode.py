@@ -400,7 +400,9 @@ def decode_loop(
           answer=none,
           commit_iteration=none,
           commit_phase=jnp.full((batch, G), PHASE_NONE, jnp.int32),
-          num_forwards=jnp.zeros((batch,), jnp.int32),
+          # The prompt prefill is a forward too; counting it keeps TPF
+          # comparable with the AR baseline, whose prefill yields its first token.
+          num_forwards=jnp.ones((batch,), jnp.int32),
           steps=jnp.zeros((batch,), jnp.int32),
       ),
   )
@@ -450,8 +452,8 @@ def generate(
       config's pad, else its EOS, else 0 (padding is never attended).
 
   Returns:
-    A `DecodeResult`. num_forwards counts plan, verification, infill draft
-    and infill verify passes (not the prompt prefill); steps counts plans;
+    A `DecodeResult`. num_forwards counts the prompt prefill and every plan,
+    verification, infill draft and infill verify pass; steps counts plans;
     commit_iteration is the plan step whose cycle committed each answer
     position and commit_phase PHASE_VERIFY or PHASE_INFILL (-1 / PHASE_NONE
     past the answer, also where a slot after the EOS was committed).

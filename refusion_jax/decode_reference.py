@@ -162,7 +162,7 @@ def decode_reference(
   storage.extend(prompt_k, prompt_v, list(range(prompt_length)))
   # Answer offset -> (token, plan step, phase) of every committed position.
   committed: dict[int, tuple[int, int, int]] = {}
-  forwards = steps = 0
+  forwards, steps = 1, 0  # the prompt prefill above is the first forward
   eos_seen = False
 
   def commit(tokens, offsets, k, v, step, phase):

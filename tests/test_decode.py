@@ -42,26 +42,26 @@ HAND_CASES = {
     # Every slot is confident and every AR check passes: one plan commits the whole block.
     "all slots at once": dict(
         model=(WORD, WORD), slot_threshold=0.5, token_threshold=0.5, serial_blocks=1,
-        tokens=[WORD] * 8, forwards=[2], steps=[1], iteration=[0] * 8, phase=[PHASE_VERIFY] * 8,
+        tokens=[WORD] * 8, forwards=[3], steps=[1], iteration=[0] * 8, phase=[PHASE_VERIFY] * 8,
     ),
     "one plan per serial block": dict(
         model=(WORD, WORD), slot_threshold=0.5, token_threshold=0.5, serial_blocks=2,
-        tokens=[WORD] * 8, forwards=[4], steps=[2], iteration=[0] * 4 + [1] * 4, phase=[PHASE_VERIFY] * 8,
+        tokens=[WORD] * 8, forwards=[5], steps=[2], iteration=[0] * 4 + [1] * 4, phase=[PHASE_VERIFY] * 8,
     ),
     # No slot reaches the slot threshold: equal confidences, so the first slot wins each plan.
     "one slot per plan": dict(
         model=(WORD, WORD), slot_threshold=0.9, token_threshold=0.5, serial_blocks=1,
-        tokens=[WORD] * 8, forwards=[4], steps=[2], iteration=[0] * 4 + [1] * 4, phase=[PHASE_VERIFY] * 8,
+        tokens=[WORD] * 8, forwards=[5], steps=[2], iteration=[0] * 4 + [1] * 4, phase=[PHASE_VERIFY] * 8,
     ),
     # AR checks fail: both slots go to the infill, which accepts one forced token per round (3 rounds).
     "token by token infill": dict(
         model=(WORD, 0), slot_threshold=0.5, token_threshold=0.5, serial_blocks=1,
-        tokens=[WORD] * 8, forwards=[2 + 2 * 3], steps=[1], iteration=[0] * 8, phase=[PHASE_INFILL] * 8,
+        tokens=[WORD] * 8, forwards=[1 + 2 + 2 * 3], steps=[1], iteration=[0] * 8, phase=[PHASE_INFILL] * 8,
     ),
     # Every draft is EOS: the global verification commits the first slot cut after its EOS.
     "eos first": dict(
         model=(EOS, 0), slot_threshold=0.5, token_threshold=0.5, serial_blocks=2,
-        tokens=[EOS], forwards=[2], steps=[1], iteration=[0] + [-1] * 7, phase=[PHASE_VERIFY] + [-1] * 7,
+        tokens=[EOS], forwards=[3], steps=[1], iteration=[0] + [-1] * 7, phase=[PHASE_VERIFY] + [-1] * 7,
     ),
 }
 
