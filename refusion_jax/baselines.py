@@ -207,7 +207,7 @@ def num_transfer_tokens(block_length: int, steps_per_block: int) -> np.ndarray:
   return counts
 
 
-def _check_mdm_schedule(gen_length: int, block_length: int, steps: int) -> int:
+def check_mdm_schedule(gen_length: int, block_length: int, steps: int) -> int:
   """Validate the block/step split; returns steps per block."""
   if block_length < 1 or gen_length % block_length:
     raise ValueError(
@@ -305,7 +305,7 @@ def mdm_generate(
   """
   config = model.config
   check_prompts(prompt_ids, config, gen_length)
-  _check_mdm_schedule(gen_length, block_length, steps)
+  check_mdm_schedule(gen_length, block_length, steps)
   temperature = check_temperature(temperature)
   mask = check_special_id("mask_id", _optional_id(mask_id, config.mask_token_id), config)
   eos_id = _optional_id(eos_id, config.eos_token_id)

@@ -31,21 +31,27 @@ from refusion_jax.trace_plot import format_trace_terminal, plot_trace
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def add_model_flags(parser: argparse.ArgumentParser, random_init: bool = True) -> None:
+  """The flags `load_model` reads: where the model and tokenizer come from, and the dtype."""
+  source = parser.add_argument_group("model (exactly one)" if random_init else "trained model (optional)")
+  source.add_argument("--hf_checkpoint", metavar="DIR", help="Hugging Face checkpoint directory (config.json + safetensors).")
+  source.add_argument("--checkpoint", metavar="DIR", help="orbax checkpoint: a training workdir or its checkpoints/ directory.")
+  source.add_argument("--step", type=int, help="with --checkpoint: the step to load (default: the latest).")
+  if random_init:
+    source.add_argument("--random_init", metavar="PRESET", choices=sorted(config_lib.PRESETS),
+                        help="demo on a randomly initialised model of this preset with the byte tokenizer.")
+    source.add_argument("--init_seed", type=int, default=0, help="with --random_init: the weights' seed.")
+  parser.add_argument("--tokenizer", help="'bytes' or a directory with tokenizer.json (default: the checkpoint's "
+                      "tokenizer when it has one, else 'bytes').")
+  parser.add_argument("--dtype", choices=DTYPES, help="activation and parameter dtype (default: as stored).")
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="python -m refusion_jax.sample", description=__doc__.split("\n\n")[0],
       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
-  source = parser.add_argument_group("model (exactly one)")
-  source.add_argument("--hf_checkpoint", metavar="DIR", help="Hugging Face checkpoint directory (config.json + safetensors).")
-  source.add_argument("--checkpoint", metavar="DIR", help="orbax checkpoint: a training workdir or its checkpoints/ directory.")
-  source.add_argument("--step", type=int, help="with --checkpoint: the step to load (default: the latest).")
-  source.add_argument("--random_init", metavar="PRESET", choices=sorted(config_lib.PRESETS),
-                      help="demo on a randomly initialised model of this preset with the byte tokenizer.")
-  source.add_argument("--init_seed", type=int, default=0, help="with --random_init: the weights' seed.")
-  parser.add_argument("--tokenizer", help="'bytes' or a directory with tokenizer.json (default: the checkpoint's "
-                      "tokenizer when it has one, else 'bytes').")
-  parser.add_argument("--dtype", choices=DTYPES, help="activation and parameter dtype (default: as stored).")
+  add_model_flags(parser)
 
   prompts = parser.add_argument_group("prompts (one or more)")
   prompts.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a text prompt (repeatable).")
@@ -88,12 +94,14 @@ def _parse_ids(text: str) -> list[int]:
 
 def load_model(args: argparse.Namespace) -> tuple[Transformer, Tokenizer]:
   """The model and tokenizer the flags name."""
-  sources = [name for name in ("hf_checkpoint", "checkpoint", "random_init") if getattr(args, name)]
+  sources = [name for name in ("hf_checkpoint", "checkpoint", "random_init") if getattr(args, name, None)]
   if len(sources) != 1:
     raise UsageError("Give exactly one of --hf_checkpoint DIR, --checkpoint DIR or --random_init PRESET.")
+  if args.step is not None and not args.checkpoint:
+    raise UsageError("--step only applies to --checkpoint.")
   overrides = {} if args.dtype is None else dict(dtype=args.dtype, param_dtype=args.dtype)
 
-  if args.random_init:
+  if sources == ["random_init"]:
     tokenizer = load_tokenizer(args.tokenizer or "bytes")
     model_config = config_lib.preset(args.random_init).replace(
         vocab_size=tokenizer.vocab_size, mask_token_id=tokenizer.mask_id,
@@ -157,8 +165,6 @@ def report(result: DecodeResult, prompts: list[str], answers: list[str], args, t
 def run(args: argparse.Namespace) -> None:
   if not args.prompt and not args.prompt_ids:
     raise UsageError("Give at least one --prompt TEXT or --prompt_ids 1,2,3.")
-  if args.step is not None and not args.checkpoint:
-    raise UsageError("--step only applies to --checkpoint.")
   id_prompts = [_parse_ids(text) for text in args.prompt_ids]
   model, tokenizer = load_model(args)
   sampler = Sampler(model, tokenizer, method=args.method, chat_template=args.chat_template, **decode_kwargs(args))

@@ -1,0 +1,308 @@
+"""Benchmarks. `decode`: ReFusion against its eager reference and the AR / MDM baselines.
+
+    python -m refusion_jax.bench decode                       # tiny + small, sharpened random weights
+    python -m refusion_jax.bench decode --sizes tiny --batch 4 --gen_length 32 --repeats 1
+    python -m refusion_jax.bench decode --hf_checkpoint DIR --prompt "What is 3+4?"   # trained weights
+
+For every model, in one run: the jitted ReFusion decoder and the eager
+reference at batch 1 (same tokens, speed ratio), ReFusion vs AR vs MDM
+(forwards per row, tokens per forward, tokens/s) at batch 1 and at --batch,
+and the KV-cache bytes of the cached decoders. The first call of every
+configuration compiles; it is timed apart ("compile" = first call − median
+run) and the runs are the median of --repeats calls.
+
+Random weights commit tokens arbitrarily and, near-uniform, would make every
+ReFusion slot fail its thresholds. The random models are therefore
+"sharpened": their LM head is scaled by --sharpen (confident, repetitive
+predictions, so slots pass verification as a trained model's do) and EOS is
+never predicted (every method writes all G tokens, so the counts compare).
+Pass --hf_checkpoint / --checkpoint to measure trained weights instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import statistics
+import sys
+import time
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from refusion_jax import baselines, config as config_lib, decode, sample
+from refusion_jax.cache import KVCache
+from refusion_jax.decode_reference import decode_reference
+from refusion_jax.decoding import DecodeResult, bucket_length, check_slot_layout
+from refusion_jax.model import Transformer, init_model
+
+PROMPT_LENGTHS = (8, 16)  # random prompts: lengths drawn in [8, 16], one bucket
+
+
+@dataclasses.dataclass
+class BenchModel:
+  """A model to benchmark, its prompts (the batch-1 run uses the first) and special ids."""
+
+  name: str
+  model: Transformer
+  prompts: list[list[int]]
+  mask_id: int
+  eos_id: int
+  pad_id: int
+
+
+@dataclasses.dataclass
+class Measurement:
+  """One (model, method, batch) cell of the table."""
+
+  model: str
+  method: str
+  batch: int
+  forwards: float  # mean forwards per row
+  tpf: float  # all answer tokens ÷ all forwards
+  tokens_per_s: float  # answer tokens of the batch ÷ median run time
+  compile_s: float  # first call − median run
+  run_s: float  # median run time
+  kv_cache_bytes: int | None  # None: the method keeps no cache
+  tokens: list[list[int]]
+
+
+def sharpen(model: Transformer, scale: float, never: int) -> Transformer:
+  """Scale the LM head by `scale` and zero the logit of token `never` (in place).
+
+  A zero logit sits in the middle of the scaled random logits, so greedy
+  decoding never picks that token.
+  """
+  if model.config.tie_embeddings:
+    raise ValueError("Sharpening scales the untied lm_head; this preset ties it to the embedding. Use --sharpen 1.")
+  model.lm_head[...] = (model.lm_head[...] * scale).at[:, never].set(0.0)
+  return model
+
+
+def random_prompts(rng: np.random.Generator, count: int, vocab: int) -> list[list[int]]:
+  low, high = PROMPT_LENGTHS
+  return [rng.integers(0, vocab, size=int(rng.integers(low, high + 1))).tolist() for _ in range(count)]
+
+
+def random_bench_model(size: str, batch: int, scale: float, seed: int) -> BenchModel:
+  """A Qwen3-shaped preset with random (sharpened) weights; the last three ids are mask, EOS, pad."""
+  base = config_lib.preset(size)
+  vocab = base.vocab_size
+  model_config = base.replace(mask_token_id=vocab - 1, eos_token_id=vocab - 2, pad_token_id=vocab - 3)
+  model = init_model(model_config, seed)
+  if scale != 1.0:
+    model = sharpen(model, scale, never=vocab - 2)
+  prompts = random_prompts(np.random.default_rng(seed), batch, vocab - 3)
+  return BenchModel(size, model, prompts, vocab - 1, vocab - 2, vocab - 3)
+
+
+def trained_bench_model(args: argparse.Namespace) -> BenchModel:
+  """The --hf_checkpoint / --checkpoint model; prompts from --prompt (cycled to fill the batch) or random."""
+  model, tokenizer = sample.load_model(args)
+  # As the Sampler does: the tokenizer's ids (those seen in training), then the config's.
+  mask_id = next((i for i in (args.mask_id, tokenizer.mask_id, model.config.mask_token_id) if i is not None), None)
+  if mask_id is None:
+    raise ValueError("Neither the tokenizer nor the model config names a mask token; pass --mask_id.")
+  if args.prompt:
+    encoded = [tokenizer.encode(tokenizer.apply_chat_template(p) if args.chat_template else p) for p in args.prompt]
+    prompts = [encoded[i % len(encoded)] for i in range(args.batch)]
+  else:
+    vocab = min(model.config.vocab_size, tokenizer.vocab_size)
+    prompts = random_prompts(np.random.default_rng(args.seed), args.batch, vocab)
+  name = args.hf_checkpoint or args.checkpoint
+  return BenchModel(name, model, prompts, mask_id, tokenizer.eos_id, tokenizer.pad_id)
+
+
+def kv_cache_bytes(model: Transformer, batch: int, capacity: int) -> int:
+  """Bytes of a `KVCache` of that batch and capacity (computed from shapes, nothing allocated)."""
+  shapes = jax.eval_shape(lambda: KVCache.create(model.config, batch, capacity))
+  return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+
+def _log(message: str) -> None:
+  print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def measure(label: str, call: Callable[[], DecodeResult], repeats: int) -> tuple[DecodeResult, float, float]:
+  """(result, compile seconds, median run seconds) of `call`, the first call being the warm-up."""
+  start = time.perf_counter()
+  result = call()
+  first = time.perf_counter() - start
+  _log(f"{label}: first call (compile + run) {first:.2f}s")
+  runs = []
+  for i in range(repeats):
+    start = time.perf_counter()
+    result = call()
+    runs.append(time.perf_counter() - start)
+    _log(f"{label}: run {i + 1}/{repeats} {runs[-1]:.2f}s")
+  median = statistics.median(runs)
+  return result, max(first - median, 0.0), median
+
+
+def decoders(bench: BenchModel, args: argparse.Namespace) -> dict[str, Callable[[list[list[int]]], DecodeResult]]:
+  """Each method as a function of the prompts, with the run's knobs bound."""
+  ids = dict(eos_id=bench.eos_id, pad_id=bench.pad_id)
+  refusion = dict(
+      gen_length=args.gen_length, slot_size=args.slot_size, serial_blocks=args.serial_blocks,
+      slot_threshold=args.slot_threshold, token_threshold=args.token_threshold, mask_id=bench.mask_id,
+  )
+  return {
+      "refusion": lambda p: decode.generate(bench.model, p, **refusion, **ids),
+      "refusion eager ref.": lambda p: decode_reference(bench.model, p[0], **refusion, eos_id=bench.eos_id),
+      "ar": lambda p: baselines.ar_generate(bench.model, p, gen_length=args.gen_length, **ids),
+      "mdm": lambda p: baselines.mdm_generate(
+          bench.model, p, gen_length=args.gen_length, block_length=args.mdm_block_length,
+          steps=args.mdm_steps, mask_id=bench.mask_id, **ids,
+      ),
+  }
+
+
+def bench_decode(bench: BenchModel, args: argparse.Namespace) -> list[Measurement]:
+  """Every method at batch 1 and at the full batch (the eager reference at batch 1 only)."""
+  capacity = bucket_length(max(len(p) for p in bench.prompts)) + args.gen_length
+  # The eager reference keeps growing host arrays rather than a fixed-capacity cache.
+  cached = {"refusion", "ar"}
+  rows = []
+  for batch in sorted({1, len(bench.prompts)}):
+    prompts = bench.prompts[:batch]
+    for method, call in decoders(bench, args).items():
+      if method == "refusion eager ref." and batch > 1:
+        continue
+      label = f"{bench.name} {method} batch {batch}"
+      result, compile_s, run_s = measure(label, lambda: call(prompts), args.repeats)
+      answer_tokens = sum(len(t) for t in result.tokens)
+      rows.append(Measurement(
+          model=bench.name, method=method, batch=batch,
+          forwards=float(np.mean(result.num_forwards)), tpf=result.overall_tpf,
+          tokens_per_s=answer_tokens / run_s, compile_s=compile_s, run_s=run_s,
+          kv_cache_bytes=kv_cache_bytes(bench.model, batch, capacity) if method in cached else None,
+          tokens=result.tokens,
+      ))
+  return rows
+
+
+def _bytes(count: int | None) -> str:
+  if count is None:
+    return "-"
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if count < 1024 or unit == "GiB":
+      return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+    count /= 1024
+  raise AssertionError("unreachable")
+
+
+def format_table(rows: Sequence[Measurement]) -> str:
+  """A fixed-width text table, one line per measurement."""
+  header = ("model", "method", "batch", "fwd/row", "TPF", "tokens/s", "compile s", "run s", "KV cache")
+  lines = [
+      (r.model, r.method, str(r.batch), f"{r.forwards:.1f}", f"{r.tpf:.2f}", f"{r.tokens_per_s:.1f}",
+       f"{r.compile_s:.2f}", f"{r.run_s:.3f}", _bytes(r.kv_cache_bytes))
+      for r in rows
+  ]
+  widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+  fmt = lambda cells: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+  rule = "-" * len(fmt(header))
+  return "\n".join([fmt(header), rule, *map(fmt, lines)])
+
+
+def summary(rows: Sequence[Measurement]) -> str:
+  """Per model: jitted vs eager speed and agreement, and the batching speed-up of each method."""
+  out = []
+  for name in dict.fromkeys(r.model for r in rows):
+    cell = {(r.method, r.batch): r for r in rows if r.model == name}
+    jitted, eager = cell[("refusion", 1)], cell[("refusion eager ref.", 1)]
+    same = "same tokens" if jitted.tokens == eager.tokens else "DIFFERENT tokens"
+    out.append(f"{name}: jitted ReFusion is {eager.run_s / jitted.run_s:.1f}x the eager reference at batch 1 ({same}).")
+    batch = max(b for _, b in cell)
+    if batch > 1:
+      gains = ", ".join(
+          f"{m} {cell[(m, batch)].tokens_per_s / cell[(m, 1)].tokens_per_s:.1f}x"
+          for m in ("refusion", "ar", "mdm")
+      )
+      out.append(f"{name}: tokens/s at batch {batch} over batch 1: {gains}.")
+  return "\n".join(out)
+
+
+def reproduce_command(argv: Sequence[str]) -> str:
+  return "python -m refusion_jax.bench " + " ".join(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="python -m refusion_jax.bench", description=__doc__.split("\n\n")[0])
+  commands = parser.add_subparsers(dest="command", required=True)
+  p = commands.add_parser("decode", help="ReFusion vs eager reference vs AR vs MDM decoding.",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--sizes", default="tiny,small", help="comma-separated model presets (random weights).")
+  p.add_argument("--batch", type=int, default=16, help="the large batch (batch 1 is always measured too).")
+  p.add_argument("--gen_length", type=int, default=64)
+  p.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up; the median is reported.")
+  p.add_argument("--slot_size", type=int, default=4)
+  p.add_argument("--serial_blocks", type=int, default=1)
+  p.add_argument("--slot_threshold", type=float, default=0.9)
+  p.add_argument("--token_threshold", type=float, default=0.9)
+  p.add_argument("--mdm_block_length", type=int, default=32)
+  p.add_argument("--mdm_steps", type=int, help="MDM unmasking steps in all (default gen_length / 2).")
+  p.add_argument("--sharpen", type=float, default=128.0, help="LM-head scale of the random models (1: plain init).")
+  p.add_argument("--seed", type=int, default=0, help="weights and prompts of the random models.")
+  sample.add_model_flags(p, random_init=False)
+  p.add_argument("--prompt", action="append", default=[], help="with a checkpoint: prompt text (repeatable).")
+  p.add_argument("--chat_template", action="store_true", help="with a checkpoint: wrap prompts in the chat template.")
+  p.add_argument("--mask_id", type=int, help="with a checkpoint: the mask id if neither tokenizer nor config has it.")
+  return parser
+
+
+def check_args(args: argparse.Namespace) -> None:
+  """Reject bad knobs before anything is built or compiled."""
+  if args.batch < 1 or args.repeats < 1:
+    raise ValueError(f"--batch ({args.batch}) and --repeats ({args.repeats}) must be at least 1.")
+  if args.mdm_steps is None:
+    args.mdm_steps = max(args.gen_length // 2, 1)
+  check_slot_layout(args.gen_length, args.slot_size, args.serial_blocks)
+  baselines.check_mdm_schedule(args.gen_length, args.mdm_block_length, args.mdm_steps)
+  unknown = [s for s in args.sizes.split(",") if s not in config_lib.PRESETS]
+  if unknown:
+    raise ValueError(f"Unknown --sizes {unknown}; choose among {sorted(config_lib.PRESETS)}.")
+  if args.prompt and not (args.hf_checkpoint or args.checkpoint):
+    raise ValueError("--prompt needs --hf_checkpoint or --checkpoint (random models get random prompts).")
+
+
+def run_decode(args: argparse.Namespace) -> list[Measurement]:
+  check_args(args)
+  if args.hf_checkpoint or args.checkpoint:
+    benches = [lambda: trained_bench_model(args)]
+  else:
+    benches = [lambda size=size: random_bench_model(size, args.batch, args.sharpen, args.seed)
+               for size in args.sizes.split(",")]
+  rows = []
+  for build in benches:
+    bench = build()
+    _log(f"{bench.name}: {sum(x.size for x in jax.tree.leaves(nnx.state(bench.model))):,} parameters, "
+         f"{len(bench.prompts)} prompts of {min(map(len, bench.prompts))}-{max(map(len, bench.prompts))} tokens")
+    rows += bench_decode(bench, args)
+  return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  try:
+    args = build_parser().parse_args(argv)
+  except SystemExit as exit_:
+    return int(exit_.code or 0)
+  try:
+    rows = run_decode(args)
+  except (ValueError, FileNotFoundError) as error:
+    print(f"error: {error}", file=sys.stderr)
+    return 2
+  print(format_table(rows))
+  print()
+  print(summary(rows))
+  print(f"backend: {jax.default_backend()} ({jax.device_count()} device(s)); "
+        f"reproduce with: {reproduce_command(argv)}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,54 @@
+"""The decode benchmark runs end to end and reports every (method, batch) row."""
+
+import re
+
+import pytest
+
+from refusion_jax import bench
+
+ROWS = [("refusion", 1), ("refusion eager ref.", 1), ("ar", 1), ("mdm", 1), ("refusion", 2), ("ar", 2), ("mdm", 2)]
+
+
+def table_rows(out, model):
+  """(method, batch) -> the numeric cells of each table line of `model`."""
+  rows = {}
+  for line in out.splitlines():
+    match = re.match(rf"{model}\s+(\S+(?: \S+)*?)\s+(\d+)\s+(.*)$", line)
+    if match:
+      rows[(match.group(1), int(match.group(2)))] = match.group(3).split()
+  return rows
+
+
+def test_minimal_bench_reports_every_row(capsys):
+  code = bench.main(["decode", "--sizes", "tiny", "--batch", "2", "--gen_length", "8", "--repeats", "1",
+                     "--mdm_block_length", "8"])
+  out, err = capsys.readouterr()
+  assert code == 0, err
+  rows = table_rows(out, "tiny")
+  assert sorted(rows) == sorted(ROWS)
+  forwards = {key: float(cells[0]) for key, cells in rows.items()}
+  assert forwards[("ar", 1)] == 8.0  # EOS is never predicted: 8 tokens, one forward each
+  assert forwards[("mdm", 1)] == 4.0  # default steps = gen_length / 2
+  assert forwards[("refusion", 1)] == forwards[("refusion eager ref.", 1)]
+  assert rows[("mdm", 2)][-1] == "-" and rows[("refusion eager ref.", 1)][-1] == "-"  # no fixed cache
+  one, two = rows[("refusion", 1)][-2:], rows[("refusion", 2)][-2:]
+  assert one[1] == two[1] == "KiB" and float(two[0]) == pytest.approx(2 * float(one[0]))
+  assert "(same tokens)" in out
+  assert "first call" in err  # progress lines
+  assert "reproduce with: python -m refusion_jax.bench decode --sizes tiny" in out
+
+
+def test_bench_rejects_bad_knobs(capsys):
+  assert bench.main(["decode", "--gen_length", "10"]) == 2
+  assert "multiple of slot_size" in capsys.readouterr().err
+  assert bench.main(["decode", "--sizes", "tiny,huge"]) == 2
+  assert "Unknown --sizes" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_default_bench_on_tiny(capsys):
+  assert bench.main(["decode", "--sizes", "tiny"]) == 0
+  out, _ = capsys.readouterr()
+  rows = table_rows(out, "tiny")
+  assert sorted(rows) == sorted([(m, b if b == 1 else 16) for m, b in ROWS])
+  assert "(same tokens)" in out
