@@ -149,6 +149,12 @@ class Checkpoints:
   def close(self) -> None:
     self._manager.close()
 
+  def __enter__(self) -> "Checkpoints":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
 
 class CheckpointMismatchError(ValueError):
   """A stored array does not fit the model/optimizer the config describes."""
@@ -213,8 +219,7 @@ def load_model_from_checkpoint(path: str, step: int | None = None) -> tuple[Tran
   directory = checkpoint_dir(path)
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"No checkpoint directory at {path!r}; pass the --workdir of a training run.")
-  checkpoints = Checkpoints(directory, async_save=False)
-  try:
+  with Checkpoints(directory, async_save=False) as checkpoints:
     step = checkpoints.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"{directory} holds no complete checkpoint.")
@@ -224,8 +229,6 @@ def load_model_from_checkpoint(path: str, step: int | None = None) -> tuple[Tran
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_state)
     restored = checkpoints.restore(step, abstract_params=target)
-  finally:
-    checkpoints.close()
   tokenizer = meta["tokenizer"]
   local = os.path.join(directory, tokenizer)
   return nnx.merge(graphdef, restored.params), (local if os.path.isdir(local) else tokenizer)

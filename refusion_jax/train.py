@@ -119,14 +119,15 @@ def _with_tokenizer_ids(model_config: ModelConfig, tokenizer: Tokenizer) -> Mode
 
 
 def objective_config_from(config: ml_collections.ConfigDict, model_config: ModelConfig) -> ObjectiveConfig:
-  if model_config.mask_token_id is None and config.objective.kind != "ar":
-    raise ValueError("The model has no mask token id; set config.model.mask_token_id or use a tokenizer with one.")
+  """The objective of `config.objective`, with the model's mask and pad ids."""
+  mask_id = model_config.mask_token_id
+  if mask_id is None:
+    if config.objective.kind != "ar":
+      raise ValueError("The model has no mask token id; set config.model.mask_token_id or use a tokenizer with one.")
+    mask_id = 0  # never fed: the AR objective masks nothing
   return ObjectiveConfig(
-      kind=config.objective.kind,
-      slot_sizes=tuple(config.objective.slot_sizes),
-      eps=config.objective.eps,
-      mask_id=model_config.mask_token_id if model_config.mask_token_id is not None else 0,
-      pad_id=model_config.pad_token_id,
+      kind=config.objective.kind, slot_sizes=tuple(config.objective.slot_sizes), eps=config.objective.eps,
+      mask_id=mask_id, pad_id=model_config.pad_token_id,
   )
 
 
@@ -391,7 +392,7 @@ def open_splits(config: ml_collections.ConfigDict, workdir: str) -> dict[str, An
   if data.dataset == "tasks":
     return builders.build_refusion_tasks(
         data_dir, num_train=data.num_train, num_validation=data.num_validation, num_test=data.num_test,
-        seed=data.seed,
+        seed=data.seed, task_names=tuple(data.tasks),
     )
   if data.dataset == "json":
     files = {split: [f for f in data.get(f"{split}_files", "").split(",") if f] for split in ("train", "validation")}
@@ -720,24 +721,31 @@ def _print_samples(result: TrainResult, config) -> None:
 # ------------------------------------------------------------------ entry point
 
 
-FLAGS = flags.FLAGS
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file (see configs/).", lock_config=True)
-flags.DEFINE_string("workdir", None, "Directory for checkpoints, TensorBoard events and the built data.")
-flags.mark_flags_as_required(["config", "workdir"])
+def _initialize_distributed() -> None:
+  """Join the job's processes (launch/): Cloud TPU pods are auto-detected; a local run
+  gives JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID."""
+  count, index = os.environ.get("JAX_NUM_PROCESSES"), os.environ.get("JAX_PROCESS_ID")
+  jax.distributed.initialize(
+      num_processes=None if count is None else int(count), process_id=None if index is None else int(index),
+  )
 
 
 def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  if not FLAGS["verbosity"].present:
+  if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax and grain log every save at INFO
-  if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("TPU_WORKER_HOSTNAMES"):
-    jax.distributed.initialize()
+  if os.environ.get("REFUSION_DISTRIBUTED"):
+    _initialize_distributed()
   try:
-    train_and_evaluate(_CONFIG.value, FLAGS.workdir)
+    train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
   except NonFiniteLossError as error:
     raise SystemExit(f"error: {error}")  # exit status 1
 
 
 if __name__ == "__main__":
+  # Flags are defined only when run as a program, so importing this module stays side-effect free.
+  config_flags.DEFINE_config_file("config", None, "Training config file (see configs/).", lock_config=True)
+  flags.DEFINE_string("workdir", None, "Directory for checkpoints, TensorBoard events and the built data.")
+  flags.mark_flags_as_required(["config", "workdir"])
   app.run(main)

@@ -67,7 +67,8 @@ def test_one_step_trains_evaluates_and_checkpoints(tmp_path, data_dir):
   assert 0.0 <= metrics["exact_match"] <= 1.0 and metrics["tpf"] > 0
   assert len(result.samples) == config.eval.num_examples
   assert {"query", "answer", "reference", "correct"} <= set(result.samples[0])
-  assert Checkpoints(str(tmp_path / "checkpoints")).all_steps() == [1]
+  with Checkpoints(str(tmp_path / "checkpoints")) as checkpoints:
+    assert checkpoints.all_steps() == [1]
   events = os.listdir(tmp_path / "tensorboard")
   assert any(name.startswith("events.out.tfevents") for name in events)
 
@@ -95,8 +96,8 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, dat
     train.train_and_evaluate(config, str(tmp_path))
   bad_step = int(error.value.args[0].split("at step ")[1].split(" ")[0])
   assert "last good checkpoint is step" in str(error.value)
-  checkpoints = Checkpoints(str(tmp_path / "checkpoints"))
-  assert checkpoints.all_steps()[-1] == bad_step - 1  # nothing at or after the bad step
+  with Checkpoints(str(tmp_path / "checkpoints")) as checkpoints:
+    assert checkpoints.all_steps()[-1] == bad_step - 1  # nothing at or after the bad step
   assert not (tmp_path / "checkpoints" / str(bad_step)).exists()
   model, _ = load_model_from_checkpoint(str(tmp_path))  # intact and readable
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(nnx.state(model)))

@@ -1,0 +1,82 @@
+"""Training step time of the ReFusion objective against the AR (and MDM) objective on one model and batch.
+
+    python -m refusion_jax.train_bench --config configs/demo.py
+    python -m refusion_jax.train_bench --config configs/demo.py --steps 20 --config.batch_size=64
+
+The model, batch size, sequence length and mesh come from the config; the
+batch is synthetic (random prompt and answer lengths, random bytes), the same
+for every objective. Each objective's step is compiled first (not timed), then
+run `--steps` times; the median time is reported with its ratio to AR.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import jax
+import ml_collections
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+from refusion_jax import sharding, train
+from refusion_jax.checkpoint import abstract_model
+from refusion_jax.tokenizer import load_tokenizer
+
+def synthetic_batch(batch_size: int, seq_len: int, pad_id: int, seed: int = 0) -> dict[str, np.ndarray]:
+  """tokens [batch, seq_len] of random bytes: a prompt of 1/8..1/4 and an answer of 1/4..1/2 of seq_len, then padding."""
+  rng = np.random.default_rng(seed)
+  prompt_len = rng.integers(seq_len // 8, seq_len // 4 + 1, batch_size)
+  answer_len = rng.integers(seq_len // 4, seq_len // 2 + 1, batch_size)
+  tokens = rng.integers(0, 256, (batch_size, seq_len))
+  tokens[np.arange(seq_len)[None] >= (prompt_len + answer_len)[:, None]] = pad_id
+  return dict(tokens=tokens.astype(np.int32), prompt_len=prompt_len.astype(np.int32), answer_len=answer_len.astype(np.int32))
+
+
+def time_objectives(config: ml_collections.ConfigDict, objectives: list[str], steps: int) -> dict[str, float]:
+  """Median seconds per training step for each objective kind."""
+  model_config = train.model_config_from(config, load_tokenizer(config.tokenizer))
+  tx, schedule = train.make_optimizer(config.optimizer, total_steps=1000)
+  mesh = sharding.make_mesh(dict(config.mesh))
+  init = train.init_state_fn(model_config, tx, config.seed)
+  placement = train.make_placement(init, mesh, config.sharding_rules)
+  graphdef, _ = abstract_model(model_config)
+  batch = placement.batch(synthetic_batch(config.batch_size, config.data.seq_len, model_config.pad_token_id))
+  medians = {}
+  for kind in objectives:
+    objective = dataclasses.replace(train.objective_config_from(config, model_config), kind=kind)
+    step = placement.jit_step(train.make_train_step(graphdef, tx, schedule, objective, config.grad_accum_steps))
+    state = jax.jit(init, out_shardings=placement.state_shardings)()
+    state, metrics = step(state, batch)  # compile
+    jax.block_until_ready(metrics)
+    times = []
+    for _ in range(steps):
+      start = time.perf_counter()
+      state, metrics = step(state, batch)
+      jax.block_until_ready(metrics)
+      times.append(time.perf_counter() - start)
+    medians[kind] = statistics.median(times)
+  return medians
+
+
+def main(argv) -> None:
+  del argv
+  config, objectives, steps = flags.FLAGS.config, flags.FLAGS.objectives, flags.FLAGS.steps
+  medians = time_objectives(config, objectives, steps)
+  reference = objectives[0]
+  print(
+      f"batch {config.batch_size} x {config.data.seq_len} tokens, model {dict(config.model)}, "
+      f"{jax.device_count()} {jax.devices()[0].platform} device(s), median of {steps} steps"
+  )
+  for kind, seconds in medians.items():
+    print(f"{kind:>9}: {seconds * 1e3:8.1f} ms/step   x{seconds / medians[reference]:.2f} vs {reference}")
+
+
+if __name__ == "__main__":
+  config_flags.DEFINE_config_file("config", None, "Training config file (see configs/).", lock_config=True)
+  flags.DEFINE_integer("steps", 10, "Timed steps per objective.")
+  flags.DEFINE_list("objectives", ["ar", "refusion", "mdm"], "Objectives to time; ratios are to the first.")
+  flags.mark_flags_as_required(["config"])
+  app.run(main)
