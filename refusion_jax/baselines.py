@@ -97,7 +97,7 @@ def _ar_loop(graphdef, state, prompt, lengths, key, temperature, eos_id, *, gen_
     prompt: [B, P] right-padded prompt ids; lengths: [B].
 
   Returns:
-    out [B, G] tokens (pad where a row had finished), num_forwards [B].
+    out [B, G] tokens (0 after a row stopped), num_forwards [B].
   """
   model = nnx.merge(graphdef, state)
   batch, width = prompt.shape
