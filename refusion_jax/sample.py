@@ -143,7 +143,9 @@ def trace_paths(path: str, count: int) -> list[str]:
   return [f"{stem}-{i}{suffix or '.png'}" for i in range(count)]
 
 
-def report(result: DecodeResult, prompts: list[str], answers: list[str], args, tokenizer: Tokenizer) -> None:
+def report(
+    result: DecodeResult, prompts: list[str], answers: list[str], args: argparse.Namespace, tokenizer: Tokenizer
+) -> None:
   """Print each prompt's answer (text or JSON) and write the traces."""
   paths = trace_paths(args.trace, len(answers)) if args.trace else [None] * len(answers)
   for row, (prompt, answer, path) in enumerate(zip(prompts, answers, paths)):
