@@ -28,7 +28,7 @@ _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 def _param(rngs: nnx.Rngs, shape, axes, config: ModelConfig, init=None) -> nnx.Param:
   init = init or nnx.initializers.normal(0.02)
   value = init(rngs.params(), shape, config.weight_dtype)
-  return nnx.Param(value, sharding_names=axes, eager_sharding=False)
+  return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):
@@ -41,7 +41,7 @@ class RMSNorm(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return self.weight.value.astype(x.dtype) * normed.astype(x.dtype)
+    return self.weight[...].astype(x.dtype) * normed.astype(x.dtype)
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float, scaling_factor: float) -> jax.Array:
@@ -82,9 +82,9 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(c.head_dim, "head_dim", c, rngs)
 
   def _project(self, x, kernel, bias_name):
-    out = jnp.einsum("bte,ehd->bthd", x, kernel.value.astype(x.dtype))
+    out = jnp.einsum("bte,ehd->bthd", x, kernel[...].astype(x.dtype))
     if self.config.qkv_bias:
-      out = out + getattr(self, bias_name).value.astype(x.dtype)
+      out = out + getattr(self, bias_name)[...].astype(x.dtype)
     return out
 
   def __call__(
@@ -133,7 +133,7 @@ class Attention(nnx.Module):
     if cached is not None:
       out = out + jnp.einsum("bkgts,bskd->btkgd", probs[..., :-block], cache_v)
     out = out.reshape(batch, block, c.num_heads, c.head_dim)
-    out = jnp.einsum("bthd,hde->bte", out, self.o_proj.value.astype(x.dtype))
+    out = jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(x.dtype))
     return out, (k, v)
 
 
@@ -147,9 +147,9 @@ class MLP(nnx.Module):
     self.down_proj = _param(rngs, (c.intermediate_size, c.hidden_size), ("mlp", "embed"), c)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    gate = x @ self.gate_proj.value.astype(x.dtype)
-    up = x @ self.up_proj.value.astype(x.dtype)
-    return (jax.nn.silu(gate) * up) @ self.down_proj.value.astype(x.dtype)
+    gate = x @ self.gate_proj[...].astype(x.dtype)
+    up = x @ self.up_proj[...].astype(x.dtype)
+    return (jax.nn.silu(gate) * up) @ self.down_proj[...].astype(x.dtype)
 
 
 class DecoderLayer(nnx.Module):
@@ -218,7 +218,7 @@ class Transformer(nnx.Module):
       if cache is not None:
         mask = block_mask(cache, mask)
 
-    x = self.embed_tokens.value[tokens].astype(c.compute_dtype)
+    x = self.embed_tokens[...][tokens].astype(c.compute_dtype)
     keys, values = [], []
     for i, layer in enumerate(self.layers):
       cached = None if cache is None else (cache.k[i], cache.v[i])
@@ -227,7 +227,7 @@ class Transformer(nnx.Module):
       keys.append(k)
       values.append(v)
     x = self.norm(x)
-    head = self.embed_tokens.value.T if c.tie_embeddings else self.lm_head.value
+    head = self.embed_tokens[...].T if c.tie_embeddings else self.lm_head[...]
     logits = jnp.einsum("bte,ev->btv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
     return logits, BlockKV(k=jnp.stack(keys), v=jnp.stack(values))
 
