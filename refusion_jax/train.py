@@ -304,12 +304,8 @@ def state_with_params(params: nnx.State, tx, seed: int, placement: Placement) ->
 MASK_TOKEN = "<|mask|>"
 
 
-def add_mask_token(tokenizer_dir: str, out_dir: str) -> int:
-  """Copy a Hugging Face tokenizer to `out_dir` with `MASK_TOKEN` added as its mask token.
-
-  Returns:
-    The new mask token id (the next free id of the tokenizer).
-  """
+def add_mask_token(tokenizer_dir: str, out_dir: str) -> None:
+  """Copy a Hugging Face tokenizer to `out_dir` with `MASK_TOKEN` added (the next free id) as its mask token."""
   import tokenizers  # only needed for HF checkpoints
 
   os.makedirs(out_dir, exist_ok=True)
@@ -320,11 +316,13 @@ def add_mask_token(tokenizer_dir: str, out_dir: str) -> int:
   tokenizer.add_special_tokens([tokenizers.AddedToken(MASK_TOKEN, special=True)])
   tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
   config_file = os.path.join(out_dir, "tokenizer_config.json")
-  tokenizer_config = json.load(open(config_file, encoding="utf-8")) if os.path.exists(config_file) else {}
+  tokenizer_config = {}
+  if os.path.exists(config_file):
+    with open(config_file, encoding="utf-8") as f:
+      tokenizer_config = json.load(f)
   tokenizer_config["mask_token"] = MASK_TOKEN
   with open(config_file, "w", encoding="utf-8") as f:
     json.dump(tokenizer_config, f, indent=2)
-  return tokenizer.token_to_id(MASK_TOKEN)
 
 
 def resize_vocab(params: nnx.State, new_vocab: int, key: jax.Array, noise_scale: float = 1e-3) -> nnx.State:
@@ -368,7 +366,10 @@ def load_hf_params(config: ml_collections.ConfigDict, tokens_dir: str) -> tuple[
   tokenizer_path = path
   mask_id = model_config.mask_token_id
   if mask_id is None:
-    mask_id = add_mask_token(path, tokens_dir)
+    if jax.process_index() == 0:  # one writer; the others read it after the barrier
+      add_mask_token(path, tokens_dir)
+    multihost_utils.sync_global_devices("refusion_jax: tokenizer with a mask token written")
+    mask_id = load_tokenizer(tokens_dir).mask_id
     tokenizer_path = tokens_dir
     console(f"Added {MASK_TOKEN} to the tokenizer as id {mask_id} (written to {tokens_dir}).")
   if mask_id >= model_config.vocab_size:
