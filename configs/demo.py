@@ -30,10 +30,10 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.model = ml_collections.ConfigDict()
   config.model.preset = "tiny"  # refusion_jax.config preset; the fields below override it
   config.model.vocab_size = 260  # the byte tokenizer's vocabulary
-  config.model.hidden_size = 192  # residual width
-  config.model.intermediate_size = 512  # SwiGLU width
+  config.model.hidden_size = 128  # residual width
+  config.model.intermediate_size = 384  # SwiGLU width
   config.model.num_layers = 4  # decoder layers
-  config.model.num_heads = 6  # query heads
+  config.model.num_heads = 4  # query heads
   config.model.num_kv_heads = 2  # key/value heads (GQA)
   config.model.head_dim = 32  # per-head width
   config.model.dtype = "float32"  # activation dtype ("bfloat16" on accelerators)
@@ -91,7 +91,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.eval.num_loss_batches = 4  # validation batches for the loss
   config.eval.num_examples = 128  # validation examples decoded for exact match
   config.eval.batch_size = 64  # prompts decoded together
-  config.eval.gen_length = 64  # answer budget G (responses are <= 48 bytes + EOS)
+  config.eval.gen_length = 48  # answer budget G (responses are <= 42 bytes + EOS)
   config.eval.slot_size = 8  # ReFusion slot size S at decoding
   config.eval.serial_blocks = 1  # ReFusion serial blocks NB (G must divide by S * NB)
   config.eval.slot_threshold = 0.9  # ReFusion: plan slots with first-token confidence above this
