@@ -25,16 +25,18 @@ from flax import nnx
 
 from refusion_jax import cache as kv_cache
 from refusion_jax.decoding import (
-    PHASE_NONE,
     PHASE_STEP,
     DecodeResult,
     answer_tokens,
+    blank_after_answer,
     check_prompts,
     check_special_id,
     check_temperature,
+    default_pad_id,
+    first_given,
     pad_prompts,
+    row_gumbel_noise,
 )
-from refusion_jax.config import ModelConfig
 from refusion_jax.model import Transformer
 
 # An id no token has: "no EOS known" simply never matches.
@@ -62,28 +64,11 @@ def pick_tokens(
   """
   scores = logits
   if sample:
-    row_keys = jax.vmap(lambda row: jax.random.fold_in(jax.random.fold_in(key, row), step))
-    noise = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:], logits.dtype))
-    scores = logits + temperature * noise(row_keys(jnp.arange(logits.shape[0])))
+    steps = jnp.broadcast_to(step, logits.shape[:1])
+    scores = logits + temperature * row_gumbel_noise(key, steps, logits.shape[1:])
   tokens = jnp.argmax(scores, axis=-1).astype(jnp.int32)
   probs = jax.nn.softmax(logits, axis=-1)
   return tokens, jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]
-
-
-def _optional_id(value: int | None, default: int | None) -> int | None:
-  return default if value is None else value
-
-
-def default_pad_id(pad_id: int | None, config: ModelConfig) -> int:
-  """The prompt padding id: given, else the config's pad, else its EOS, else 0 (never attended)."""
-  return _optional_id(pad_id, _optional_id(config.pad_token_id, _optional_id(config.eos_token_id, 0)))
-
-
-def _trace_after_eos(answers: list[list[int]], iteration: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """Commit iteration and phase [B, G], blanked after each row's answer."""
-  answered = np.arange(iteration.shape[1])[None, :] < np.array([len(a) for a in answers])[:, None]
-  iteration = np.where(answered, iteration, -1)
-  return iteration, np.where(answered, PHASE_STEP, PHASE_NONE)
 
 
 # --------------------------------------------------------------------------- AR
@@ -169,7 +154,7 @@ def ar_generate(
   config = model.config
   check_prompts(prompt_ids, config, gen_length)
   temperature = check_temperature(temperature)
-  eos_id = _optional_id(eos_id, config.eos_token_id)
+  eos_id = first_given(eos_id, config.eos_token_id)
   eos = _NO_TOKEN if eos_id is None else check_special_id("eos_id", eos_id, config)
   pad = check_special_id("pad_id", default_pad_id(pad_id, config), config)
 
@@ -184,7 +169,8 @@ def ar_generate(
   seconds = time.perf_counter() - start
 
   answers = answer_tokens(out, eos)
-  iteration, phase = _trace_after_eos(answers, np.broadcast_to(np.arange(gen_length), out.shape))
+  iteration, phase = blank_after_answer(
+      answers, np.broadcast_to(np.arange(gen_length), out.shape), np.full(out.shape, PHASE_STEP))
   return DecodeResult(
       tokens=answers, num_forwards=forwards, steps=forwards.copy(),
       commit_iteration=iteration, commit_phase=phase, seconds=seconds,
@@ -307,8 +293,8 @@ def mdm_generate(
   check_prompts(prompt_ids, config, gen_length)
   check_mdm_schedule(gen_length, block_length, steps)
   temperature = check_temperature(temperature)
-  mask = check_special_id("mask_id", _optional_id(mask_id, config.mask_token_id), config)
-  eos_id = _optional_id(eos_id, config.eos_token_id)
+  mask = check_special_id("mask_id", first_given(mask_id, config.mask_token_id), config)
+  eos_id = first_given(eos_id, config.eos_token_id)
   eos = _NO_TOKEN if eos_id is None else check_special_id("eos_id", eos_id, config)
   pad = check_special_id("pad_id", default_pad_id(pad_id, config), config)
 
@@ -324,7 +310,7 @@ def mdm_generate(
 
   batch = len(prompt_ids)
   answers = answer_tokens(answer, eos)
-  iteration, phase = _trace_after_eos(answers, committed_at)
+  iteration, phase = blank_after_answer(answers, committed_at, np.full(committed_at.shape, PHASE_STEP))
   return DecodeResult(
       tokens=answers, num_forwards=np.full(batch, steps, np.int32), steps=np.full(batch, steps, np.int32),
       commit_iteration=iteration, commit_phase=phase, seconds=seconds,

@@ -41,12 +41,16 @@ from refusion_jax.decoding import (
     PHASE_VERIFY,
     DecodeResult,
     answer_tokens,
+    blank_after_answer,
     check_prompts,
     check_slot_layout,
     check_special_id,
     check_temperature,
     check_threshold,
+    default_pad_id,
+    first_given,
     pad_prompts,
+    row_gumbel_noise,
 )
 from refusion_jax.model import Transformer
 
@@ -173,13 +177,6 @@ def _previous_token_probs(probs: jax.Array, tokens: jax.Array) -> jax.Array:
   return jnp.concatenate([jnp.ones_like(taken[:, :1]), taken], axis=1)
 
 
-def _plan_noise(key: jax.Array, steps: jax.Array, shape: tuple[int, int]) -> jax.Array:
-  """Gumbel noise [B, T, vocab]: row b at its plan step s uses fold_in(fold_in(key, b), s)."""
-  rows = jnp.arange(steps.shape[0])
-  keys = jax.vmap(lambda row, step: jax.random.fold_in(jax.random.fold_in(key, row), step))(rows, steps)
-  return jax.vmap(lambda k: jax.random.gumbel(k, shape, jnp.float32))(keys)
-
-
 def _query(state: _RowState, settings: DecodeSettings, mask_id: jax.Array):
   """Each row's query tokens [B, T] and which block tokens each query sees [B, T, T]."""
   S, T = settings.slot_size, settings.block_length
@@ -204,7 +201,7 @@ def _plan(logits, probs, state: _RowState, knobs: DecodeKnobs, settings: DecodeS
   """Step 1: drafts [B, T] of every slot and the chosen slots [B, N]."""
   scores = logits
   if settings.sample:
-    scores = logits + knobs.temperature * _plan_noise(knobs.key, state.out.steps, logits.shape[1:])
+    scores = logits + knobs.temperature * row_gumbel_noise(knobs.key, state.out.steps, logits.shape[1:])
   drafts = jnp.argmax(scores, axis=-1).astype(jnp.int32)
   # Slot confidence: the un-noised probability of the slot's first drafted token.
   first_prob = jnp.take_along_axis(probs, drafts[..., None], axis=-1)[:, :: settings.slot_size, 0]
@@ -414,10 +411,6 @@ def decode_loop(
   return state.out
 
 
-def _default(value: int | None, fallback: int | None) -> int | None:
-  return fallback if value is None else value
-
-
 def generate(
     model: Transformer,
     prompt_ids: Sequence[Sequence[int]],
@@ -467,11 +460,10 @@ def generate(
       token_threshold=jnp.float32(check_threshold("token_threshold", token_threshold)),
       temperature=jnp.float32(temperature),
       key=jax.random.key(seed),
-      mask_id=jnp.int32(check_special_id("mask_id", _default(mask_id, config.mask_token_id), config)),
-      eos_id=jnp.int32(check_special_id("eos_id", _default(eos_id, config.eos_token_id), config)),
+      mask_id=jnp.int32(check_special_id("mask_id", first_given(mask_id, config.mask_token_id), config)),
+      eos_id=jnp.int32(check_special_id("eos_id", first_given(eos_id, config.eos_token_id), config)),
   )
-  pad = _default(pad_id, _default(config.pad_token_id, _default(config.eos_token_id, 0)))
-  pad = check_special_id("pad_id", pad, config)
+  pad = check_special_id("pad_id", default_pad_id(pad_id, config), config)
   settings = DecodeSettings(gen_length, slot_size, serial_blocks, sample=temperature > 0)
 
   start = time.perf_counter()
@@ -481,12 +473,12 @@ def generate(
   seconds = time.perf_counter() - start
 
   answers = answer_tokens(out.answer, int(knobs.eos_id))
-  in_answer = np.arange(gen_length)[None] < np.array([len(a) for a in answers])[:, None]
+  iteration, phase = blank_after_answer(answers, np.asarray(out.commit_iteration), np.asarray(out.commit_phase))
   return DecodeResult(
       tokens=answers,
       num_forwards=np.asarray(out.num_forwards),
       steps=np.asarray(out.steps),
-      commit_iteration=np.where(in_answer, out.commit_iteration, -1),
-      commit_phase=np.where(in_answer, out.commit_phase, PHASE_NONE),
+      commit_iteration=iteration,
+      commit_phase=phase,
       seconds=seconds,
   )

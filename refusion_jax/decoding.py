@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import jax
 import numpy as np
 
 from refusion_jax.config import ModelConfig
@@ -162,3 +163,30 @@ def answer_tokens(out: np.ndarray, eos_id: int) -> list[list[int]]:
   for row in np.asarray(out).tolist():
     rows.append(row[: row.index(eos_id) + 1] if eos_id in row else row)
   return rows
+
+
+def first_given(*ids: int | None) -> int | None:
+  """The first id that is not None (an explicit argument, then the defaults in order)."""
+  return next((i for i in ids if i is not None), None)
+
+
+def default_pad_id(pad_id: int | None, config: ModelConfig) -> int:
+  """The prompt padding id: given, else the config's pad, else its EOS, else 0 (padding is never attended)."""
+  return first_given(pad_id, config.pad_token_id, config.eos_token_id, 0)
+
+
+def row_gumbel_noise(key: jax.Array, steps: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """Gumbel noise [B, *shape]; row b at its step s_b draws from fold_in(fold_in(key, b), s_b).
+
+  Keying the noise by row and step keeps sampled decoding reproducible however
+  the rows of a batch advance.
+  """
+  rows = np.arange(steps.shape[0])
+  keys = jax.vmap(lambda row, step: jax.random.fold_in(jax.random.fold_in(key, row), step))(rows, steps)
+  return jax.vmap(lambda k: jax.random.gumbel(k, shape, jax.numpy.float32))(keys)
+
+
+def blank_after_answer(answers: list[list[int]], iteration: np.ndarray, phase: np.ndarray):
+  """Commit iteration and phase [B, G] with every position past each row's answer set to none."""
+  answered = np.arange(iteration.shape[1])[None, :] < np.array([len(a) for a in answers])[:, None]
+  return np.where(answered, iteration, -1), np.where(answered, phase, PHASE_NONE)
