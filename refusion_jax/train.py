@@ -385,7 +385,14 @@ def load_hf_params(config: ml_collections.ConfigDict, tokens_dir: str) -> tuple[
 
 
 def open_splits(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """{split: random-access records}, building the tfds dataset on first use."""
+  """{split: random-access records}, building the tfds dataset on first use (process 0 builds, the others wait)."""
+  if jax.process_index() == 0:
+    splits = _open_splits(config, workdir)
+  multihost_utils.sync_global_devices("refusion_jax: data built")
+  return splits if jax.process_index() == 0 else _open_splits(config, workdir)
+
+
+def _open_splits(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   from refusion_jax.data import builders  # imports tensorflow-datasets
 
   data = config.data
