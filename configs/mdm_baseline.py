@@ -8,21 +8,14 @@ tokens masked independently, CE / p); evaluation decodes with
 forwards over blocks of `eval.mdm_block_length`). `:smoke` works as for the demo.
 """
 
-import importlib.util
-import os
+import pathlib
 
 import ml_collections
 
-
-def _demo_config(variant: str) -> ml_collections.ConfigDict:
-  # Config files are loaded by path, not as a package: load the demo the same way.
-  spec = importlib.util.spec_from_file_location("demo_config", os.path.join(os.path.dirname(__file__), "demo.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(variant)
+from refusion_jax.config_file import load_config
 
 
 def get_config(variant: str = "") -> ml_collections.ConfigDict:
-  config = _demo_config(variant)
+  config = load_config(pathlib.Path(__file__).with_name("demo.py"), variant)
   config.objective.kind = "mdm"  # per-token masking with probability p, bidirectional attention
   return config

@@ -1,6 +1,5 @@
 """The trainer end to end on the smoke config, its optimizer and step, and Hugging Face initialisation."""
 
-import importlib.util
 import json
 import os
 
@@ -17,6 +16,7 @@ from refusion_jax.checkpoint import Checkpoints, abstract_model, load_model_from
 from refusion_jax.config import tiny
 from refusion_jax.model import init_model
 from refusion_jax.objective import ObjectiveConfig
+from refusion_jax import config_file
 from refusion_jax.sharding import make_mesh
 from refusion_jax.tokenizer import load_tokenizer
 
@@ -24,11 +24,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load_config(name: str, variant: str = "smoke") -> ml_collections.ConfigDict:
-  """`configs/<name>.py`'s get_config(variant) (config files are not a package)."""
-  spec = importlib.util.spec_from_file_location(f"config_{name}", os.path.join(REPO, "configs", f"{name}.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(variant)
+  """`configs/<name>.py`'s get_config(variant)."""
+  return config_file.load_config(os.path.join(REPO, "configs", f"{name}.py"), variant)
 
 
 @pytest.fixture(scope="module")
