@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from refusion_jax import cache as kv_cache
+from refusion_jax.config import ModelConfig
 from refusion_jax.decoding import (
     PHASE_STEP,
     DecodeResult,
@@ -41,6 +42,13 @@ from refusion_jax.model import Transformer
 
 # An id no token has: "no EOS known" simply never matches.
 _NO_TOKEN = -1
+
+
+def _eos_and_pad(eos_id: int | None, pad_id: int | None, config: ModelConfig) -> tuple[int, int]:
+  """Checked EOS and pad ids; the baselines run without an EOS (then `_NO_TOKEN`)."""
+  eos_id = first_given(eos_id, config.eos_token_id)
+  eos = _NO_TOKEN if eos_id is None else check_special_id("eos_id", eos_id, config)
+  return eos, check_special_id("pad_id", default_pad_id(pad_id, config), config)
 
 
 def pick_tokens(
@@ -154,9 +162,7 @@ def ar_generate(
   config = model.config
   check_prompts(prompt_ids, config, gen_length)
   temperature = check_temperature(temperature)
-  eos_id = first_given(eos_id, config.eos_token_id)
-  eos = _NO_TOKEN if eos_id is None else check_special_id("eos_id", eos_id, config)
-  pad = check_special_id("pad_id", default_pad_id(pad_id, config), config)
+  eos, pad = _eos_and_pad(eos_id, pad_id, config)
 
   start = time.perf_counter()
   prompt, lengths = pad_prompts(prompt_ids, pad)
@@ -294,9 +300,7 @@ def mdm_generate(
   check_mdm_schedule(gen_length, block_length, steps)
   temperature = check_temperature(temperature)
   mask = check_special_id("mask_id", first_given(mask_id, config.mask_token_id), config)
-  eos_id = first_given(eos_id, config.eos_token_id)
-  eos = _NO_TOKEN if eos_id is None else check_special_id("eos_id", eos_id, config)
-  pad = check_special_id("pad_id", default_pad_id(pad_id, config), config)
+  eos, pad = _eos_and_pad(eos_id, pad_id, config)
 
   start = time.perf_counter()
   prompt, lengths = pad_prompts(prompt_ids, pad)
