@@ -64,7 +64,7 @@ class Checkpoints:
   """Keep-N, asynchronous checkpoints of (params, train state, data state, metadata)."""
 
   def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
-    self.directory = os.path.abspath(directory)
+    self.directory = local_path(directory)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True,
     )
@@ -198,8 +198,23 @@ def abstract_model(model_config: ModelConfig):
   return nnx.split(model)
 
 
+def local_path(path: str) -> str:
+  """`path` made absolute; a URL is refused rather than taken for a relative path.
+
+  `os.path.abspath("gs://b/run")` is `./gs:/b/run`: checkpoints would land on the
+  host's disk and vanish with it at preemption.
+  """
+  if "://" in path:
+    raise ValueError(
+        f"{path!r} is a URL, but refusion_jax reads and writes workdirs through the file system. "
+        "Mount the bucket (e.g. `gcsfuse --implicit-dirs BUCKET /mnt/BUCKET`) and pass the mounted path."
+    )
+  return os.path.abspath(path)
+
+
 def checkpoint_dir(path: str) -> str:
   """A workdir or a checkpoint directory -> the checkpoint directory."""
+  path = local_path(path)
   inner = os.path.join(path, CHECKPOINT_SUBDIR)
   return inner if os.path.isdir(inner) else path
 

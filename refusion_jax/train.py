@@ -47,7 +47,14 @@ from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
 from refusion_jax import sharding
-from refusion_jax.checkpoint import CHECKPOINT_SUBDIR, Checkpoints, abstract_model, load_model_from_checkpoint, model_meta
+from refusion_jax.checkpoint import (
+    CHECKPOINT_SUBDIR,
+    Checkpoints,
+    abstract_model,
+    load_model_from_checkpoint,
+    local_path,
+    model_meta,
+)
 from refusion_jax.config import ModelConfig, preset
 from refusion_jax.data import pipeline
 from refusion_jax.data.tasks import check_answer
@@ -592,7 +599,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Train
     NonFiniteLossError: the loss or gradient norm became NaN/Inf; no checkpoint
       of that step or later was written.
   """
-  workdir = os.path.abspath(workdir)
+  workdir = local_path(workdir)
   os.makedirs(workdir, exist_ok=True)
   stop_signal = StopSignal()
   checkpoints = Checkpoints(

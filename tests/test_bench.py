@@ -1,10 +1,12 @@
-"""The decode benchmark runs end to end and reports every (method, batch) row."""
+"""The decode benchmark reports every (method, batch) row; the training benchmark times every objective."""
 
 import re
 
 import pytest
 
-from refusion_jax import bench
+from refusion_jax import bench, train_bench
+
+from test_train import load_config
 
 ROWS = [("refusion", 1), ("refusion eager ref.", 1), ("ar", 1), ("mdm", 1), ("refusion", 2), ("ar", 2), ("mdm", 2)]
 
@@ -52,3 +54,10 @@ def test_default_bench_on_tiny(capsys):
   rows = table_rows(out, "tiny")
   assert sorted(rows) == sorted([(m, b if b == 1 else 16) for m, b in ROWS])
   assert "(same tokens)" in out
+
+
+def test_train_bench_times_every_objective_in_interleaved_rounds():
+  config = load_config("demo")
+  times = train_bench.time_objectives(config, ["ar", "refusion", "mdm"], steps=3)
+  assert list(times) == ["ar", "refusion", "mdm"]
+  assert all(len(seconds) == 3 and min(seconds) > 0 for seconds in times.values())

@@ -146,3 +146,12 @@ def test_missing_step_is_reported(tmp_path):
   _tiny_checkpoint(str(tmp_path), tiny(vocab_size=64))
   with Checkpoints(str(tmp_path)) as checkpoints, pytest.raises(ValueError, match=r"No checkpoint for step 8 .* saved steps: \[7\]"):
     checkpoints.restore(8, abstract_params=_abstract_params(tiny(vocab_size=64)))
+
+
+def test_url_workdirs_are_refused_before_anything_is_written(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(ValueError, match="'gs://bucket/run' is a URL.*gcsfuse"):
+    train.train_and_evaluate(smoke_config(str(tmp_path / "data")), "gs://bucket/run")
+  with pytest.raises(ValueError, match="is a URL"):
+    load_model_from_checkpoint("gs://bucket/run")
+  assert os.listdir(tmp_path) == []
