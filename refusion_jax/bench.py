@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import shlex
 import statistics
 import sys
 import time
@@ -227,7 +228,7 @@ def summary(rows: Sequence[Measurement]) -> str:
 
 
 def reproduce_command(argv: Sequence[str]) -> str:
-  return "python -m refusion_jax.bench " + " ".join(argv)
+  return shlex.join(["python", "-m", "refusion_jax.bench", *argv])
 
 
 def build_parser() -> argparse.ArgumentParser:
