@@ -450,7 +450,8 @@ def evaluate_decoding(model: Transformer, records, tokenizer: Tokenizer, config:
   """Exact match and tokens per forward over the first `config.eval.num_examples` records.
 
   Returns:
-    ({exact_match, tpf, mean_forwards}, [{task, query, answer, reference, correct}]).
+    ({exact_match, tpf, mean_forwards, exact_match_<task> per built-in task},
+     [{task, query, answer, reference, correct}]).
   """
   count = min(config.eval.num_examples, len(records))
   examples = [pipeline.decode_record(records[i]) for i in range(count)]
@@ -470,6 +471,11 @@ def evaluate_decoding(model: Transformer, records, tokenizer: Tokenizer, config:
       tpf=answer_tokens / max(forwards, 1),
       mean_forwards=forwards / max(count, 1),
   )
+  by_task = {}
+  for sample in samples:
+    if sample["task"]:
+      by_task.setdefault(sample["task"], []).append(sample["correct"])
+  metrics.update({f"exact_match_{task}": float(np.mean(correct)) for task, correct in sorted(by_task.items())})
   return metrics, samples
 
 
@@ -726,9 +732,11 @@ def _format_samples(samples: list[dict]) -> str:
 def _print_samples(result: TrainResult, config) -> None:
   step, metrics = result.evals[-1]
   lines = [f"Samples at step {step}:", _format_samples(result.samples[: config.num_samples_to_print])]
+  by_task = ", ".join(f"{key.removeprefix('exact_match_')} {value:.3f}" for key, value in metrics.items()
+                      if key.startswith("exact_match_"))
   lines.append(
-      f"Validation exact match {metrics['exact_match']:.3f} over {len(result.samples)} examples, "
-      f"tokens per forward {metrics['tpf']:.2f}."
+      f"Validation exact match {metrics['exact_match']:.3f} over {len(result.samples)} examples"
+      + (f" ({by_task})" if by_task else "") + f", tokens per forward {metrics['tpf']:.2f}."
   )
   console("\n".join(lines))
 

@@ -64,6 +64,12 @@ def test_one_step_trains_evaluates_and_checkpoints(tmp_path, data_dir):
   assert 0.0 <= metrics["exact_match"] <= 1.0 and metrics["tpf"] > 0
   assert len(result.samples) == config.eval.num_examples
   assert {"query", "answer", "reference", "correct"} <= set(result.samples[0])
+  tasks = {s["task"] for s in result.samples}
+  assert tasks and tasks <= set(config.data.tasks)
+  for task in tasks:
+    correct = [s["correct"] for s in result.samples if s["task"] == task]
+    assert metrics[f"exact_match_{task}"] == np.mean(correct)
+  assert metrics["exact_match"] == np.mean([s["correct"] for s in result.samples])
   with Checkpoints(str(tmp_path / "checkpoints")) as checkpoints:
     assert checkpoints.all_steps() == [1]
   events = os.listdir(tmp_path / "tensorboard")
