@@ -3,7 +3,7 @@
     python -m refusion_jax.train --config configs/ar_baseline.py --workdir /tmp/refusion_ar
 
 Identical to configs/demo.py except the objective; evaluation decodes with
-`refusion_jax.baselines.ar_generate` (one token per forward). `:smoke` works as
+`refusion_jax.decoding.baselines.ar_generate` (one token per forward). `:smoke` works as
 for the demo.
 """
 
@@ -11,7 +11,7 @@ import pathlib
 
 import ml_collections
 
-from refusion_jax.config_file import load_config
+from refusion_jax.training.config_file import load_config
 
 
 def get_config(variant: str = "") -> ml_collections.ConfigDict:

@@ -13,7 +13,7 @@ seconds-long run for tests and quick checks of the plumbing.
 
 import ml_collections
 
-from refusion_jax.sharding import LOGICAL_AXIS_RULES
+from refusion_jax.parallel.sharding import LOGICAL_AXIS_RULES
 
 
 def get_config(variant: str = "") -> ml_collections.ConfigDict:
@@ -28,7 +28,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.vocab_multiple = 128  # a vocabulary grown for a new mask token is rounded up to this
 
   config.model = ml_collections.ConfigDict()
-  config.model.preset = "tiny"  # refusion_jax.config preset; the fields below override it
+  config.model.preset = "tiny"  # refusion_jax.model.config preset; the fields below override it
   config.model.vocab_size = 260  # the byte tokenizer's vocabulary
   config.model.hidden_size = 128  # residual width
   config.model.intermediate_size = 384  # SwiGLU width

@@ -4,7 +4,7 @@
 
 Identical to configs/demo.py except the objective (bidirectional attention,
 tokens masked independently, CE / p); evaluation decodes with
-`refusion_jax.baselines.mdm_generate` (low-confidence remasking, `eval.mdm_steps`
+`refusion_jax.decoding.baselines.mdm_generate` (low-confidence remasking, `eval.mdm_steps`
 forwards over blocks of `eval.mdm_block_length`). `:smoke` works as for the demo.
 """
 
@@ -12,7 +12,7 @@ import pathlib
 
 import ml_collections
 
-from refusion_jax.config_file import load_config
+from refusion_jax.training.config_file import load_config
 
 
 def get_config(variant: str = "") -> ml_collections.ConfigDict:

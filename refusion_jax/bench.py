@@ -34,11 +34,13 @@ import jax
 import numpy as np
 from flax import nnx
 
-from refusion_jax import baselines, config as config_lib, decode, sample
-from refusion_jax.cache import KVCache
-from refusion_jax.decode_reference import decode_reference
-from refusion_jax.decoding import DecodeResult, bucket_length, check_slot_layout
-from refusion_jax.model import Transformer, init_model
+from refusion_jax import sample
+from refusion_jax.decoding import baselines, refusion as decode
+from refusion_jax.model import config as config_lib
+from refusion_jax.model.cache import KVCache
+from refusion_jax.decoding.reference import decode_reference
+from refusion_jax.decoding.common import DecodeResult, bucket_length, check_slot_layout
+from refusion_jax.model.transformer import Transformer, init_model
 
 PROMPT_LENGTHS = (8, 16)  # random prompts: lengths drawn in [8, 16], one bucket
 

@@ -21,12 +21,13 @@ from typing import Sequence
 import jax
 from flax import nnx
 
-from refusion_jax import checkpoint, config as config_lib, hf_io
-from refusion_jax.decoding import DecodeResult
-from refusion_jax.model import Transformer, init_model
-from refusion_jax.sampler import METHODS, Sampler, decoder_options
-from refusion_jax.tokenizer import Tokenizer, load_tokenizer
-from refusion_jax.trace_plot import format_trace_terminal, plot_trace
+from refusion_jax.checkpoints import hf as hf_io, orbax as checkpoint
+from refusion_jax.model import config as config_lib
+from refusion_jax.decoding.common import DecodeResult
+from refusion_jax.model.transformer import Transformer, init_model
+from refusion_jax.decoding.sampler import METHODS, Sampler, decoder_options
+from refusion_jax.data.tokenizer import Tokenizer, load_tokenizer
+from refusion_jax.decoding.trace_plot import format_trace_terminal, plot_trace
 
 DTYPES = ("float32", "bfloat16", "float16")
 

@@ -22,9 +22,10 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from refusion_jax import sharding, train
-from refusion_jax.checkpoint import abstract_model
-from refusion_jax.tokenizer import load_tokenizer
+from refusion_jax.parallel import sharding
+from refusion_jax.training import loop as train
+from refusion_jax.checkpoints.orbax import abstract_model
+from refusion_jax.data.tokenizer import load_tokenizer
 
 
 def synthetic_batch(batch_size: int, seq_len: int, pad_id: int, seed: int = 0) -> dict[str, np.ndarray]:

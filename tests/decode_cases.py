@@ -15,8 +15,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from refusion_jax.config import tiny
-from refusion_jax.model import Transformer, init_model
+from refusion_jax.model.config import tiny
+from refusion_jax.model.transformer import Transformer, init_model
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from refusion_jax import baselines, config, model as model_lib
-from refusion_jax.decoding import PHASE_NONE, PHASE_STEP
+from refusion_jax.decoding import baselines
+from refusion_jax.model import config, transformer as model_lib
+from refusion_jax.decoding.common import PHASE_NONE, PHASE_STEP
 
 MASK_ID = 255
 NAIVE_WIDTH = 48

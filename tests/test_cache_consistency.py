@@ -8,9 +8,9 @@ import pytest
 from flax import nnx
 from hf_utils import relative_error
 
-from refusion_jax.cache import KVCache, append, write
-from refusion_jax.config import tiny
-from refusion_jax.model import causal_mask, init_model
+from refusion_jax.model.cache import KVCache, append, write
+from refusion_jax.model.config import tiny
+from refusion_jax.model.transformer import causal_mask, init_model
 
 TOLERANCE = 1e-5
 LENGTH = 12

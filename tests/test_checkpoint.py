@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from refusion_jax import train
-from refusion_jax.checkpoint import Checkpoints, abstract_model, load_model_from_checkpoint, model_meta
-from refusion_jax.config import tiny
-from refusion_jax.model import init_model
+from refusion_jax.training import loop as train
+from refusion_jax.checkpoints.orbax import Checkpoints, abstract_model, load_model_from_checkpoint, model_meta
+from refusion_jax.model.config import tiny
+from refusion_jax.model.transformer import init_model
 
 from test_train import REPO, compilation_cache, data_dir, smoke_config  # noqa: F401  (shared fixtures)
 

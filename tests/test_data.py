@@ -11,7 +11,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from refusion_jax.data import builders, pipeline, tasks
-from refusion_jax.tokenizer import ByteTokenizer
+from refusion_jax.data.tokenizer import ByteTokenizer
 
 TOKENIZER = ByteTokenizer()
 

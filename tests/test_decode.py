@@ -4,11 +4,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from refusion_jax.config import tiny
-from refusion_jax.decode import compile_count, generate
-from refusion_jax.decode_reference import decode_reference
-from refusion_jax.decoding import PHASE_INFILL, PHASE_VERIFY
-from refusion_jax.model import init_model
+from refusion_jax.model.config import tiny
+from refusion_jax.decoding.refusion import compile_count, generate
+from refusion_jax.decoding.reference import decode_reference
+from refusion_jax.decoding.common import PHASE_INFILL, PHASE_VERIFY
+from refusion_jax.model.transformer import init_model
 from tests.decode_cases import random_weights
 
 VOCAB, MASK, EOS, WORD = 8, 7, 6, 1

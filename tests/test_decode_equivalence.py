@@ -1,8 +1,8 @@
 """The jitted decoder gives the eager reference's decode, token for token.
 
 Hundreds of random cases (random tiny models, prompts, thresholds, slot
-layouts and EOS ids) are decoded by both `refusion_jax.decode.generate` and
-`refusion_jax.decode_reference.decode_reference`; tokens, forwards, plan
+layouts and EOS ids) are decoded by both `refusion_jax.decoding.refusion.generate` and
+`refusion_jax.decoding.reference.decode_reference`; tokens, forwards, plan
 steps and the commit trace must agree exactly. Branch counters collected from
 the reference prove that every path of DESIGN §1.2 was exercised.
 """
@@ -12,8 +12,8 @@ import collections
 import numpy as np
 import pytest
 
-from refusion_jax.decode import compile_count, generate
-from refusion_jax.decode_reference import decode_reference
+from refusion_jax.decoding.refusion import compile_count, generate
+from refusion_jax.decoding.reference import decode_reference
 from tests.decode_cases import Group, random_case, same_decode
 
 GROUPS = [

@@ -12,7 +12,7 @@ from flax import nnx
 from hf_utils import hf_logits, relative_error, save_tiny_hf_model, tiny_hf_model
 from safetensors.numpy import load_file, save_file
 
-from refusion_jax.hf_io import config_from_hf, load_hf, load_hf_config, save_hf
+from refusion_jax.checkpoints.hf import config_from_hf, load_hf, load_hf_config, save_hf
 
 FAMILY_CASES = {
     "qwen3_tied_linear_rope": ("qwen3", dict(head_dim=16, tie_word_embeddings=True,
@@ -57,7 +57,7 @@ def _qwen3_8b_like(**changes):
 
 
 def test_config_maps_a_refusion_config_to_the_preset():
-  from refusion_jax.config import refusion_8b
+  from refusion_jax.model.config import refusion_8b
 
   assert config_from_hf(_qwen3_8b_like()) == refusion_8b()
 
@@ -246,8 +246,8 @@ def test_truncated_shard_is_named(tmp_path):
 
 
 def test_save_refuses_a_config_no_hugging_face_family_has(tmp_path):
-  from refusion_jax.config import tiny
-  from refusion_jax.model import init_model
+  from refusion_jax.model.config import tiny
+  from refusion_jax.model.transformer import init_model
 
   with pytest.raises(ValueError, match="qkv_bias=True"):
     save_hf(init_model(tiny(architecture="llama", qkv_bias=True)), tmp_path)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hf_utils import hf_logits, relative_error, save_tiny_hf_model
 
-from refusion_jax.hf_io import load_hf
+from refusion_jax.checkpoints.hf import load_hf
 
 TOLERANCE = 1e-4
 

@@ -13,9 +13,9 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refusion_jax import objective
-from refusion_jax.config import tiny
-from refusion_jax.model import init_model
+from refusion_jax.training import objective
+from refusion_jax.model.config import tiny
+from refusion_jax.model.transformer import init_model
 
 VOCAB = 64
 MASK_ID = VOCAB - 1

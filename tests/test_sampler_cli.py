@@ -7,9 +7,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from refusion_jax import baselines, checkpoint, config, decode, hf_io, model as model_lib, sample
-from refusion_jax.sampler import Sampler
-from refusion_jax.tokenizer import ByteTokenizer
+from refusion_jax import sample
+from refusion_jax.checkpoints import hf as hf_io, orbax as checkpoint
+from refusion_jax.decoding import baselines, refusion as decode
+from refusion_jax.model import config, transformer as model_lib
+from refusion_jax.decoding.sampler import Sampler
+from refusion_jax.data.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 REFUSION = dict(gen_length=8, slot_size=4, serial_blocks=1, slot_threshold=0.5, token_threshold=0.5)

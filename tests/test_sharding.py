@@ -12,9 +12,9 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from refusion_jax import sharding
-from refusion_jax.config import tiny
-from refusion_jax.model import init_model
+from refusion_jax.parallel import sharding
+from refusion_jax.model.config import tiny
+from refusion_jax.model.transformer import init_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,10 +58,11 @@ _SHARDED_VS_SINGLE = textwrap.dedent("""
     jax.config.update("jax_default_matmul_precision", "highest")
     import ml_collections, numpy as np
     from flax import nnx
-    from refusion_jax import sharding, train
-    from refusion_jax.checkpoint import abstract_model
-    from refusion_jax.config import tiny
-    from refusion_jax.objective import ObjectiveConfig
+    from refusion_jax.parallel import sharding
+    from refusion_jax.training import loop as train
+    from refusion_jax.checkpoints.orbax import abstract_model
+    from refusion_jax.model.config import tiny
+    from refusion_jax.training.objective import ObjectiveConfig
 
     model_config = tiny(vocab_size=260, mask_token_id=259, pad_token_id=256, eos_token_id=258)
     opt = ml_collections.ConfigDict(dict(lr=1e-3, warmup_steps=1, decay="cosine", final_lr_ratio=0.1,

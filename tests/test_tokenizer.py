@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import models, pre_tokenizers
 
-from refusion_jax.tokenizer import MASK_GLYPH, ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from refusion_jax.data.tokenizer import MASK_GLYPH, ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 
 @settings(max_examples=200, deadline=None)

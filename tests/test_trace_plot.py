@@ -5,9 +5,9 @@ import re
 import numpy as np
 import pytest
 
-from refusion_jax.decoding import PHASE_INFILL, PHASE_NONE, PHASE_VERIFY, DecodeResult
-from refusion_jax.tokenizer import ByteTokenizer
-from refusion_jax.trace_plot import format_trace_terminal, plot_trace
+from refusion_jax.decoding.common import PHASE_INFILL, PHASE_NONE, PHASE_VERIFY, DecodeResult
+from refusion_jax.data.tokenizer import ByteTokenizer
+from refusion_jax.decoding.trace_plot import format_trace_terminal, plot_trace
 
 BACKGROUND = re.compile(r"\x1b\[(?:4;)?38;5;\d+;48;5;(\d+)m")
 

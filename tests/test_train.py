@@ -11,14 +11,15 @@ import pytest
 import tokenizers
 from flax import nnx
 
-from refusion_jax import hf_io, train
-from refusion_jax.checkpoint import Checkpoints, abstract_model, load_model_from_checkpoint
-from refusion_jax.config import tiny
-from refusion_jax.model import init_model
-from refusion_jax.objective import ObjectiveConfig
-from refusion_jax import config_file
-from refusion_jax.sharding import make_mesh
-from refusion_jax.tokenizer import load_tokenizer
+from refusion_jax.checkpoints import hf as hf_io
+from refusion_jax.training import loop as train
+from refusion_jax.checkpoints.orbax import Checkpoints, abstract_model, load_model_from_checkpoint
+from refusion_jax.model.config import tiny
+from refusion_jax.model.transformer import init_model
+from refusion_jax.training.objective import ObjectiveConfig
+from refusion_jax.training import config_file
+from refusion_jax.parallel.sharding import make_mesh
+from refusion_jax.data.tokenizer import load_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -38,7 +38,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from refusion_jax.tokenizer import Tokenizer
+from refusion_jax.data.tokenizer import Tokenizer
 
 Batch = dict[str, np.ndarray]
 

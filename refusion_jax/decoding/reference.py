@@ -1,6 +1,6 @@
 """An eager, batch-1 ReFusion decoder written straight from DESIGN §1.2.
 
-It exists to be read next to the paper and to check `refusion_jax.decode`
+It exists to be read next to the paper and to check `refusion_jax.decoding.refusion`
 against: plain Python loops, dynamic shapes, and nothing shared with the
 jitted decoder but the model forward (itself jitted, on shapes padded to
 powers of two, only so that hundreds of test cases run in seconds). It is
@@ -25,8 +25,8 @@ import numpy as np
 
 from flax import nnx
 
-from refusion_jax.cache import KVCache
-from refusion_jax.decoding import (
+from refusion_jax.model.cache import KVCache
+from refusion_jax.decoding.common import (
     PHASE_INFILL,
     PHASE_NONE,
     PHASE_VERIFY,
@@ -37,7 +37,7 @@ from refusion_jax.decoding import (
     check_temperature,
     check_threshold,
 )
-from refusion_jax.model import Transformer
+from refusion_jax.model.transformer import Transformer
 
 
 def _bucket(n: int, least: int = 1) -> int:
@@ -132,7 +132,7 @@ def decode_reference(
   Temperature > 0 adds Gumbel noise to the plan logits only, drawn as
   `gumbel(fold_in(fold_in(key(seed), 0), plan_step), [block_length, vocab])`
   and read at the undecided slots' block offsets, which is the noise row 0 of
-  `refusion_jax.decode.generate` uses. Infill drafts are always argmax.
+  `refusion_jax.decoding.refusion.generate` uses. Infill drafts are always argmax.
 
   Args:
     prompt_ids: one prompt of token ids.

@@ -1,7 +1,7 @@
 """Device mesh and the one table that maps logical axis names to mesh axes.
 
 Every parameter carries logical axis names (`embed`, `heads`, `kv_heads`,
-`head_dim`, `mlp`, `vocab`, `layers`; see `refusion_jax.model`), and batches use
+`head_dim`, `mlp`, `vocab`, `layers`; see `refusion_jax.model.transformer`), and batches use
 `batch` and `length`. `LOGICAL_AXIS_RULES` maps each name to a mesh axis (or
 several, or None for "replicated"); the config may replace the table. The
 mesh has three axes:

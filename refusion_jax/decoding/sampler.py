@@ -6,7 +6,7 @@
     texts, result = sampler.generate(["a", "b"])      # + the DecodeResult (trace, TPF)
     Sampler(model, tok, method="ar", gen_length=32)   # the baselines, same interface
 
-Prompts are padded into the length buckets of `refusion_jax.decoding`, so
+Prompts are padded into the length buckets of `refusion_jax.decoding.common`, so
 calls with new prompts of a bucket (and the same batch size) reuse the
 compiled program of the decoder's jit cache.
 """
@@ -16,10 +16,10 @@ from __future__ import annotations
 import inspect
 from typing import Callable, Sequence
 
-from refusion_jax import baselines, decode
-from refusion_jax.decoding import DecodeResult
-from refusion_jax.model import Transformer
-from refusion_jax.tokenizer import Tokenizer, load_tokenizer
+from refusion_jax.decoding import baselines, refusion as decode
+from refusion_jax.decoding.common import DecodeResult
+from refusion_jax.model.transformer import Transformer
+from refusion_jax.data.tokenizer import Tokenizer, load_tokenizer
 
 # The decoder of each method and its default knobs (the paper's settings scaled to short demos).
 METHODS: dict[str, tuple[Callable[..., DecodeResult], dict]] = {

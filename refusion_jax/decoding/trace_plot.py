@@ -20,8 +20,8 @@ import numpy as np
 # A bare Figure renders with Agg and never touches pyplot or a display.
 from matplotlib.figure import Figure
 
-from refusion_jax.decoding import PHASE_INFILL, PHASE_NAMES, DecodeResult
-from refusion_jax.tokenizer import Tokenizer
+from refusion_jax.decoding.common import PHASE_INFILL, PHASE_NAMES, DecodeResult
+from refusion_jax.data.tokenizer import Tokenizer
 
 COLORMAP = "viridis"
 # Hatch of each phase in the figure (verification / baseline step: plain).

@@ -28,8 +28,8 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from refusion_jax.config import ModelConfig, family_switches
-from refusion_jax.model import Transformer
+from refusion_jax.model.config import ModelConfig, family_switches
+from refusion_jax.model.transformer import Transformer
 
 # Hugging Face class name of each family we load and save.
 _HF_CLASSES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}

@@ -7,7 +7,7 @@ never from the positions, which is what lets ReFusion store tokens out of
 position order.
 
 Every parameter carries logical axis names (`embed`, `heads`, `kv_heads`,
-`head_dim`, `mlp`, `vocab`, `layers`) as metadata; `refusion_jax.sharding`
+`head_dim`, `mlp`, `vocab`, `layers`) as metadata; `refusion_jax.parallel.sharding`
 maps them to mesh axes.
 """
 
@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from refusion_jax.cache import BlockKV, KVCache, block_mask
-from refusion_jax.config import ModelConfig
+from refusion_jax.model.cache import BlockKV, KVCache, block_mask
+from refusion_jax.model.config import ModelConfig
 
 # Large negative instead of -inf: a fully masked query row (padding, finished
 # decode rows) then gives a harmless uniform average rather than NaN.
@@ -203,7 +203,7 @@ class Transformer(nnx.Module):
         entries first, then the block). Defaults to causal over the block (and
         every valid cache entry).
       cache: an optional `KVCache` the block attends to. It is only read; use
-        `refusion_jax.cache.append` / `write` to store the returned keys.
+        `refusion_jax.model.cache.append` / `write` to store the returned keys.
 
     Returns:
       logits [batch, block, vocab] in float32, and the block's keys and values

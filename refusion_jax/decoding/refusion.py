@@ -16,7 +16,7 @@ its own query from it:
 The block-diagonal mask of draft/check replaces the official code's
 per-slot copies of the cache. Tokens of other slots sit in the query too but
 no query sees them, so they change nothing. Commits append the kept tokens,
-in slot order, with the KV of the same forward (`refusion_jax.cache.append`).
+in slot order, with the KV of the same forward (`refusion_jax.model.cache.append`).
 Rows advance independently; finished rows idle under a mask until every row
 is done.
 """
@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from refusion_jax import cache as kv_cache
-from refusion_jax.decoding import (
+from refusion_jax.model import cache as kv_cache
+from refusion_jax.decoding.common import (
     PHASE_INFILL,
     PHASE_NONE,
     PHASE_VERIFY,
@@ -52,7 +52,7 @@ from refusion_jax.decoding import (
     pad_prompts,
     row_gumbel_noise,
 )
-from refusion_jax.model import Transformer
+from refusion_jax.model.transformer import Transformer
 
 __all__ = [
     "DecodeKnobs", "DecodeOutputs", "DecodeResult", "DecodeSettings", "compile_count", "decode_loop", "generate",

@@ -1,7 +1,7 @@
 """What every decoder shares: input checks, prompt buckets and the result type.
 
-ReFusion (`refusion_jax.decode`), its eager reference and the AR / MDM
-baselines (`refusion_jax.baselines`) all take token-id prompts, reject bad
+ReFusion (`refusion_jax.decoding.refusion`), its eager reference and the AR / MDM
+baselines (`refusion_jax.decoding.baselines`) all take token-id prompts, reject bad
 input before anything is compiled, pad prompts into a few length buckets so
 new prompts do not recompile, and return a `DecodeResult`.
 """
@@ -14,7 +14,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from refusion_jax.config import ModelConfig
+from refusion_jax.model.config import ModelConfig
 
 # Prompt lengths are padded up to the smallest bucket that holds them.
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)

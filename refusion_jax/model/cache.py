@@ -13,7 +13,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from refusion_jax.config import ModelConfig
+from refusion_jax.model.config import ModelConfig
 
 
 @flax.struct.dataclass

@@ -28,8 +28,8 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from refusion_jax.config import ModelConfig
-from refusion_jax.model import Transformer
+from refusion_jax.model.config import ModelConfig
+from refusion_jax.model.transformer import Transformer
 
 PARAMS, TRAIN, DATA, META = "params", "train", "data", "meta"
 # Name of the checkpoint directory inside a workdir.
@@ -228,7 +228,7 @@ def load_model_from_checkpoint(path: str, step: int | None = None) -> tuple[Tran
 
   Returns:
     The model on the default device, and the tokenizer name or path to pass to
-    `refusion_jax.tokenizer.load_tokenizer` (relative paths are resolved
+    `refusion_jax.data.tokenizer.load_tokenizer` (relative paths are resolved
     against the checkpoint directory).
   """
   directory = checkpoint_dir(path)

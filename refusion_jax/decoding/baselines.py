@@ -8,7 +8,7 @@
   unmasked ("low-confidence remasking", LLaDA's `generate.py`).
 
 Both are batched, jitted end to end as one `lax` loop, take the prompt buckets
-of `refusion_jax.decoding` so new prompts do not recompile, and return a
+of `refusion_jax.decoding.common` so new prompts do not recompile, and return a
 `DecodeResult` whose commit trace records `PHASE_STEP`.
 """
 
@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from refusion_jax import cache as kv_cache
-from refusion_jax.config import ModelConfig
-from refusion_jax.decoding import (
+from refusion_jax.model import cache as kv_cache
+from refusion_jax.model.config import ModelConfig
+from refusion_jax.decoding.common import (
     PHASE_STEP,
     DecodeResult,
     answer_tokens,
@@ -38,7 +38,7 @@ from refusion_jax.decoding import (
     pad_prompts,
     row_gumbel_noise,
 )
-from refusion_jax.model import Transformer
+from refusion_jax.model.transformer import Transformer
 
 # An id no token has: "no EOS known" simply never matches.
 _NO_TOKEN = -1
