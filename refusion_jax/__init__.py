@@ -7,20 +7,20 @@ a notebook only pays for what it uses (torch-free, tfds-free sampling).
 import importlib
 
 _EXPORTS = {
-    "ModelConfig": "refusion_jax.model.config",
-    "preset": "refusion_jax.model.config",
-    "Transformer": "refusion_jax.model.transformer",
-    "init_model": "refusion_jax.model.transformer",
-    "KVCache": "refusion_jax.model.cache",
-    "BlockKV": "refusion_jax.model.cache",
-    "load_hf": "refusion_jax.checkpoints.hf",
-    "save_hf": "refusion_jax.checkpoints.hf",
-    "generate": "refusion_jax.decoding.refusion",
-    "DecodeResult": "refusion_jax.decoding.refusion",
-    "decode_reference": "refusion_jax.decoding.reference",
-    "ar_generate": "refusion_jax.decoding.baselines",
-    "mdm_generate": "refusion_jax.decoding.baselines",
-    "Sampler": "refusion_jax.decoding.sampler",
+  "ModelConfig": "refusion_jax.model.config",
+  "preset": "refusion_jax.model.config",
+  "Transformer": "refusion_jax.model.transformer",
+  "init_model": "refusion_jax.model.transformer",
+  "KVCache": "refusion_jax.model.cache",
+  "BlockKV": "refusion_jax.model.cache",
+  "load_hf": "refusion_jax.checkpoints.hf",
+  "save_hf": "refusion_jax.checkpoints.hf",
+  "generate": "refusion_jax.decoding.refusion",
+  "DecodeResult": "refusion_jax.decoding.refusion",
+  "decode_reference": "refusion_jax.decoding.reference",
+  "ar_generate": "refusion_jax.decoding.baselines",
+  "mdm_generate": "refusion_jax.decoding.baselines",
+  "Sampler": "refusion_jax.decoding.sampler",
 }
 
 __all__ = sorted(_EXPORTS)

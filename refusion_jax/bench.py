@@ -23,23 +23,25 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import shlex
 import statistics
 import sys
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 from flax import nnx
 
 from refusion_jax import sample
-from refusion_jax.decoding import baselines, refusion as decode
+from refusion_jax.decoding import baselines
+from refusion_jax.decoding import refusion as decode
+from refusion_jax.decoding.common import DecodeResult, bucket_length, check_slot_layout
+from refusion_jax.decoding.reference import decode_reference
 from refusion_jax.model import config as config_lib
 from refusion_jax.model.cache import KVCache
-from refusion_jax.decoding.reference import decode_reference
-from refusion_jax.decoding.common import DecodeResult, bucket_length, check_slot_layout
 from refusion_jax.model.transformer import Transformer, init_model
 
 PROMPT_LENGTHS = (8, 16)  # random prompts: lengths drawn in [8, 16], one bucket
@@ -149,17 +151,26 @@ def decoders(bench: BenchModel, args: argparse.Namespace) -> dict[str, Callable[
   """Each method as a function of the prompts, with the run's knobs bound."""
   ids = dict(eos_id=bench.eos_id, pad_id=bench.pad_id)
   refusion = dict(
-      gen_length=args.gen_length, slot_size=args.slot_size, serial_blocks=args.serial_blocks,
-      slot_threshold=args.slot_threshold, token_threshold=args.token_threshold, mask_id=bench.mask_id,
+    gen_length=args.gen_length,
+    slot_size=args.slot_size,
+    serial_blocks=args.serial_blocks,
+    slot_threshold=args.slot_threshold,
+    token_threshold=args.token_threshold,
+    mask_id=bench.mask_id,
   )
   return {
-      "refusion": lambda p: decode.generate(bench.model, p, **refusion, **ids),
-      "refusion eager ref.": lambda p: decode_reference(bench.model, p[0], **refusion, eos_id=bench.eos_id),
-      "ar": lambda p: baselines.ar_generate(bench.model, p, gen_length=args.gen_length, **ids),
-      "mdm": lambda p: baselines.mdm_generate(
-          bench.model, p, gen_length=args.gen_length, block_length=args.mdm_block_length,
-          steps=args.mdm_steps, mask_id=bench.mask_id, **ids,
-      ),
+    "refusion": lambda p: decode.generate(bench.model, p, **refusion, **ids),
+    "refusion eager ref.": lambda p: decode_reference(bench.model, p[0], **refusion, eos_id=bench.eos_id),
+    "ar": lambda p: baselines.ar_generate(bench.model, p, gen_length=args.gen_length, **ids),
+    "mdm": lambda p: baselines.mdm_generate(
+      bench.model,
+      p,
+      gen_length=args.gen_length,
+      block_length=args.mdm_block_length,
+      steps=args.mdm_steps,
+      mask_id=bench.mask_id,
+      **ids,
+    ),
   }
 
 
@@ -175,15 +186,22 @@ def bench_decode(bench: BenchModel, args: argparse.Namespace) -> list[Measuremen
       if method == "refusion eager ref." and batch > 1:
         continue
       label = f"{bench.name} {method} batch {batch}"
-      result, compile_s, run_s = measure(label, lambda: call(prompts), args.repeats)
+      result, compile_s, run_s = measure(label, functools.partial(call, prompts), args.repeats)
       answer_tokens = sum(len(t) for t in result.tokens)
-      rows.append(Measurement(
-          model=bench.name, method=method, batch=batch,
-          forwards=float(np.mean(result.num_forwards)), tpf=result.overall_tpf,
-          tokens_per_s=answer_tokens / run_s, compile_s=compile_s, run_s=run_s,
+      rows.append(
+        Measurement(
+          model=bench.name,
+          method=method,
+          batch=batch,
+          forwards=float(np.mean(result.num_forwards)),
+          tpf=result.overall_tpf,
+          tokens_per_s=answer_tokens / run_s,
+          compile_s=compile_s,
+          run_s=run_s,
           kv_cache_bytes=kv_cache_bytes(bench.model, batch, capacity) if method in cached else None,
           tokens=result.tokens,
-      ))
+        )
+      )
   return rows
 
 
@@ -201,9 +219,18 @@ def format_table(rows: Sequence[Measurement]) -> str:
   """A fixed-width text table, one line per measurement."""
   header = ("model", "method", "batch", "fwd/row", "TPF", "tokens/s", "compile s", "run s", "KV cache")
   lines = [
-      (r.model, r.method, str(r.batch), f"{r.forwards:.1f}", f"{r.tpf:.2f}", f"{r.tokens_per_s:.1f}",
-       f"{r.compile_s:.2f}", f"{r.run_s:.3f}", _bytes(r.kv_cache_bytes))
-      for r in rows
+    (
+      r.model,
+      r.method,
+      str(r.batch),
+      f"{r.forwards:.1f}",
+      f"{r.tpf:.2f}",
+      f"{r.tokens_per_s:.1f}",
+      f"{r.compile_s:.2f}",
+      f"{r.run_s:.3f}",
+      _bytes(r.kv_cache_bytes),
+    )
+    for r in rows
   ]
   widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
   fmt = lambda cells: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
@@ -222,8 +249,7 @@ def summary(rows: Sequence[Measurement]) -> str:
     batch = max(b for _, b in cell)
     if batch > 1:
       gains = ", ".join(
-          f"{m} {cell[(m, batch)].tokens_per_s / cell[(m, 1)].tokens_per_s:.1f}x"
-          for m in ("refusion", "ar", "mdm")
+        f"{m} {cell[(m, batch)].tokens_per_s / cell[(m, 1)].tokens_per_s:.1f}x" for m in ("refusion", "ar", "mdm")
       )
       out.append(f"{name}: tokens/s at batch {batch} over batch 1: {gains}.")
   return "\n".join(out)
@@ -236,8 +262,11 @@ def reproduce_command(argv: Sequence[str]) -> str:
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m refusion_jax.bench", description=__doc__.split("\n\n")[0])
   commands = parser.add_subparsers(dest="command", required=True)
-  p = commands.add_parser("decode", help="ReFusion vs eager reference vs AR vs MDM decoding.",
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p = commands.add_parser(
+    "decode",
+    help="ReFusion vs eager reference vs AR vs MDM decoding.",
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
   p.add_argument("--sizes", default="tiny,small", help="comma-separated model presets (random weights).")
   p.add_argument("--batch", type=int, default=16, help="the large batch (batch 1 is always measured too).")
   p.add_argument("--gen_length", type=int, default=64)
@@ -277,13 +306,16 @@ def run_decode(args: argparse.Namespace) -> list[Measurement]:
   if args.hf_checkpoint or args.checkpoint:
     benches = [lambda: trained_bench_model(args)]
   else:
-    benches = [lambda size=size: random_bench_model(size, args.batch, args.sharpen, args.seed)
-               for size in args.sizes.split(",")]
+    benches = [
+      lambda size=size: random_bench_model(size, args.batch, args.sharpen, args.seed) for size in args.sizes.split(",")
+    ]
   rows = []
   for build in benches:
     bench = build()
-    _log(f"{bench.name}: {sum(x.size for x in jax.tree.leaves(nnx.state(bench.model))):,} parameters, "
-         f"{len(bench.prompts)} prompts of {min(map(len, bench.prompts))}-{max(map(len, bench.prompts))} tokens")
+    _log(
+      f"{bench.name}: {sum(x.size for x in jax.tree.leaves(nnx.state(bench.model))):,} parameters, "
+      f"{len(bench.prompts)} prompts of {min(map(len, bench.prompts))}-{max(map(len, bench.prompts))} tokens"
+    )
     rows += bench_decode(bench, args)
   return rows
 
@@ -302,8 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   print(format_table(rows))
   print()
   print(summary(rows))
-  print(f"backend: {jax.default_backend()} ({jax.device_count()} device(s)); "
-        f"reproduce with: {reproduce_command(argv)}")
+  print(f"backend: {jax.default_backend()} ({jax.device_count()} device(s)); reproduce with: {reproduce_command(argv)}")
   return 0
 
 

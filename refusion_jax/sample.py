@@ -16,18 +16,19 @@ import argparse
 import json
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 from flax import nnx
 
-from refusion_jax.checkpoints import hf as hf_io, orbax as checkpoint
-from refusion_jax.model import config as config_lib
-from refusion_jax.decoding.common import DecodeResult
-from refusion_jax.model.transformer import Transformer, init_model
-from refusion_jax.decoding.sampler import METHODS, Sampler, decoder_options
+from refusion_jax.checkpoints import hf as hf_io
+from refusion_jax.checkpoints import orbax as checkpoint
 from refusion_jax.data.tokenizer import Tokenizer, load_tokenizer
+from refusion_jax.decoding.common import DecodeResult
+from refusion_jax.decoding.sampler import METHODS, Sampler, decoder_options
 from refusion_jax.decoding.trace_plot import format_trace_terminal, plot_trace
+from refusion_jax.model import config as config_lib
+from refusion_jax.model.transformer import Transformer, init_model
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -35,29 +36,46 @@ DTYPES = ("float32", "bfloat16", "float16")
 def add_model_flags(parser: argparse.ArgumentParser, random_init: bool = True) -> None:
   """The flags `load_model` reads: where the model and tokenizer come from, and the dtype."""
   source = parser.add_argument_group("model (exactly one)" if random_init else "trained model (optional)")
-  source.add_argument("--hf_checkpoint", metavar="DIR", help="Hugging Face checkpoint directory (config.json + safetensors).")
-  source.add_argument("--checkpoint", metavar="DIR", help="orbax checkpoint: a training workdir or its checkpoints/ directory.")
+  source.add_argument(
+    "--hf_checkpoint", metavar="DIR", help="Hugging Face checkpoint directory (config.json + safetensors)."
+  )
+  source.add_argument(
+    "--checkpoint", metavar="DIR", help="orbax checkpoint: a training workdir or its checkpoints/ directory."
+  )
   source.add_argument("--step", type=int, help="with --checkpoint: the step to load (default: the latest).")
   if random_init:
-    source.add_argument("--random_init", metavar="PRESET", choices=sorted(config_lib.PRESETS),
-                        help="demo on a randomly initialised model of this preset with the byte tokenizer.")
+    source.add_argument(
+      "--random_init",
+      metavar="PRESET",
+      choices=sorted(config_lib.PRESETS),
+      help="demo on a randomly initialised model of this preset with the byte tokenizer.",
+    )
     source.add_argument("--init_seed", type=int, default=0, help="with --random_init: the weights' seed.")
-  parser.add_argument("--tokenizer", help="'bytes' or a directory with tokenizer.json (default: the checkpoint's "
-                      "tokenizer when it has one, else 'bytes').")
+  parser.add_argument(
+    "--tokenizer",
+    help="'bytes' or a directory with tokenizer.json (default: the checkpoint's "
+    "tokenizer when it has one, else 'bytes').",
+  )
   parser.add_argument("--dtype", choices=DTYPES, help="activation and parameter dtype (default: as stored).")
 
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-      prog="python -m refusion_jax.sample", description=__doc__.split("\n\n")[0],
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    prog="python -m refusion_jax.sample",
+    description=__doc__.split("\n\n")[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
   add_model_flags(parser)
 
   prompts = parser.add_argument_group("prompts (one or more)")
   prompts.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a text prompt (repeatable).")
-  prompts.add_argument("--prompt_ids", action="append", default=[], metavar="1,2,3",
-                       help="a prompt as comma-separated token ids (repeatable).")
+  prompts.add_argument(
+    "--prompt_ids",
+    action="append",
+    default=[],
+    metavar="1,2,3",
+    help="a prompt as comma-separated token ids (repeatable).",
+  )
   prompts.add_argument("--chat_template", action="store_true", help="wrap text prompts with the chat template.")
 
   knobs = parser.add_argument_group("decoding")
@@ -77,8 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
 
   output = parser.add_argument_group("output")
   output.add_argument("--json", action="store_true", help="print one JSON object per prompt.")
-  output.add_argument("--trace", metavar="PNG", help="save the decode-order picture (one file per prompt: "
-                      "name-<i>.png when there are several) and print a coloured trace.")
+  output.add_argument(
+    "--trace",
+    metavar="PNG",
+    help="save the decode-order picture (one file per prompt: "
+    "name-<i>.png when there are several) and print a coloured trace.",
+  )
   return parser
 
 
@@ -90,7 +112,9 @@ def _parse_ids(text: str) -> list[int]:
   try:
     return [int(piece) for piece in text.split(",") if piece.strip()]
   except ValueError:
-    raise UsageError(f"--prompt_ids {text!r} is not a comma-separated list of integers, e.g. --prompt_ids 1,2,3.") from None
+    raise UsageError(
+      f"--prompt_ids {text!r} is not a comma-separated list of integers, e.g. --prompt_ids 1,2,3."
+    ) from None
 
 
 def load_model(args: argparse.Namespace) -> tuple[Transformer, Tokenizer]:
@@ -105,8 +129,11 @@ def load_model(args: argparse.Namespace) -> tuple[Transformer, Tokenizer]:
   if sources == ["random_init"]:
     tokenizer = load_tokenizer(args.tokenizer or "bytes")
     model_config = config_lib.preset(args.random_init).replace(
-        vocab_size=tokenizer.vocab_size, mask_token_id=tokenizer.mask_id,
-        eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id, **overrides,
+      vocab_size=tokenizer.vocab_size,
+      mask_token_id=tokenizer.mask_id,
+      eos_token_id=tokenizer.eos_id,
+      pad_token_id=tokenizer.pad_id,
+      **overrides,
     )
     return init_model(model_config, args.init_seed), tokenizer
 
@@ -145,7 +172,7 @@ def trace_paths(path: str, count: int) -> list[str]:
 
 
 def report(
-    result: DecodeResult, prompts: list[str], answers: list[str], args: argparse.Namespace, tokenizer: Tokenizer
+  result: DecodeResult, prompts: list[str], answers: list[str], args: argparse.Namespace, tokenizer: Tokenizer
 ) -> None:
   """Print each prompt's answer (text or JSON) and write the traces."""
   paths = trace_paths(args.trace, len(answers)) if args.trace else [None] * len(answers)
@@ -158,8 +185,10 @@ def report(
       continue
     print(f"[{row}] prompt: {prompt!r}")
     print(f"[{row}] answer: {answer!r}")
-    print(f"[{row}] {len(result.tokens[row])} tokens, {stats['num_forwards']} forwards, TPF {stats['tpf']:.2f}, "
-          f"{stats['seconds']:.2f}s for the batch")
+    print(
+      f"[{row}] {len(result.tokens[row])} tokens, {stats['num_forwards']} forwards, TPF {stats['tpf']:.2f}, "
+      f"{stats['seconds']:.2f}s for the batch"
+    )
     if path:
       print(format_trace_terminal(result, row, tokenizer))
       print(f"[{row}] trace saved to {path}")

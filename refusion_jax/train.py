@@ -23,7 +23,8 @@ def initialize_distributed() -> None:
   gives JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID."""
   count, index = os.environ.get("JAX_NUM_PROCESSES"), os.environ.get("JAX_PROCESS_ID")
   jax.distributed.initialize(
-      num_processes=None if count is None else int(count), process_id=None if index is None else int(index),
+    num_processes=None if count is None else int(count),
+    process_id=None if index is None else int(index),
   )
 
 
@@ -37,7 +38,7 @@ def main(argv) -> None:
   try:
     train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
   except NonFiniteLossError as error:
-    raise SystemExit(f"error: {error}")  # exit status 1
+    raise SystemExit(f"error: {error}") from None  # exit status 1
 
 
 if __name__ == "__main__":

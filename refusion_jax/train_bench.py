@@ -22,20 +22,25 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from refusion_jax.parallel import sharding
-from refusion_jax.training import loop as train
 from refusion_jax.checkpoints.orbax import abstract_model
 from refusion_jax.data.tokenizer import load_tokenizer
+from refusion_jax.parallel import sharding
+from refusion_jax.training import loop as train
 
 
 def synthetic_batch(batch_size: int, seq_len: int, pad_id: int, seed: int = 0) -> dict[str, np.ndarray]:
-  """tokens [batch, seq_len] of random bytes: a prompt of 1/8..1/4 and an answer of 1/4..1/2 of seq_len, then padding."""
+  """tokens [batch, seq_len] of random bytes.
+
+  Each row: a prompt of 1/8..1/4 and an answer of 1/4..1/2 of seq_len, then padding.
+  """
   rng = np.random.default_rng(seed)
   prompt_len = rng.integers(seq_len // 8, seq_len // 4 + 1, batch_size)
   answer_len = rng.integers(seq_len // 4, seq_len // 2 + 1, batch_size)
   tokens = rng.integers(0, 256, (batch_size, seq_len))
   tokens[np.arange(seq_len)[None] >= (prompt_len + answer_len)[:, None]] = pad_id
-  return dict(tokens=tokens.astype(np.int32), prompt_len=prompt_len.astype(np.int32), answer_len=answer_len.astype(np.int32))
+  return dict(
+    tokens=tokens.astype(np.int32), prompt_len=prompt_len.astype(np.int32), answer_len=answer_len.astype(np.int32)
+  )
 
 
 def time_objectives(config: ml_collections.ConfigDict, objectives: list[str], steps: int) -> dict[str, list[float]]:
@@ -54,7 +59,9 @@ def time_objectives(config: ml_collections.ConfigDict, objectives: list[str], st
   steps_of, states = {}, {}
   for kind in objectives:
     objective = dataclasses.replace(train.objective_config_from(config, model_config), kind=kind)
-    steps_of[kind] = placement.jit_step(train.make_train_step(graphdef, tx, schedule, objective, config.grad_accum_steps))
+    steps_of[kind] = placement.jit_step(
+      train.make_train_step(graphdef, tx, schedule, objective, config.grad_accum_steps)
+    )
     states[kind], metrics = steps_of[kind](jax.jit(init, out_shardings=placement.state_shardings)(), batch)  # compile
     jax.block_until_ready(metrics)
   times = {kind: [] for kind in objectives}
@@ -73,13 +80,14 @@ def main(argv) -> None:
   times = time_objectives(config, objectives, steps)
   reference = objectives[0]
   print(
-      f"batch {config.batch_size} x {config.data.seq_len} tokens, model {dict(config.model)}, "
-      f"{jax.device_count()} {jax.devices()[0].platform} device(s), {steps} interleaved rounds"
+    f"batch {config.batch_size} x {config.data.seq_len} tokens, model {dict(config.model)}, "
+    f"{jax.device_count()} {jax.devices()[0].platform} device(s), {steps} interleaved rounds"
   )
   for kind, seconds in times.items():
     # The ratio is the median over rounds of same-round ratios, steadier than a ratio of medians.
     ratio = statistics.median(s / r for s, r in zip(seconds, times[reference]))
     print(f"{kind:>9}: {statistics.median(seconds) * 1e3:8.1f} ms/step (median)   x{ratio:.2f} vs {reference}")
+
 
 if __name__ == "__main__":
   config_flags.DEFINE_config_file("config", None, "Training config file (see configs/).", lock_config=True)

@@ -73,23 +73,23 @@ def random_case(group: Group, template: Transformer, rng: np.random.Generator) -
   """A model, B prompts of random lengths and random knobs; mask id = vocab - 1."""
   vocab = group.vocab_size
   model = random_weights(
-      template,
-      seed=int(rng.integers(1 << 30)),
-      weight_std=float(rng.uniform(0.05, 0.4)),
-      head_std=float(np.exp(rng.uniform(np.log(0.1), np.log(1.5)))),
+    template,
+    seed=int(rng.integers(1 << 30)),
+    weight_std=float(rng.uniform(0.05, 0.4)),
+    head_std=float(np.exp(rng.uniform(np.log(0.1), np.log(1.5)))),
   )
   lengths = rng.integers(1, group.max_prompt + 1, group.batch)
   prompts = [rng.integers(0, vocab - 1, int(n)).tolist() for n in lengths]
   knobs = dict(
-      gen_length=group.gen_length,
-      slot_size=group.slot_size,
-      serial_blocks=group.serial_blocks,
-      slot_threshold=float(rng.uniform(0.05, 0.95)),
-      token_threshold=float(rng.uniform(0.02, 0.95)),
-      mask_id=vocab - 1,
-      eos_id=int(rng.integers(0, vocab - 1)),
-      temperature=float(rng.uniform(0.3, 2.0)) if group.sample else 0.0,
-      seed=int(rng.integers(1 << 16)),
+    gen_length=group.gen_length,
+    slot_size=group.slot_size,
+    serial_blocks=group.serial_blocks,
+    slot_threshold=float(rng.uniform(0.05, 0.95)),
+    token_threshold=float(rng.uniform(0.02, 0.95)),
+    mask_id=vocab - 1,
+    eos_id=int(rng.integers(0, vocab - 1)),
+    temperature=float(rng.uniform(0.3, 2.0)) if group.sample else 0.0,
+    seed=int(rng.integers(1 << 16)),
   )
   return Case(model, prompts, knobs)
 
@@ -104,4 +104,3 @@ def same_decode(a, b, row_a: int = 0, row_b: int = 0) -> list[str]:
     if not np.array_equal(x, y):
       diffs.append(f"{field} {np.asarray(x).tolist()} != {np.asarray(y).tolist()}")
   return diffs
-

@@ -9,9 +9,9 @@ import torch
 import transformers
 
 _FAMILIES = {
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+  "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+  "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+  "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
 }
 
 
@@ -23,14 +23,14 @@ def tiny_hf_model(family: str, seed: int = 0, **config_fields) -> transformers.P
   """
   config_class, model_class = _FAMILIES[family]
   fields = dict(
-      vocab_size=211,
-      hidden_size=32,
-      intermediate_size=48,
-      num_hidden_layers=2,
-      num_attention_heads=4,
-      num_key_value_heads=2,
-      max_position_embeddings=4096,
-      tie_word_embeddings=False,
+    vocab_size=211,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
   )
   fields.update(config_fields)
   torch.manual_seed(seed)
@@ -49,7 +49,7 @@ def save_tiny_hf_model(directory: pathlib.Path, family: str, seed: int = 0, **co
 
 
 def hf_logits(
-    model: transformers.PreTrainedModel, tokens: np.ndarray, positions: np.ndarray | None = None
+  model: transformers.PreTrainedModel, tokens: np.ndarray, positions: np.ndarray | None = None
 ) -> np.ndarray:
   """Logits [batch, length, vocab] of a transformers model as float32 numpy."""
   kwargs = {} if positions is None else {"position_ids": torch.from_numpy(np.asarray(positions, np.int64))}

@@ -6,8 +6,9 @@ import pytest
 from flax import nnx
 
 from refusion_jax.decoding import baselines
-from refusion_jax.model import config, transformer as model_lib
 from refusion_jax.decoding.common import PHASE_NONE, PHASE_STEP
+from refusion_jax.model import config
+from refusion_jax.model import transformer as model_lib
 
 MASK_ID = 255
 NAIVE_WIDTH = 48
@@ -93,9 +94,9 @@ def test_ar_rows_stop_at_their_own_eos(model):
     # The prefill yields the first token, each later token costs one forward.
     assert result.num_forwards[row] == len(expected)
     assert list(result.commit_iteration[row, : len(expected)]) == list(range(len(expected)))
-    assert (result.commit_iteration[row, len(expected):] == -1).all()
+    assert (result.commit_iteration[row, len(expected) :] == -1).all()
     assert (result.commit_phase[row, : len(expected)] == PHASE_STEP).all()
-    assert (result.commit_phase[row, len(expected):] == PHASE_NONE).all()
+    assert (result.commit_phase[row, len(expected) :] == PHASE_NONE).all()
   assert len(result.tokens[0]) == free[0].index(eos_id) + 1
 
 
@@ -134,7 +135,7 @@ def test_mdm_unmasks_the_schedule_per_step_and_cuts_after_eos(model):
   cut = baselines.mdm_generate(model, prompts, gen_length=12, block_length=4, steps=6, eos_id=eos_id)
   first = free.tokens[0].index(eos_id)
   assert cut.tokens[0] == free.tokens[0][: first + 1]
-  assert (cut.commit_iteration[0, first + 1:] == -1).all()
+  assert (cut.commit_iteration[0, first + 1 :] == -1).all()
 
 
 def test_mdm_sampling_is_reproducible_per_seed():
@@ -159,14 +160,14 @@ def test_new_prompts_in_one_bucket_do_not_recompile(model):
 
 
 @pytest.mark.parametrize(
-    "kwargs,message",
-    [
-        (dict(gen_length=10, block_length=4, steps=4), "multiple of block_length"),
-        (dict(gen_length=8, block_length=4, steps=3), "multiple of the number of blocks"),
-        (dict(gen_length=8, block_length=4, steps=16), "at most steps=8"),
-        (dict(gen_length=8, block_length=4, steps=4, temperature=-1.0), "temperature"),
-        (dict(gen_length=8, block_length=4, steps=4, mask_id=999), "mask_id=999"),
-    ],
+  "kwargs,message",
+  [
+    (dict(gen_length=10, block_length=4, steps=4), "multiple of block_length"),
+    (dict(gen_length=8, block_length=4, steps=3), "multiple of the number of blocks"),
+    (dict(gen_length=8, block_length=4, steps=16), "at most steps=8"),
+    (dict(gen_length=8, block_length=4, steps=4, temperature=-1.0), "temperature"),
+    (dict(gen_length=8, block_length=4, steps=4, mask_id=999), "mask_id=999"),
+  ],
 )
 def test_mdm_rejects_bad_arguments(model, kwargs, message):
   with pytest.raises(ValueError, match=message):

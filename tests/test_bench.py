@@ -3,10 +3,9 @@
 import re
 
 import pytest
+from train_utils import load_config
 
 from refusion_jax import bench, train_bench
-
-from test_train import load_config
 
 ROWS = [("refusion", 1), ("refusion eager ref.", 1), ("ar", 1), ("mdm", 1), ("refusion", 2), ("ar", 2), ("mdm", 2)]
 
@@ -22,8 +21,9 @@ def table_rows(out, model):
 
 
 def test_minimal_bench_reports_every_row(capsys):
-  code = bench.main(["decode", "--sizes", "tiny", "--batch", "2", "--gen_length", "8", "--repeats", "1",
-                     "--mdm_block_length", "8"])
+  code = bench.main(
+    ["decode", "--sizes", "tiny", "--batch", "2", "--gen_length", "8", "--repeats", "1", "--mdm_block_length", "8"]
+  )
   out, err = capsys.readouterr()
   assert code == 0, err
   rows = table_rows(out, "tiny")

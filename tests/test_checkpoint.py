@@ -11,13 +11,14 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from train_utils import REPO, smoke_config
 
-from refusion_jax.training import loop as train
 from refusion_jax.checkpoints.orbax import Checkpoints, abstract_model, load_model_from_checkpoint, model_meta
 from refusion_jax.model.config import tiny
 from refusion_jax.model.transformer import init_model
+from refusion_jax.training import loop as train
 
-from test_train import REPO, compilation_cache, data_dir, smoke_config  # noqa: F401  (shared fixtures)
+pytestmark = pytest.mark.usefixtures("compilation_cache")
 
 
 def _params_of(workdir: str) -> dict:
@@ -47,9 +48,17 @@ def test_resumed_run_continues_exactly(tmp_path, data_dir):
 def test_sigterm_saves_a_checkpoint_exits_cleanly_and_the_run_resumes(tmp_path, data_dir):
   workdir = str(tmp_path / "run")
   command = [
-      sys.executable, "-m", "refusion_jax.train", "--config", "configs/demo.py:smoke", "--workdir", workdir,
-      f"--config.data.data_dir={data_dir}", "--config.num_train_steps=1000", "--config.eval_every=0",
-      "--config.checkpoint.every=1000",
+    sys.executable,
+    "-m",
+    "refusion_jax.train",
+    "--config",
+    "configs/demo.py:smoke",
+    "--workdir",
+    workdir,
+    f"--config.data.data_dir={data_dir}",
+    "--config.num_train_steps=1000",
+    "--config.eval_every=0",
+    "--config.checkpoint.every=1000",
   ]
   env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
   process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -85,7 +94,9 @@ def _tiny_checkpoint(directory: str, model_config):
     next(iterator)
   train_part = dict(step=np.int32(7), rng=np.asarray(jax.random.PRNGKey(1)))
   with Checkpoints(directory) as checkpoints:
-    checkpoints.save(7, params=nnx.state(model), train=train_part, data_iterator=iterator, meta=model_meta(model_config, "bytes"))
+    checkpoints.save(
+      7, params=nnx.state(model), train=train_part, data_iterator=iterator, meta=model_meta(model_config, "bytes")
+    )
     checkpoints.wait()
   return model
 
@@ -119,8 +130,9 @@ def test_load_model_from_checkpoint_rebuilds_the_model(tmp_path):
 
 def test_checkpoint_of_another_model_is_rejected_naming_the_parameter(tmp_path):
   _tiny_checkpoint(str(tmp_path), tiny(vocab_size=64))
-  with Checkpoints(str(tmp_path)) as checkpoints, pytest.raises(
-      ValueError, match=r"'embed_tokens' with shape \(64, 64\).*needs \(80, 64\)"
+  with (
+    Checkpoints(str(tmp_path)) as checkpoints,
+    pytest.raises(ValueError, match=r"'embed_tokens' with shape \(64, 64\).*needs \(80, 64\)"),
   ):
     checkpoints.restore(7, abstract_params=_abstract_params(tiny(vocab_size=80)))
 
@@ -129,22 +141,28 @@ def test_truncated_checkpoint_is_reported_clearly(tmp_path):
   model_config = tiny(vocab_size=64)
   _tiny_checkpoint(str(tmp_path), model_config)
   data_files = [  # the array chunks live in OCDBT "d" directories
-      os.path.join(root, name) for root, _, names in os.walk(tmp_path / "7" / "params") for name in names
-      if os.path.basename(root) == "d"
+    os.path.join(root, name)
+    for root, _, names in os.walk(tmp_path / "7" / "params")
+    for name in names
+    if os.path.basename(root) == "d"
   ]
   assert data_files
   for path in data_files:
     with open(path, "r+b") as f:
       f.truncate(os.path.getsize(path) // 2)
-  with Checkpoints(str(tmp_path)) as checkpoints, pytest.raises(
-      ValueError, match="could not be read; it may be truncated or corrupt"
+  with (
+    Checkpoints(str(tmp_path)) as checkpoints,
+    pytest.raises(ValueError, match="could not be read; it may be truncated or corrupt"),
   ):
     checkpoints.restore(7, abstract_params=_abstract_params(model_config))
 
 
 def test_missing_step_is_reported(tmp_path):
   _tiny_checkpoint(str(tmp_path), tiny(vocab_size=64))
-  with Checkpoints(str(tmp_path)) as checkpoints, pytest.raises(ValueError, match=r"No checkpoint for step 8 .* saved steps: \[7\]"):
+  with (
+    Checkpoints(str(tmp_path)) as checkpoints,
+    pytest.raises(ValueError, match=r"No checkpoint for step 8 .* saved steps: \[7\]"),
+  ):
     checkpoints.restore(8, abstract_params=_abstract_params(tiny(vocab_size=64)))
 
 

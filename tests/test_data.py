@@ -106,7 +106,7 @@ def test_query_response_json_round_trips_through_array_record(tmp_path):
   (tmp_path / "t.json").write_text(json.dumps(test), encoding="utf-8")
   data_dir = str(tmp_path / "data")
   built = builders.build_query_response_json(
-      data_dir, {"train": [str(tmp_path / "a.json"), str(tmp_path / "b.jsonl")], "test": str(tmp_path / "t.json")}
+    data_dir, {"train": [str(tmp_path / "a.json"), str(tmp_path / "b.jsonl")], "test": str(tmp_path / "t.json")}
   )
   assert {split: len(source) for split, source in built.items()} == {"train": 40, "test": 9}
 
@@ -134,14 +134,14 @@ def test_query_response_json_errors_name_the_file(tmp_path):
 def test_refusion_tasks_builder_stores_the_generated_splits(tmp_path):
   sizes = {"train": 150, "validation": 40, "test": 30}
   sources = builders.build_refusion_tasks(
-      str(tmp_path), num_train=150, num_validation=40, num_test=30, seed=9, task_names=("sort", "lookup")
+    str(tmp_path), num_train=150, num_validation=40, num_test=30, seed=9, task_names=("sort", "lookup")
   )
   for split, size in sizes.items():
     stored = sorted(tuple(sorted(pipeline.decode_record(r).items())) for r in sources[split])
     generated = tasks.generate_examples(split, size, seed=9, tasks=("sort", "lookup"))
     assert stored == sorted(tuple(sorted(e.items())) for e in generated)
   resized = builders.build_refusion_tasks(
-      str(tmp_path), num_train=160, num_validation=40, num_test=30, seed=9, task_names=("sort", "lookup")
+    str(tmp_path), num_train=160, num_validation=40, num_test=30, seed=9, task_names=("sort", "lookup")
   )
   assert len(resized["train"]) == 160  # a new config, not the stale 150-example build
 
@@ -161,9 +161,9 @@ def test_batches_follow_the_contract():
   assert len(batches) == 5
   for batch in batches:
     assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {
-        "tokens": ((8, 64), np.int32),
-        "prompt_len": ((8,), np.int32),
-        "answer_len": ((8,), np.int32),
+      "tokens": ((8, 64), np.int32),
+      "prompt_len": ((8,), np.int32),
+      "answer_len": ((8,), np.int32),
     }
   rows = [(b["tokens"][i], b["prompt_len"][i], b["answer_len"][i]) for b in batches for i in range(8)]
   for record, (tokens, prompt_len, answer_len) in zip(source, rows):
@@ -182,7 +182,7 @@ def test_batches_follow_the_contract():
 def test_drop_remainder_drops_the_partial_batch():
   source = tasks.generate_examples("train", 37, seed=11)
   dataset = pipeline.make_dataset(
-      source, TOKENIZER, seq_len=64, batch_size=8, seed=0, num_epochs=1, drop_remainder=True
+    source, TOKENIZER, seq_len=64, batch_size=8, seed=0, num_epochs=1, drop_remainder=True
   )
   assert len(list(dataset)) == 4
 
@@ -195,7 +195,7 @@ def test_too_long_examples_are_dropped_and_logged(caplog):
   assert 0 < len(fits) < len(source)
   with caplog.at_level("WARNING"):
     batches = list(
-        pipeline.make_dataset(source, TOKENIZER, seq_len=seq_len, batch_size=4, seed=0, shuffle=False, num_epochs=1)
+      pipeline.make_dataset(source, TOKENIZER, seq_len=seq_len, batch_size=4, seed=0, shuffle=False, num_epochs=1)
     )
   assert _queries(batches) == [r["query"] for r in fits]
   assert "Dropped 1 example(s) longer than seq_len=24" in caplog.text
@@ -208,7 +208,9 @@ def test_chat_template_wraps_queries():
 
   source = tasks.generate_examples("train", 5, seed=13)
   batch = next(
-      iter(pipeline.make_dataset(source, Bracketed(), seq_len=64, batch_size=5, seed=0, shuffle=False, chat_template=True))
+    iter(
+      pipeline.make_dataset(source, Bracketed(), seq_len=64, batch_size=5, seed=0, shuffle=False, chat_template=True)
+    )
   )
   assert _queries([batch]) == [f"<{r['query']}>" for r in source]
 
@@ -231,12 +233,12 @@ def test_shuffle_is_seeded_and_reshuffles_each_epoch():
 def test_shards_are_disjoint_and_cover_the_data():
   source = tasks.generate_examples("train", 45, seed=15)
   shards = [
-      _queries(
-          pipeline.make_dataset(
-              source, TOKENIZER, seq_len=64, batch_size=4, seed=3, num_epochs=1, shard_index=i, shard_count=2
-          )
+    _queries(
+      pipeline.make_dataset(
+        source, TOKENIZER, seq_len=64, batch_size=4, seed=3, num_epochs=1, shard_index=i, shard_count=2
       )
-      for i in range(2)
+    )
+    for i in range(2)
   ]
   assert not set(shards[0]) & set(shards[1])
   assert sorted(shards[0] + shards[1]) == sorted(r["query"] for r in source)

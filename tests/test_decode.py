@@ -4,10 +4,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from refusion_jax.model.config import tiny
-from refusion_jax.decoding.refusion import compile_count, generate
-from refusion_jax.decoding.reference import decode_reference
 from refusion_jax.decoding.common import PHASE_INFILL, PHASE_VERIFY
+from refusion_jax.decoding.reference import decode_reference
+from refusion_jax.decoding.refusion import compile_count, generate
+from refusion_jax.model.config import tiny
 from refusion_jax.model.transformer import init_model
 from tests.decode_cases import random_weights
 
@@ -39,30 +39,65 @@ def bigram_model(mask_predicts: int, word_follows: int):
 
 
 HAND_CASES = {
-    # Every slot is confident and every AR check passes: one plan commits the whole block.
-    "all slots at once": dict(
-        model=(WORD, WORD), slot_threshold=0.5, token_threshold=0.5, serial_blocks=1,
-        tokens=[WORD] * 8, forwards=[3], steps=[1], iteration=[0] * 8, phase=[PHASE_VERIFY] * 8,
-    ),
-    "one plan per serial block": dict(
-        model=(WORD, WORD), slot_threshold=0.5, token_threshold=0.5, serial_blocks=2,
-        tokens=[WORD] * 8, forwards=[5], steps=[2], iteration=[0] * 4 + [1] * 4, phase=[PHASE_VERIFY] * 8,
-    ),
-    # No slot reaches the slot threshold: equal confidences, so the first slot wins each plan.
-    "one slot per plan": dict(
-        model=(WORD, WORD), slot_threshold=0.9, token_threshold=0.5, serial_blocks=1,
-        tokens=[WORD] * 8, forwards=[5], steps=[2], iteration=[0] * 4 + [1] * 4, phase=[PHASE_VERIFY] * 8,
-    ),
-    # AR checks fail: both slots go to the infill, which accepts one forced token per round (3 rounds).
-    "token by token infill": dict(
-        model=(WORD, 0), slot_threshold=0.5, token_threshold=0.5, serial_blocks=1,
-        tokens=[WORD] * 8, forwards=[1 + 2 + 2 * 3], steps=[1], iteration=[0] * 8, phase=[PHASE_INFILL] * 8,
-    ),
-    # Every draft is EOS: the global verification commits the first slot cut after its EOS.
-    "eos first": dict(
-        model=(EOS, 0), slot_threshold=0.5, token_threshold=0.5, serial_blocks=2,
-        tokens=[EOS], forwards=[3], steps=[1], iteration=[0] + [-1] * 7, phase=[PHASE_VERIFY] + [-1] * 7,
-    ),
+  # Every slot is confident and every AR check passes: one plan commits the whole block.
+  "all slots at once": dict(
+    model=(WORD, WORD),
+    slot_threshold=0.5,
+    token_threshold=0.5,
+    serial_blocks=1,
+    tokens=[WORD] * 8,
+    forwards=[3],
+    steps=[1],
+    iteration=[0] * 8,
+    phase=[PHASE_VERIFY] * 8,
+  ),
+  "one plan per serial block": dict(
+    model=(WORD, WORD),
+    slot_threshold=0.5,
+    token_threshold=0.5,
+    serial_blocks=2,
+    tokens=[WORD] * 8,
+    forwards=[5],
+    steps=[2],
+    iteration=[0] * 4 + [1] * 4,
+    phase=[PHASE_VERIFY] * 8,
+  ),
+  # No slot reaches the slot threshold: equal confidences, so the first slot wins each plan.
+  "one slot per plan": dict(
+    model=(WORD, WORD),
+    slot_threshold=0.9,
+    token_threshold=0.5,
+    serial_blocks=1,
+    tokens=[WORD] * 8,
+    forwards=[5],
+    steps=[2],
+    iteration=[0] * 4 + [1] * 4,
+    phase=[PHASE_VERIFY] * 8,
+  ),
+  # AR checks fail: both slots go to the infill, which accepts one forced token per round (3 rounds).
+  "token by token infill": dict(
+    model=(WORD, 0),
+    slot_threshold=0.5,
+    token_threshold=0.5,
+    serial_blocks=1,
+    tokens=[WORD] * 8,
+    forwards=[1 + 2 + 2 * 3],
+    steps=[1],
+    iteration=[0] * 8,
+    phase=[PHASE_INFILL] * 8,
+  ),
+  # Every draft is EOS: the global verification commits the first slot cut after its EOS.
+  "eos first": dict(
+    model=(EOS, 0),
+    slot_threshold=0.5,
+    token_threshold=0.5,
+    serial_blocks=2,
+    tokens=[EOS],
+    forwards=[3],
+    steps=[1],
+    iteration=[0] + [-1] * 7,
+    phase=[PHASE_VERIFY] + [-1] * 7,
+  ),
 }
 
 
@@ -70,8 +105,13 @@ HAND_CASES = {
 def test_hand_built_model_decodes_as_derived(name):
   case = HAND_CASES[name]
   model = bigram_model(*case["model"])
-  knobs = dict(gen_length=8, slot_size=4, serial_blocks=case["serial_blocks"],
-               slot_threshold=case["slot_threshold"], token_threshold=case["token_threshold"])
+  knobs = dict(
+    gen_length=8,
+    slot_size=4,
+    serial_blocks=case["serial_blocks"],
+    slot_threshold=case["slot_threshold"],
+    token_threshold=case["token_threshold"],
+  )
   prompts = [[2, 3, 4], [5] * 20]  # the prompt is invisible to this model: both rows decode alike
   result = generate(model, prompts, **knobs)
   reference = decode_reference(model, prompts[0], mask_id=MASK, eos_id=EOS, **knobs)
@@ -84,9 +124,7 @@ def test_hand_built_model_decodes_as_derived(name):
       assert got.commit_phase[row].tolist() == case["phase"]
 
 
-KNOBS = dict(
-    gen_length=8, slot_size=2, serial_blocks=2, slot_threshold=0.6, token_threshold=0.4, mask_id=15, eos_id=14
-)
+KNOBS = dict(gen_length=8, slot_size=2, serial_blocks=2, slot_threshold=0.6, token_threshold=0.4, mask_id=15, eos_id=14)
 
 
 def random_model(seed: int, head_std: float = 0.5):
@@ -131,26 +169,26 @@ def test_batched_rows_equal_their_single_calls():
 def test_defaults_come_from_the_model_config():
   model = bigram_model(WORD, WORD)
   result = generate(
-      model, [[1, 2]], gen_length=8, slot_size=4, serial_blocks=1, slot_threshold=0.5, token_threshold=0.5
+    model, [[1, 2]], gen_length=8, slot_size=4, serial_blocks=1, slot_threshold=0.5, token_threshold=0.5
   )
   assert result.tokens == [[WORD] * 8]
 
 
 BAD_INPUTS = [
-    (dict(prompt_ids=[]), "non-empty list"),
-    (dict(prompt_ids=[[1, 99]]), "outside the vocabulary"),
-    (dict(gen_length=10), "use gen_length=8"),
-    (dict(gen_length=3), "use gen_length=4"),
-    (dict(slot_size=0), "slot_size=0"),
-    (dict(serial_blocks=0), "serial_blocks=0"),
-    (dict(slot_threshold=0.0), r"slot_threshold=0.0 must lie in \(0, 1\]"),
-    (dict(token_threshold=1.5), r"token_threshold=1.5 must lie in \(0, 1\]"),
-    (dict(temperature=-0.5), "temperature=-0.5 must be >= 0"),
-    (dict(mask_id=None), "pass mask_id=..."),
-    (dict(mask_id=16), "mask_id=16 lies outside"),
-    (dict(eos_id=None), "pass eos_id=..."),
-    (dict(eos_id=-1), "eos_id=-1 lies outside"),
-    (dict(gen_length=4096), "maximum 4096"),
+  (dict(prompt_ids=[]), "non-empty list"),
+  (dict(prompt_ids=[[1, 99]]), "outside the vocabulary"),
+  (dict(gen_length=10), "use gen_length=8"),
+  (dict(gen_length=3), "use gen_length=4"),
+  (dict(slot_size=0), "slot_size=0"),
+  (dict(serial_blocks=0), "serial_blocks=0"),
+  (dict(slot_threshold=0.0), r"slot_threshold=0.0 must lie in \(0, 1\]"),
+  (dict(token_threshold=1.5), r"token_threshold=1.5 must lie in \(0, 1\]"),
+  (dict(temperature=-0.5), "temperature=-0.5 must be >= 0"),
+  (dict(mask_id=None), "pass mask_id=..."),
+  (dict(mask_id=16), "mask_id=16 lies outside"),
+  (dict(eos_id=None), "pass eos_id=..."),
+  (dict(eos_id=-1), "eos_id=-1 lies outside"),
+  (dict(gen_length=4096), "maximum 4096"),
 ]
 
 

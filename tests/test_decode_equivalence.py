@@ -12,21 +12,28 @@ import collections
 import numpy as np
 import pytest
 
-from refusion_jax.decoding.refusion import compile_count, generate
 from refusion_jax.decoding.reference import decode_reference
+from refusion_jax.decoding.refusion import compile_count, generate
 from tests.decode_cases import Group, random_case, same_decode
 
 GROUPS = [
-    Group("one block", vocab_size=16, gen_length=16, slot_size=4, serial_blocks=1, cases=35),
-    Group("two blocks", vocab_size=24, gen_length=16, slot_size=4, serial_blocks=2, cases=35),
-    Group("pairs, three blocks, qwen2", vocab_size=20, gen_length=24, slot_size=2, serial_blocks=3,
-          architecture="qwen2", cases=30),
-    Group("slots of 8, llama", vocab_size=32, gen_length=32, slot_size=8, serial_blocks=2,
-          architecture="llama", cases=25),
-    Group("single-token slots", vocab_size=16, gen_length=8, slot_size=1, serial_blocks=2, cases=25),
-    Group("batched", vocab_size=16, gen_length=16, slot_size=4, serial_blocks=2, batch=3, max_prompt=30,
-          cases=25),
-    Group("sampled", vocab_size=24, gen_length=16, slot_size=4, serial_blocks=1, sample=True, cases=30),
+  Group("one block", vocab_size=16, gen_length=16, slot_size=4, serial_blocks=1, cases=35),
+  Group("two blocks", vocab_size=24, gen_length=16, slot_size=4, serial_blocks=2, cases=35),
+  Group(
+    "pairs, three blocks, qwen2",
+    vocab_size=20,
+    gen_length=24,
+    slot_size=2,
+    serial_blocks=3,
+    architecture="qwen2",
+    cases=30,
+  ),
+  Group(
+    "slots of 8, llama", vocab_size=32, gen_length=32, slot_size=8, serial_blocks=2, architecture="llama", cases=25
+  ),
+  Group("single-token slots", vocab_size=16, gen_length=8, slot_size=1, serial_blocks=2, cases=25),
+  Group("batched", vocab_size=16, gen_length=16, slot_size=4, serial_blocks=2, batch=3, max_prompt=30, cases=25),
+  Group("sampled", vocab_size=24, gen_length=16, slot_size=4, serial_blocks=1, sample=True, cases=30),
 ]
 
 
@@ -66,18 +73,18 @@ def test_sweep_covers_every_branch(sweep):
   print("\nbranch coverage:", dict(sorted(stats.items())))
   assert stats["cases"] >= 200
   for branch in (
-      "plans_several_slots",  # several slots above slot_threshold in one plan
-      "plans_forced_choice",  # none above it: the single most confident slot
-      "prefix_commits",  # step 2 commits whole slots
-      "prefix_commits_eos",  # step 2 finds EOS in its passing prefix
-      "infill_slots_partly_accepted",  # a slot enters the infill with some tokens accepted
-      "infill_slots_fully_accepted",  # ... or with all of them
-      "infills_several_rounds",
-      "infill_eos",  # EOS accepted inside the infill
-      "infill_slots_dropped",  # chosen slots after the EOS slot dropped
-      "plans_after_eos",  # slots before a found EOS still decoded
-      "later_blocks",  # more than one serial block
-      "rows_finished_early",  # batched: a row done while others continue
+    "plans_several_slots",  # several slots above slot_threshold in one plan
+    "plans_forced_choice",  # none above it: the single most confident slot
+    "prefix_commits",  # step 2 commits whole slots
+    "prefix_commits_eos",  # step 2 finds EOS in its passing prefix
+    "infill_slots_partly_accepted",  # a slot enters the infill with some tokens accepted
+    "infill_slots_fully_accepted",  # ... or with all of them
+    "infills_several_rounds",
+    "infill_eos",  # EOS accepted inside the infill
+    "infill_slots_dropped",  # chosen slots after the EOS slot dropped
+    "plans_after_eos",  # slots before a found EOS still decoded
+    "later_blocks",  # more than one serial block
+    "rows_finished_early",  # batched: a row done while others continue
   ):
     assert stats[branch] > 0, f"no case exercised {branch}: {dict(stats)}"
   # Weights are jit arguments: one compilation per group (two where prompts span two buckets).

@@ -15,10 +15,12 @@ from safetensors.numpy import load_file, save_file
 from refusion_jax.checkpoints.hf import config_from_hf, load_hf, load_hf_config, save_hf
 
 FAMILY_CASES = {
-    "qwen3_tied_linear_rope": ("qwen3", dict(head_dim=16, tie_word_embeddings=True,
-                                              rope_scaling={"type": "linear", "factor": 2.0})),
-    "qwen2_theta1e6": ("qwen2", dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=48, rope_theta=1e6)),
-    "llama_mqa": ("llama", dict(num_attention_heads=3, num_key_value_heads=1, hidden_size=48)),
+  "qwen3_tied_linear_rope": (
+    "qwen3",
+    dict(head_dim=16, tie_word_embeddings=True, rope_scaling={"type": "linear", "factor": 2.0}),
+  ),
+  "qwen2_theta1e6": ("qwen2", dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=48, rope_theta=1e6)),
+  "llama_mqa": ("llama", dict(num_attention_heads=3, num_key_value_heads=1, hidden_size=48)),
 }
 
 
@@ -47,10 +49,22 @@ def _rewrite(file, change):
 
 def _qwen3_8b_like(**changes):
   fields = {
-      "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151_671, "hidden_size": 4096,
-      "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-      "head_dim": 128, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "max_position_embeddings": 40960,
-      "rope_theta": 1_000_000, "rope_scaling": None, "eos_token_id": 151645, "pad_token_id": 151643,
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 151_671,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1_000_000,
+    "rope_scaling": None,
+    "eos_token_id": 151645,
+    "pad_token_id": 151643,
   }
   fields.update(changes)
   return fields
@@ -68,8 +82,9 @@ def test_config_reads_transformers5_rope_parameters_like_the_legacy_fields():
   del new["rope_theta"], new["rope_scaling"]
   assert config_from_hf(new) == legacy
   # A legacy rope_scaling entry (no theta in it) overrides rope_parameters, as in transformers 5.
-  both = dict(new, rope_parameters={"rope_type": "default", "rope_theta": 5e5},
-              rope_scaling={"type": "linear", "factor": 3.0})
+  both = dict(
+    new, rope_parameters={"rope_type": "default", "rope_theta": 5e5}, rope_scaling={"type": "linear", "factor": 3.0}
+  )
   assert config_from_hf(both) == legacy
   assert (legacy.rope_theta, legacy.rope_scaling_factor) == (5e5, 3.0)
 
@@ -83,13 +98,13 @@ def test_config_defaults_kv_heads_and_head_dim_and_takes_first_eos():
 
 
 @pytest.mark.parametrize(
-    "changes, culprit",
-    [
-        (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "yarn"),
-        (dict(architectures=["LlamaForCausalLM"], mlp_bias=True), "mlp_bias"),
-        (dict(architectures=["LlamaForCausalLM"], attention_bias=True), "attention_bias"),
-        (dict(hidden_act="gelu"), "gelu"),
-    ],
+  "changes, culprit",
+  [
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "yarn"),
+    (dict(architectures=["LlamaForCausalLM"], mlp_bias=True), "mlp_bias"),
+    (dict(architectures=["LlamaForCausalLM"], attention_bias=True), "attention_bias"),
+    (dict(hidden_act="gelu"), "gelu"),
+  ],
 )
 def test_config_rejects_unsupported_features_by_name(changes, culprit):
   with pytest.raises(NotImplementedError, match=culprit):
@@ -123,10 +138,12 @@ def test_save_hf_is_loaded_by_transformers_with_the_same_logits(case, tmp_path):
   save_hf(model, tmp_path / "ours")
 
   reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
-      tmp_path / "ours", dtype=torch.float32, attn_implementation="eager", output_loading_info=True
+    tmp_path / "ours", dtype=torch.float32, attn_implementation="eager", output_loading_info=True
   )
-  assert type(reloaded).__name__ == {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                     "llama": "LlamaForCausalLM"}[family]
+  assert (
+    type(reloaded).__name__
+    == {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[family]
+  )
   assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
   tokens = _random_tokens(4)
   assert relative_error(hf_logits(reloaded.eval(), tokens), _logits(model, tokens)) <= 1e-5
@@ -212,7 +229,7 @@ def test_missing_tensor_is_named(checkpoint):
 
 
 @pytest.mark.parametrize(
-    "name", ["model.layers.0.self_attn.rotary_emb.inv_freq", "model.layers.0.self_attn.q_proj.bias"]
+  "name", ["model.layers.0.self_attn.rotary_emb.inv_freq", "model.layers.0.self_attn.q_proj.bias"]
 )
 def test_extra_tensor_is_named(checkpoint, name):
   _rewrite(checkpoint / "model.safetensors", lambda t: t.update({name: np.ones(64, np.float32)}))
@@ -222,8 +239,7 @@ def test_extra_tensor_is_named(checkpoint, name):
 
 def test_tied_lm_head_that_differs_from_the_embedding_is_refused(tmp_path):
   save_tiny_hf_model(tmp_path, "qwen3", seed=13, tie_word_embeddings=True)
-  _rewrite(tmp_path / "model.safetensors",
-           lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"] + 1.0}))
+  _rewrite(tmp_path / "model.safetensors", lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"] + 1.0}))
   with pytest.raises(ValueError, match="lm_head.weight differs from model.embed_tokens.weight"):
     load_hf(tmp_path)
 

@@ -13,27 +13,53 @@ TOLERANCE = 1e-4
 # 3, 1 (odd head count) and 3 with a single KV head; vocabularies are not
 # multiples of 128 (151,671 is ReFusion's).
 CASES = {
-    "qwen3_gqa3_headdim16_theta1e6": ("qwen3", dict(num_attention_heads=6, num_key_value_heads=2, head_dim=16,
-                                                     hidden_size=48, rope_theta=1e6)),
-    "qwen3_mha5_tied_linear_rope": ("qwen3", dict(num_attention_heads=5, num_key_value_heads=5, head_dim=8,
-                                                   hidden_size=40, tie_word_embeddings=True,
-                                                   rope_scaling={"type": "linear", "factor": 2.5})),
-    "qwen3_mqa3_headdim32": ("qwen3", dict(num_attention_heads=3, num_key_value_heads=1, head_dim=32,
-                                            hidden_size=48)),
-    "qwen3_refusion_vocab": ("qwen3", dict(vocab_size=151_671, hidden_size=16, intermediate_size=24,
-                                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                                            head_dim=16, rope_theta=1e6)),
-    "qwen2_gqa3_tied_theta1e6": ("qwen2", dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=48,
-                                                tie_word_embeddings=True, rope_theta=1e6)),
-    "qwen2_mha5_linear_rope": ("qwen2", dict(num_attention_heads=5, num_key_value_heads=5, hidden_size=40,
-                                              rope_scaling={"type": "linear", "factor": 2.0})),
-    "qwen2_mqa3": ("qwen2", dict(num_attention_heads=3, num_key_value_heads=1, hidden_size=48)),
-    "llama_gqa3_theta1e6": ("llama", dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=48,
-                                           rope_theta=1e6)),
-    "llama_mha5_tied": ("llama", dict(num_attention_heads=5, num_key_value_heads=5, hidden_size=40,
-                                       tie_word_embeddings=True)),
-    "llama_mqa3_linear_rope": ("llama", dict(num_attention_heads=3, num_key_value_heads=1, hidden_size=48,
-                                              rope_scaling={"type": "linear", "factor": 4.0})),
+  "qwen3_gqa3_headdim16_theta1e6": (
+    "qwen3",
+    dict(num_attention_heads=6, num_key_value_heads=2, head_dim=16, hidden_size=48, rope_theta=1e6),
+  ),
+  "qwen3_mha5_tied_linear_rope": (
+    "qwen3",
+    dict(
+      num_attention_heads=5,
+      num_key_value_heads=5,
+      head_dim=8,
+      hidden_size=40,
+      tie_word_embeddings=True,
+      rope_scaling={"type": "linear", "factor": 2.5},
+    ),
+  ),
+  "qwen3_mqa3_headdim32": ("qwen3", dict(num_attention_heads=3, num_key_value_heads=1, head_dim=32, hidden_size=48)),
+  "qwen3_refusion_vocab": (
+    "qwen3",
+    dict(
+      vocab_size=151_671,
+      hidden_size=16,
+      intermediate_size=24,
+      num_hidden_layers=1,
+      num_attention_heads=2,
+      num_key_value_heads=1,
+      head_dim=16,
+      rope_theta=1e6,
+    ),
+  ),
+  "qwen2_gqa3_tied_theta1e6": (
+    "qwen2",
+    dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=48, tie_word_embeddings=True, rope_theta=1e6),
+  ),
+  "qwen2_mha5_linear_rope": (
+    "qwen2",
+    dict(num_attention_heads=5, num_key_value_heads=5, hidden_size=40, rope_scaling={"type": "linear", "factor": 2.0}),
+  ),
+  "qwen2_mqa3": ("qwen2", dict(num_attention_heads=3, num_key_value_heads=1, hidden_size=48)),
+  "llama_gqa3_theta1e6": ("llama", dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=48, rope_theta=1e6)),
+  "llama_mha5_tied": (
+    "llama",
+    dict(num_attention_heads=5, num_key_value_heads=5, hidden_size=40, tie_word_embeddings=True),
+  ),
+  "llama_mqa3_linear_rope": (
+    "llama",
+    dict(num_attention_heads=3, num_key_value_heads=1, hidden_size=48, rope_scaling={"type": "linear", "factor": 4.0}),
+  ),
 }
 
 

@@ -4,14 +4,19 @@ import os
 import re
 import subprocess
 
-from test_train import REPO
+from train_utils import REPO
 
 
 def test_two_processes_build_data_train_evaluate_and_checkpoint_together(tmp_path):
   workdir = tmp_path / "run"
   command = [
-      "bash", "launch/local_multiprocess.sh", "2", "2", "configs/demo.py:smoke", str(workdir),
-      "--config.mesh.fsdp=2",  # parameters sharded across the two processes' devices
+    "bash",
+    "launch/local_multiprocess.sh",
+    "2",
+    "2",
+    "configs/demo.py:smoke",
+    str(workdir),
+    "--config.mesh.fsdp=2",  # parameters sharded across the two processes' devices
   ]
   result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
   logs = {i: (workdir / f"process_{i}.log").read_text() for i in range(2)}

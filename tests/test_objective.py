@@ -13,9 +13,9 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refusion_jax.training import objective
 from refusion_jax.model.config import tiny
 from refusion_jax.model.transformer import init_model
+from refusion_jax.training import objective
 
 VOCAB = 64
 MASK_ID = VOCAB - 1
@@ -31,9 +31,9 @@ def make_batch(rng, prompt_lens, answer_lens, length):
   """Random real tokens; the padding holds random garbage, which must not matter."""
   batch_size = len(prompt_lens)
   return dict(
-      tokens=rng.integers(1, MASK_ID, (batch_size, length)).astype(np.int32),
-      prompt_len=np.asarray(prompt_lens, np.int32),
-      answer_len=np.asarray(answer_lens, np.int32),
+    tokens=rng.integers(1, MASK_ID, (batch_size, length)).astype(np.int32),
+    prompt_len=np.asarray(prompt_lens, np.int32),
+    answer_len=np.asarray(answer_lens, np.int32),
   )
 
 
@@ -194,12 +194,12 @@ BATCH, LENGTH = 4, 24
 
 # name: (prompt lengths, answer lengths, forced slot sizes or None, other forced draws)
 CASES = {
-    "ragged_answers": ([3, 5, 1, 2], [9, 16, 7, 21], [2, 3, 4, 5], {}),
-    "drawn_slot_sizes": ([4, 2, 1, 3], [20, 21, 23, 13], None, {}),
-    "answers_of_whole_slots": ([2, 3, 1, 4], [4, 8, 16, 20], [4, 4, 8, 4], {}),
-    "all_slots_masked": ([3, 2, 6, 1], [11, 7, 18, 23], [2, 3, 5, 1], {"t": 1.0}),
-    "no_slot_masked": ([3, 2, 6, 1], [11, 7, 18, 23], [2, 3, 5, 1], {"mask_uniform": 1.0}),
-    "padding_rows": ([3, 4, 0, 0], [9, 6, 0, 0], [2, 3, 4, 4], {}),
+  "ragged_answers": ([3, 5, 1, 2], [9, 16, 7, 21], [2, 3, 4, 5], {}),
+  "drawn_slot_sizes": ([4, 2, 1, 3], [20, 21, 23, 13], None, {}),
+  "answers_of_whole_slots": ([2, 3, 1, 4], [4, 8, 16, 20], [4, 4, 8, 4], {}),
+  "all_slots_masked": ([3, 2, 6, 1], [11, 7, 18, 23], [2, 3, 5, 1], {"t": 1.0}),
+  "no_slot_masked": ([3, 2, 6, 1], [11, 7, 18, 23], [2, 3, 5, 1], {"mask_uniform": 1.0}),
+  "padding_rows": ([3, 4, 0, 0], [9, 6, 0, 0], [2, 3, 4, 4], {}),
 }
 KINDS = ["refusion", "ar", "mdm"]
 
@@ -218,8 +218,10 @@ def case_inputs(case, kind):
 
 def force(draws, overrides):
   return draws.replace(
-      **{name: jnp.broadcast_to(jnp.asarray(value, getattr(draws, name).dtype), getattr(draws, name).shape)
-         for name, value in overrides.items()}
+    **{
+      name: jnp.broadcast_to(jnp.asarray(value, getattr(draws, name).dtype), getattr(draws, name).shape)
+      for name, value in overrides.items()
+    }
   )
 
 
@@ -366,14 +368,14 @@ def test_refusion_attention_is_causal_over_storage_order(model):
 
 
 @pytest.mark.parametrize(
-    "fields, message",
-    [
-        (dict(kind="bert"), "kind"),
-        (dict(kind="refusion", eps=0.0), "eps"),
-        (dict(kind="refusion", slot_sizes=()), "slot_sizes"),
-        (dict(kind="refusion", mask_id=-1), "mask_id"),
-        (dict(kind="ar", pad_id=None), "pad_id"),
-    ],
+  "fields, message",
+  [
+    (dict(kind="bert"), "kind"),
+    (dict(kind="refusion", eps=0.0), "eps"),
+    (dict(kind="refusion", slot_sizes=()), "slot_sizes"),
+    (dict(kind="refusion", mask_id=-1), "mask_id"),
+    (dict(kind="ar", pad_id=None), "pad_id"),
+  ],
 )
 def test_bad_config_is_rejected(fields, message):
   with pytest.raises(ValueError, match=message):

@@ -8,11 +8,14 @@ import pytest
 from flax import nnx
 
 from refusion_jax import sample
-from refusion_jax.checkpoints import hf as hf_io, orbax as checkpoint
-from refusion_jax.decoding import baselines, refusion as decode
-from refusion_jax.model import config, transformer as model_lib
-from refusion_jax.decoding.sampler import Sampler
+from refusion_jax.checkpoints import hf as hf_io
+from refusion_jax.checkpoints import orbax as checkpoint
 from refusion_jax.data.tokenizer import ByteTokenizer
+from refusion_jax.decoding import baselines
+from refusion_jax.decoding import refusion as decode
+from refusion_jax.decoding.sampler import Sampler
+from refusion_jax.model import config
+from refusion_jax.model import transformer as model_lib
 
 TOK = ByteTokenizer()
 REFUSION = dict(gen_length=8, slot_size=4, serial_blocks=1, slot_threshold=0.5, token_threshold=0.5)
@@ -20,7 +23,10 @@ REFUSION = dict(gen_length=8, slot_size=4, serial_blocks=1, slot_threshold=0.5, 
 
 def byte_model(seed=0):
   model_config = config.tiny(
-      vocab_size=TOK.vocab_size, mask_token_id=TOK.mask_id, eos_token_id=TOK.eos_id, pad_token_id=TOK.pad_id,
+    vocab_size=TOK.vocab_size,
+    mask_token_id=TOK.mask_id,
+    eos_token_id=TOK.eos_id,
+    pad_token_id=TOK.pad_id,
   )
   return model_lib.init_model(model_config, seed)
 
@@ -65,7 +71,9 @@ def test_sampler_compiles_once_per_bucket(model):
   assert decode.compile_count() == before + 1
 
 
-@pytest.mark.parametrize("method,kwargs", [("ar", dict(gen_length=6)), ("mdm", dict(gen_length=8, block_length=4, steps=4))])
+@pytest.mark.parametrize(
+  "method,kwargs", [("ar", dict(gen_length=6)), ("mdm", dict(gen_length=8, block_length=4, steps=4))]
+)
 def test_sampler_dispatches_to_the_baselines(model, method, kwargs):
   rng = np.random.default_rng(0)
   prompts = ["".join(chr(c) for c in rng.integers(97, 123, size=n)) for n in (3, 9)]
@@ -99,8 +107,20 @@ def test_sampler_rejects_unknown_options(model):
 
 def test_cli_json_on_a_hf_checkpoint(capsys, hf_dir, model):
   code, out, err = run_cli(
-      capsys, "--hf_checkpoint", hf_dir, "--prompt", "hello", "--prompt_ids", "5,6,7,8,9",
-      "--gen_length", 8, "--slot_threshold", 0.5, "--token_threshold", 0.5, "--json",
+    capsys,
+    "--hf_checkpoint",
+    hf_dir,
+    "--prompt",
+    "hello",
+    "--prompt_ids",
+    "5,6,7,8,9",
+    "--gen_length",
+    8,
+    "--slot_threshold",
+    0.5,
+    "--token_threshold",
+    0.5,
+    "--json",
   )
   assert code == 0, err
   rows = [json.loads(line) for line in out.strip().splitlines()]
@@ -116,8 +136,9 @@ def test_cli_json_on_a_hf_checkpoint(capsys, hf_dir, model):
 
 @pytest.mark.parametrize("method", ["ar", "mdm"])
 def test_cli_baseline_methods(capsys, hf_dir, model, method):
-  code, out, err = run_cli(capsys, "--hf_checkpoint", hf_dir, "--prompt_ids", "3,1,4", "--method", method,
-                           "--gen_length", 8, "--json")
+  code, out, err = run_cli(
+    capsys, "--hf_checkpoint", hf_dir, "--prompt_ids", "3,1,4", "--method", method, "--gen_length", 8, "--json"
+  )
   assert code == 0, err
   kwargs = dict(gen_length=8) if method == "ar" else dict(gen_length=8, block_length=8, steps=8)
   expected = getattr(baselines, f"{method}_generate")(model, [[3, 1, 4]], **kwargs)
@@ -126,8 +147,9 @@ def test_cli_baseline_methods(capsys, hf_dir, model, method):
 
 def test_cli_trace_writes_pngs_and_prints_a_coloured_trace(capsys, tmp_path, hf_dir):
   png = tmp_path / "trace.png"
-  code, out, err = run_cli(capsys, "--hf_checkpoint", hf_dir, "--prompt", "ab", "--prompt", "cd",
-                           "--gen_length", 8, "--trace", png)
+  code, out, err = run_cli(
+    capsys, "--hf_checkpoint", hf_dir, "--prompt", "ab", "--prompt", "cd", "--gen_length", 8, "--trace", png
+  )
   assert code == 0, err
   for i in range(2):
     written = tmp_path / f"trace-{i}.png"
@@ -140,18 +162,33 @@ def test_cli_orbax_checkpoint(capsys, tmp_path):
   trained = byte_model(2)
   checkpoints = checkpoint.Checkpoints(str(tmp_path / "checkpoints"), async_save=False)
   checkpoints.save(
-      3, params=nnx.state(trained), train={"step": 3},
-      data_iterator=iter(grain.MapDataset.range(4).to_iter_dataset()),
-      meta=checkpoint.model_meta(trained.config, "bytes"),
+    3,
+    params=nnx.state(trained),
+    train={"step": 3},
+    data_iterator=iter(grain.MapDataset.range(4).to_iter_dataset()),
+    meta=checkpoint.model_meta(trained.config, "bytes"),
   )
   checkpoints.wait()
   checkpoints.close()
-  code, out, err = run_cli(capsys, "--checkpoint", tmp_path, "--prompt_ids", "9,8,7", "--method", "ar",
-                           "--gen_length", 6, "--json")
+  code, out, err = run_cli(
+    capsys, "--checkpoint", tmp_path, "--prompt_ids", "9,8,7", "--method", "ar", "--gen_length", 6, "--json"
+  )
   assert code == 0, err
   assert json.loads(out)["tokens"] == baselines.ar_generate(trained, [[9, 8, 7]], gen_length=6).tokens[0]
-  code, out, err = run_cli(capsys, "--checkpoint", tmp_path, "--prompt_ids", "9,8,7", "--method", "ar",
-                           "--gen_length", 6, "--json", "--dtype", "bfloat16")
+  code, out, err = run_cli(
+    capsys,
+    "--checkpoint",
+    tmp_path,
+    "--prompt_ids",
+    "9,8,7",
+    "--method",
+    "ar",
+    "--gen_length",
+    6,
+    "--json",
+    "--dtype",
+    "bfloat16",
+  )
   assert code == 0, err
   assert 1 <= len(json.loads(out)["tokens"]) <= 6
 
@@ -164,17 +201,17 @@ def test_cli_random_init_demo(capsys):
 
 
 @pytest.mark.parametrize(
-    "argv,message",
-    [
-        (["--prompt", "x"], "exactly one of"),
-        (["--random_init", "tiny"], "at least one --prompt"),
-        (["--random_init", "tiny", "--prompt_ids", "1,two"], "comma-separated"),
-        (["--random_init", "tiny", "--prompt", "x", "--gen_length", "10"], "multiple of slot_size"),
-        (["--random_init", "tiny", "--prompt_ids", "1,999"], "outside the vocabulary"),
-        (["--random_init", "tiny", "--prompt", "x", "--method", "beam"], "invalid choice"),
-        (["--hf_checkpoint", "/nonexistent/dir", "--prompt", "x"], "not a directory"),
-        (["--checkpoint", "/nonexistent/dir", "--prompt", "x"], "No checkpoint directory"),
-    ],
+  "argv,message",
+  [
+    (["--prompt", "x"], "exactly one of"),
+    (["--random_init", "tiny"], "at least one --prompt"),
+    (["--random_init", "tiny", "--prompt_ids", "1,two"], "comma-separated"),
+    (["--random_init", "tiny", "--prompt", "x", "--gen_length", "10"], "multiple of slot_size"),
+    (["--random_init", "tiny", "--prompt_ids", "1,999"], "outside the vocabulary"),
+    (["--random_init", "tiny", "--prompt", "x", "--method", "beam"], "invalid choice"),
+    (["--hf_checkpoint", "/nonexistent/dir", "--prompt", "x"], "not a directory"),
+    (["--checkpoint", "/nonexistent/dir", "--prompt", "x"], "No checkpoint directory"),
+  ],
 )
 def test_cli_bad_input_exits_2_with_a_message(capsys, argv, message):
   code, out, err = run_cli(capsys, *argv)

@@ -12,9 +12,9 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from refusion_jax.parallel import sharding
 from refusion_jax.model.config import tiny
 from refusion_jax.model.transformer import init_model
+from refusion_jax.parallel import sharding
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -109,14 +109,22 @@ def test_sharded_step_matches_single_device():
   seed = int(np.random.default_rng().integers(1 << 16))
   env = dict(os.environ, PYTHONPATH=REPO)
   out = subprocess.run(
-      [sys.executable, "-c", _SHARDED_VS_SINGLE, str(seed)], capture_output=True, text=True, env=env, cwd=REPO,
-      timeout=300,
+    [sys.executable, "-c", _SHARDED_VS_SINGLE, str(seed)],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=REPO,
+    timeout=300,
   )
   assert out.returncode == 0, out.stderr[-3000:]
   report = json.loads(out.stdout.strip().splitlines()[-1])
   assert report["devices"] == 8
   # The parameters really are split: embed over fsdp (2 ways), heads over tensor (2 ways).
   assert report["q_proj_spec"] == ["fsdp", "tensor", None]
-  assert report["q_proj_shard_shape"] == [report["q_proj_shape"][0] // 2, report["q_proj_shape"][1] // 2, report["q_proj_shape"][2]]
+  assert report["q_proj_shard_shape"] == [
+    report["q_proj_shape"][0] // 2,
+    report["q_proj_shape"][1] // 2,
+    report["q_proj_shape"][2],
+  ]
   np.testing.assert_allclose(report["sharded_losses"], report["single_losses"], rtol=1e-5, atol=1e-5)
   assert report["max_param_diff"] < 1e-5, (seed, report)

@@ -61,13 +61,13 @@ def test_hf_tokenizer_reads_special_tokens_from_configs(tmp_path):
   words = _random_words(rng, 40)
   specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>", "<pad>"]
   raw = _save_word_level(
-      tmp_path,
-      words,
-      specials,
-      {
-          "tokenizer_config.json": {"eos_token": "<|im_end|>", "pad_token": {"content": "<pad>"}},
-          "special_tokens_map.json": {"eos_token": "<|endoftext|>"},  # tokenizer_config wins
-      },
+    tmp_path,
+    words,
+    specials,
+    {
+      "tokenizer_config.json": {"eos_token": "<|im_end|>", "pad_token": {"content": "<pad>"}},
+      "special_tokens_map.json": {"eos_token": "<|endoftext|>"},  # tokenizer_config wins
+    },
   )
   tok = load_tokenizer(str(tmp_path))
   assert isinstance(tok, HFTokenizer) and isinstance(tok, Tokenizer)

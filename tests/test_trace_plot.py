@@ -5,8 +5,8 @@ import re
 import numpy as np
 import pytest
 
-from refusion_jax.decoding.common import PHASE_INFILL, PHASE_NONE, PHASE_VERIFY, DecodeResult
 from refusion_jax.data.tokenizer import ByteTokenizer
+from refusion_jax.decoding.common import PHASE_INFILL, PHASE_NONE, PHASE_VERIFY, DecodeResult
 from refusion_jax.decoding.trace_plot import format_trace_terminal, plot_trace
 
 BACKGROUND = re.compile(r"\x1b\[(?:4;)?38;5;\d+;48;5;(\d+)m")
@@ -23,8 +23,11 @@ def random_result(seed, lengths, gen_length=24):
     iteration[row, :n] = rng.integers(0, 6, size=n)
     phase[row, :n] = rng.choice([PHASE_VERIFY, PHASE_INFILL], size=n)
   return DecodeResult(
-      tokens=tokens, num_forwards=rng.integers(5, 20, size=len(lengths)), steps=np.full(len(lengths), 6),
-      commit_iteration=iteration, commit_phase=phase,
+    tokens=tokens,
+    num_forwards=rng.integers(5, 20, size=len(lengths)),
+    steps=np.full(len(lengths), 6),
+    commit_iteration=iteration,
+    commit_phase=phase,
   )
 
 

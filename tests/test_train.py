@@ -5,53 +5,22 @@ import os
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 import tokenizers
 from flax import nnx
+from train_utils import load_config, smoke_config
 
 from refusion_jax.checkpoints import hf as hf_io
-from refusion_jax.training import loop as train
 from refusion_jax.checkpoints.orbax import Checkpoints, abstract_model, load_model_from_checkpoint
+from refusion_jax.data.tokenizer import load_tokenizer
 from refusion_jax.model.config import tiny
 from refusion_jax.model.transformer import init_model
-from refusion_jax.training.objective import ObjectiveConfig
-from refusion_jax.training import config_file
 from refusion_jax.parallel.sharding import make_mesh
-from refusion_jax.data.tokenizer import load_tokenizer
+from refusion_jax.training import loop as train
+from refusion_jax.training.objective import ObjectiveConfig
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load_config(name: str, variant: str = "smoke") -> ml_collections.ConfigDict:
-  """`configs/<name>.py`'s get_config(variant)."""
-  return config_file.load_config(os.path.join(REPO, "configs", f"{name}.py"), variant)
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> str:
-  """One built task dataset for the whole module."""
-  return str(tmp_path_factory.mktemp("data"))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-  """Runs of the same config compile the same programs: reuse them across tests."""
-  keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-  previous = {key: getattr(jax.config, key) for key in keys}
-  jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla_cache")))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  yield
-  for key, value in previous.items():
-    jax.config.update(key, value)
-
-
-def smoke_config(data_dir: str, name: str = "demo", **overrides) -> ml_collections.ConfigDict:
-  config = load_config(name)
-  config.data.data_dir = data_dir
-  config.update(overrides)
-  return config
+pytestmark = pytest.mark.usefixtures("compilation_cache")
 
 
 def test_one_step_trains_evaluates_and_checkpoints(tmp_path, data_dir):
@@ -59,7 +28,7 @@ def test_one_step_trains_evaluates_and_checkpoints(tmp_path, data_dir):
   result = train.train_and_evaluate(config, str(tmp_path))
   assert result.step == 1 and result.stopped_by == "finished"
   assert np.isfinite(result.losses[1])
-  (step, metrics), = result.evals
+  ((step, metrics),) = result.evals
   assert step == 1
   assert set(metrics) >= {"loss", "ar_loss", "mdm_loss", "exact_match", "tpf"}
   assert 0.0 <= metrics["exact_match"] <= 1.0 and metrics["tpf"] > 0
@@ -81,7 +50,7 @@ def test_one_step_trains_evaluates_and_checkpoints(tmp_path, data_dir):
 def test_baseline_configs_train_and_decode_with_their_own_decoder(tmp_path, data_dir, name):
   config = smoke_config(data_dir, name, num_train_steps=1, eval_every=1)
   result = train.train_and_evaluate(config, str(tmp_path))
-  (_, metrics), = result.evals
+  ((_, metrics),) = result.evals
   assert np.isfinite(metrics["loss"])
   if name == "ar_baseline":
     assert metrics["mdm_loss"] == 0.0
@@ -125,8 +94,9 @@ def test_gradient_accumulation_equals_the_full_batch():
   batch_size, length = 8, 24
   tokens = rng.integers(0, 256, (batch_size, length)).astype(np.int32)
   batch = dict(
-      tokens=tokens, prompt_len=rng.integers(2, 8, batch_size).astype(np.int32),
-      answer_len=np.full(batch_size, 10, np.int32),
+    tokens=tokens,
+    prompt_len=rng.integers(2, 8, batch_size).astype(np.int32),
+    answer_len=np.full(batch_size, 10, np.int32),
   )
   objective = ObjectiveConfig(kind="ar", mask_id=259, pad_id=256)
   # Plain SGD: the parameter change is the gradient itself (Adam's first step is ~sign(g),

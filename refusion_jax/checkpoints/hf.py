@@ -19,7 +19,8 @@ import json
 import math
 import pathlib
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -76,30 +77,30 @@ _PLACEHOLDERS = {"layer": r"\d+", "qkv": "q|k|v", "qk": "q|k", "gate_up": "gate|
 # (Hugging Face name, NNX parameter path, layout). Every tensor of the three
 # families is listed; anything else in a checkpoint is an error.
 _TABLE = (
-    ("model.embed_tokens.weight", "embed_tokens", _COPY),
-    ("model.norm.weight", "norm.weight", _COPY),
-    ("lm_head.weight", "lm_head", _LINEAR_INPUT_FIRST),
-    ("model.layers.{layer}.input_layernorm.weight", "layers.{layer}.input_layernorm.weight", _COPY),
-    (
-        "model.layers.{layer}.post_attention_layernorm.weight",
-        "layers.{layer}.post_attention_layernorm.weight",
-        _COPY,
-    ),
-    ("model.layers.{layer}.self_attn.{qkv}_proj.weight", "layers.{layer}.self_attn.{qkv}_proj", _LINEAR_INPUT_FIRST),
-    ("model.layers.{layer}.self_attn.{qkv}_proj.bias", "layers.{layer}.self_attn.{qkv}_bias", _SPLIT_HEADS),
-    ("model.layers.{layer}.self_attn.o_proj.weight", "layers.{layer}.self_attn.o_proj", _LINEAR_OUTPUT_LAST),
-    ("model.layers.{layer}.self_attn.{qk}_norm.weight", "layers.{layer}.self_attn.{qk}_norm.weight", _COPY),
-    ("model.layers.{layer}.mlp.{gate_up}_proj.weight", "layers.{layer}.mlp.{gate_up}_proj", _LINEAR_INPUT_FIRST),
-    ("model.layers.{layer}.mlp.down_proj.weight", "layers.{layer}.mlp.down_proj", _LINEAR_OUTPUT_LAST),
+  ("model.embed_tokens.weight", "embed_tokens", _COPY),
+  ("model.norm.weight", "norm.weight", _COPY),
+  ("lm_head.weight", "lm_head", _LINEAR_INPUT_FIRST),
+  ("model.layers.{layer}.input_layernorm.weight", "layers.{layer}.input_layernorm.weight", _COPY),
+  (
+    "model.layers.{layer}.post_attention_layernorm.weight",
+    "layers.{layer}.post_attention_layernorm.weight",
+    _COPY,
+  ),
+  ("model.layers.{layer}.self_attn.{qkv}_proj.weight", "layers.{layer}.self_attn.{qkv}_proj", _LINEAR_INPUT_FIRST),
+  ("model.layers.{layer}.self_attn.{qkv}_proj.bias", "layers.{layer}.self_attn.{qkv}_bias", _SPLIT_HEADS),
+  ("model.layers.{layer}.self_attn.o_proj.weight", "layers.{layer}.self_attn.o_proj", _LINEAR_OUTPUT_LAST),
+  ("model.layers.{layer}.self_attn.{qk}_norm.weight", "layers.{layer}.self_attn.{qk}_norm.weight", _COPY),
+  ("model.layers.{layer}.mlp.{gate_up}_proj.weight", "layers.{layer}.mlp.{gate_up}_proj", _LINEAR_INPUT_FIRST),
+  ("model.layers.{layer}.mlp.down_proj.weight", "layers.{layer}.mlp.down_proj", _LINEAR_OUTPUT_LAST),
 )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _template_regex(template: str) -> re.Pattern:
   parts = re.split(r"\{(\w+)\}", template)
   # Even entries are literal text, odd entries placeholder names.
   pattern = "".join(
-      re.escape(part) if i % 2 == 0 else f"(?P<{part}>{_PLACEHOLDERS[part]})" for i, part in enumerate(parts)
+    re.escape(part) if i % 2 == 0 else f"(?P<{part}>{_PLACEHOLDERS[part]})" for i, part in enumerate(parts)
   )
   return re.compile(pattern)
 
@@ -149,8 +150,8 @@ def _architecture(hf_config: dict) -> str:
       return families[name]
   if names:
     raise ValueError(
-        f"Unsupported architecture {names} in config.json; {supported}. If the checkpoint is one of these "
-        "under another class name, set \"architectures\" in its config.json."
+      f"Unsupported architecture {names} in config.json; {supported}. If the checkpoint is one of these "
+      'under another class name, set "architectures" in its config.json.'
     )
   model_type = hf_config.get("model_type")
   if model_type in _HF_CLASSES:
@@ -186,7 +187,7 @@ def _rope(hf_config: dict) -> tuple[float, float]:
   if rope_type == "linear":
     return theta, float(settings["factor"])
   raise NotImplementedError(
-      f"RoPE scaling type {rope_type!r} is not supported; only 'default' and 'linear' are implemented."
+    f"RoPE scaling type {rope_type!r} is not supported; only 'default' and 'linear' are implemented."
   )
 
 
@@ -221,32 +222,32 @@ def config_from_hf(hf_config: dict, **overrides) -> ModelConfig:
   family = _architecture(hf_config)
   _check_supported_features(hf_config, family)
   missing = [
-      key
-      for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-      if key not in hf_config
+    key
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    if key not in hf_config
   ]
   if missing:
     raise ValueError(f"config.json lacks the required fields {missing}.")
   heads = hf_config["num_attention_heads"]
   theta, scaling = _rope(hf_config)
   fields = dict(
-      vocab_size=hf_config["vocab_size"],
-      hidden_size=hf_config["hidden_size"],
-      intermediate_size=hf_config["intermediate_size"],
-      num_layers=hf_config["num_hidden_layers"],
-      num_heads=heads,
-      num_kv_heads=hf_config.get("num_key_value_heads") or heads,
-      head_dim=hf_config.get("head_dim") or hf_config["hidden_size"] // heads,
-      architecture=family,
-      tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
-      rope_theta=theta,
-      rope_scaling_factor=scaling,
-      rms_norm_eps=hf_config.get("rms_norm_eps", 1e-6),
-      max_position_embeddings=hf_config.get("max_position_embeddings", 32_768),
-      mask_token_id=hf_config.get("mask_token_id"),
-      eos_token_id=_first_id(hf_config.get("eos_token_id")),
-      pad_token_id=_first_id(hf_config.get("pad_token_id")),
-      **family_switches(family),
+    vocab_size=hf_config["vocab_size"],
+    hidden_size=hf_config["hidden_size"],
+    intermediate_size=hf_config["intermediate_size"],
+    num_layers=hf_config["num_hidden_layers"],
+    num_heads=heads,
+    num_kv_heads=hf_config.get("num_key_value_heads") or heads,
+    head_dim=hf_config.get("head_dim") or hf_config["hidden_size"] // heads,
+    architecture=family,
+    tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+    rope_theta=theta,
+    rope_scaling_factor=scaling,
+    rms_norm_eps=hf_config.get("rms_norm_eps", 1e-6),
+    max_position_embeddings=hf_config.get("max_position_embeddings", 32_768),
+    mask_token_id=hf_config.get("mask_token_id"),
+    eos_token_id=_first_id(hf_config.get("eos_token_id")),
+    pad_token_id=_first_id(hf_config.get("pad_token_id")),
+    **family_switches(family),
   )
   fields.update(overrides)
   return ModelConfig(**fields)
@@ -260,8 +261,8 @@ def config_to_hf(config: ModelConfig) -> dict:
   """
   if (config.qk_norm, config.qkv_bias) != tuple(family_switches(config.architecture).values()):
     raise ValueError(
-        f"qk_norm={config.qk_norm}, qkv_bias={config.qkv_bias} do not match any Hugging Face {config.architecture} "
-        f"model ({family_switches(config.architecture)}); such a model cannot be saved in that format."
+      f"qk_norm={config.qk_norm}, qkv_bias={config.qkv_bias} do not match any Hugging Face {config.architecture} "
+      f"model ({family_switches(config.architecture)}); such a model cannot be saved in that format."
     )
   rope = {"rope_type": "default", "rope_theta": config.rope_theta}
   scaling = None
@@ -269,26 +270,26 @@ def config_to_hf(config: ModelConfig) -> dict:
     scaling = {"rope_type": "linear", "type": "linear", "factor": config.rope_scaling_factor}
     rope.update(scaling)
   hf_config = dict(
-      architectures=[_HF_CLASSES[config.architecture]],
-      model_type=config.architecture,
-      vocab_size=config.vocab_size,
-      hidden_size=config.hidden_size,
-      intermediate_size=config.intermediate_size,
-      num_hidden_layers=config.num_layers,
-      num_attention_heads=config.num_heads,
-      num_key_value_heads=config.num_kv_heads,
-      head_dim=config.head_dim,
-      hidden_act="silu",
-      max_position_embeddings=config.max_position_embeddings,
-      rms_norm_eps=config.rms_norm_eps,
-      rope_theta=config.rope_theta,
-      rope_scaling=scaling,
-      rope_parameters=rope,
-      tie_word_embeddings=config.tie_embeddings,
-      eos_token_id=config.eos_token_id,
-      pad_token_id=config.pad_token_id,
-      mask_token_id=config.mask_token_id,
-      dtype=config.param_dtype,
+    architectures=[_HF_CLASSES[config.architecture]],
+    model_type=config.architecture,
+    vocab_size=config.vocab_size,
+    hidden_size=config.hidden_size,
+    intermediate_size=config.intermediate_size,
+    num_hidden_layers=config.num_layers,
+    num_attention_heads=config.num_heads,
+    num_key_value_heads=config.num_kv_heads,
+    head_dim=config.head_dim,
+    hidden_act="silu",
+    max_position_embeddings=config.max_position_embeddings,
+    rms_norm_eps=config.rms_norm_eps,
+    rope_theta=config.rope_theta,
+    rope_scaling=scaling,
+    rope_parameters=rope,
+    tie_word_embeddings=config.tie_embeddings,
+    eos_token_id=config.eos_token_id,
+    pad_token_id=config.pad_token_id,
+    mask_token_id=config.mask_token_id,
+    dtype=config.param_dtype,
   )
   if config.architecture != "qwen2":
     hf_config["attention_bias"] = False
@@ -372,7 +373,7 @@ class _SafetensorsFile:
 
   def _broken(self, error: Exception) -> ValueError:
     return ValueError(
-        f"Could not read {self.file} ({error}); it looks truncated or corrupt. Download or save it again."
+      f"Could not read {self.file} ({error}); it looks truncated or corrupt. Download or save it again."
     )
 
 
@@ -384,9 +385,9 @@ def _read_tensor(file: pathlib.Path, name: str) -> np.ndarray:
 def _summary(config: ModelConfig) -> str:
   c = config
   return (
-      f"{c.architecture}, vocab {c.vocab_size}, hidden {c.hidden_size}, mlp {c.intermediate_size}, "
-      f"{c.num_layers} layers, {c.num_heads} heads / {c.num_kv_heads} kv heads of {c.head_dim}, "
-      f"tied embeddings {c.tie_embeddings}"
+    f"{c.architecture}, vocab {c.vocab_size}, hidden {c.hidden_size}, mlp {c.intermediate_size}, "
+    f"{c.num_layers} layers, {c.num_heads} heads / {c.num_kv_heads} kv heads of {c.head_dim}, "
+    f"tied embeddings {c.tie_embeddings}"
   )
 
 
@@ -415,8 +416,7 @@ def _read_parameters(files: list[pathlib.Path], config: ModelConfig, targets: di
         got = tuple(handle.get_slice(name).get_shape())
         if got != expected:
           raise ValueError(
-              f"{file.name}: tensor {name} has shape {got}, expected {expected} (our {target} is {our_shape}); "
-              f"{misfit}."
+            f"{file.name}: tensor {name} has shape {got}, expected {expected} (our {target} is {our_shape}); {misfit}."
           )
         array = rule.layout.to_ours(handle.get_tensor(name), our_shape)
         values[target] = jnp.asarray(array, dtype=config.weight_dtype)
@@ -429,17 +429,17 @@ def _read_parameters(files: list[pathlib.Path], config: ModelConfig, targets: di
     head = _read_tensor(tied_head, "lm_head.weight")
     if not np.array_equal(head, _read_tensor(source["embed_tokens"], "model.embed_tokens.weight")):
       raise ValueError(
-          f"{tied_head.name}: lm_head.weight differs from model.embed_tokens.weight although config.json says "
-          "tie_word_embeddings=true; load with config_overrides={'tie_embeddings': False}."
+        f"{tied_head.name}: lm_head.weight differs from model.embed_tokens.weight although config.json says "
+        "tie_word_embeddings=true; load with config_overrides={'tie_embeddings': False}."
       )
   return values
 
 
 def load_hf(
-    path: str | pathlib.Path,
-    dtype: str = "float32",
-    param_dtype: str | None = None,
-    config_overrides: dict | None = None,
+  path: str | pathlib.Path,
+  dtype: str = "float32",
+  param_dtype: str | None = None,
+  config_overrides: dict | None = None,
 ) -> Transformer:
   """Load a Hugging Face Qwen3 / Qwen2 / Llama checkpoint directory.
 

@@ -66,14 +66,16 @@ class Checkpoints:
   def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
     self.directory = local_path(directory)
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True,
+      max_to_keep=max_to_keep,
+      enable_async_checkpointing=async_save,
+      create=True,
     )
     # Explicit handlers, so that a fresh manager can read item metadata before any restore.
     handlers = {
-        PARAMS: ocp.StandardCheckpointHandler(),
-        TRAIN: ocp.StandardCheckpointHandler(),
-        DATA: grain.checkpoint.CheckpointHandler(),
-        META: ocp.JsonCheckpointHandler(),
+      PARAMS: ocp.StandardCheckpointHandler(),
+      TRAIN: ocp.StandardCheckpointHandler(),
+      DATA: grain.checkpoint.CheckpointHandler(),
+      META: ocp.JsonCheckpointHandler(),
     }
     self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
@@ -86,23 +88,25 @@ class Checkpoints:
   def save(self, step: int, *, params: Any, train: Any, data_iterator: grain.DatasetIterator, meta: dict) -> None:
     """Start saving `step` (returns once the arrays are off the devices)."""
     self._manager.save(
-        step,
-        args=ocp.args.Composite(**{
-            PARAMS: ocp.args.StandardSave(params),
-            TRAIN: ocp.args.StandardSave(train),
-            DATA: grain.checkpoint.CheckpointSave(_IteratorSnapshot(data_iterator)),
-            META: ocp.args.JsonSave(meta),
-        }),
-        force=True,
+      step,
+      args=ocp.args.Composite(
+        **{
+          PARAMS: ocp.args.StandardSave(params),
+          TRAIN: ocp.args.StandardSave(train),
+          DATA: grain.checkpoint.CheckpointSave(_IteratorSnapshot(data_iterator)),
+          META: ocp.args.JsonSave(meta),
+        }
+      ),
+      force=True,
     )
 
   def restore(
-      self,
-      step: int,
-      *,
-      abstract_params: Any,
-      abstract_train: Any | None = None,
-      data_iterator: grain.DatasetIterator | None = None,
+    self,
+    step: int,
+    *,
+    abstract_params: Any,
+    abstract_train: Any | None = None,
+    data_iterator: grain.DatasetIterator | None = None,
   ) -> Restored:
     """Restore `step` into abstract targets (`jax.ShapeDtypeStruct` leaves with shardings).
 
@@ -129,9 +133,9 @@ class Checkpoints:
       raise
     except Exception as error:  # orbax / tensorstore raise many types for unreadable files
       raise ValueError(
-          f"Checkpoint step {step} in {self.directory} could not be read; it may be truncated or "
-          f"corrupt ({type(error).__name__}: {error}). Delete {os.path.join(self.directory, str(step))} "
-          "to fall back to an earlier step, or start from a fresh workdir."
+        f"Checkpoint step {step} in {self.directory} could not be read; it may be truncated or "
+        f"corrupt ({type(error).__name__}: {error}). Delete {os.path.join(self.directory, str(step))} "
+        "to fall back to an earlier step, or start from a fresh workdir."
       ) from error
     return Restored(step=step, params=out[PARAMS], train=out.get(TRAIN), meta=out[META])
 
@@ -149,7 +153,7 @@ class Checkpoints:
   def close(self) -> None:
     self._manager.close()
 
-  def __enter__(self) -> "Checkpoints":
+  def __enter__(self) -> Checkpoints:
     return self
 
   def __exit__(self, *exc) -> None:
@@ -171,19 +175,19 @@ def _check_shapes(item: str, stored: Any, target: Any, where: str) -> None:
   for name, shape in target_shapes.items():
     if name not in stored_shapes:
       raise CheckpointMismatchError(
-          f"Checkpoint {where} ({item}) has no array {name!r} that the current config needs; "
-          "the checkpoint was written for a different model or optimizer config."
+        f"Checkpoint {where} ({item}) has no array {name!r} that the current config needs; "
+        "the checkpoint was written for a different model or optimizer config."
       )
     if stored_shapes[name] != shape:
       raise CheckpointMismatchError(
-          f"Checkpoint {where} ({item}) stores {name!r} with shape {stored_shapes[name]}, but the current "
-          f"config needs {shape}. Use the model config the checkpoint was trained with (see its meta item)."
+        f"Checkpoint {where} ({item}) stores {name!r} with shape {stored_shapes[name]}, but the current "
+        f"config needs {shape}. Use the model config the checkpoint was trained with (see its meta item)."
       )
   extra = sorted(set(stored_shapes) - set(target_shapes))
   if extra:
     raise CheckpointMismatchError(
-        f"Checkpoint {where} ({item}) has arrays the current config lacks, e.g. {extra[0]!r}; "
-        "the checkpoint was written for a different model or optimizer config."
+      f"Checkpoint {where} ({item}) has arrays the current config lacks, e.g. {extra[0]!r}; "
+      "the checkpoint was written for a different model or optimizer config."
     )
 
 
@@ -206,8 +210,8 @@ def local_path(path: str) -> str:
   """
   if "://" in path:
     raise ValueError(
-        f"{path!r} is a URL, but refusion_jax reads and writes workdirs through the file system. "
-        "Mount the bucket (e.g. `gcsfuse --implicit-dirs BUCKET /mnt/BUCKET`) and pass the mounted path."
+      f"{path!r} is a URL, but refusion_jax reads and writes workdirs through the file system. "
+      "Mount the bucket (e.g. `gcsfuse --implicit-dirs BUCKET /mnt/BUCKET`) and pass the mounted path."
     )
   return os.path.abspath(path)
 
@@ -247,4 +251,3 @@ def load_model_from_checkpoint(path: str, step: int | None = None) -> tuple[Tran
   tokenizer = meta["tokenizer"]
   local = os.path.join(directory, tokenizer)
   return nnx.merge(graphdef, restored.params), (local if os.path.isdir(local) else tokenizer)
-

@@ -11,14 +11,14 @@ tensorflow-datasets.
 import importlib
 
 _EXPORTS = {
-    "TASKS": "refusion_jax.data.tasks",
-    "check_answer": "refusion_jax.data.tasks",
-    "generate_examples": "refusion_jax.data.tasks",
-    "build_refusion_tasks": "refusion_jax.data.builders",
-    "build_query_response_json": "refusion_jax.data.builders",
-    "make_dataset": "refusion_jax.data.pipeline",
-    "batch_prompts_and_answers": "refusion_jax.data.pipeline",
-    "decode_record": "refusion_jax.data.pipeline",
+  "TASKS": "refusion_jax.data.tasks",
+  "check_answer": "refusion_jax.data.tasks",
+  "generate_examples": "refusion_jax.data.tasks",
+  "build_refusion_tasks": "refusion_jax.data.builders",
+  "build_query_response_json": "refusion_jax.data.builders",
+  "make_dataset": "refusion_jax.data.pipeline",
+  "batch_prompts_and_answers": "refusion_jax.data.pipeline",
+  "decode_record": "refusion_jax.data.pipeline",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -26,7 +26,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from typing import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import tensorflow_datasets as tfds
 
@@ -37,7 +37,7 @@ _FILE_FORMAT = "array_record"
 
 def _features() -> tfds.features.FeaturesDict:
   return tfds.features.FeaturesDict(
-      {"query": tfds.features.Text(), "response": tfds.features.Text(), "task": tfds.features.Text()}
+    {"query": tfds.features.Text(), "response": tfds.features.Text(), "task": tfds.features.Text()}
   )
 
 
@@ -61,10 +61,8 @@ class ReFusionTasks(tfds.core.GeneratorBasedBuilder):
   name = "refusion_tasks"
   VERSION = tfds.core.Version("1.0.0")
   BUILDER_CONFIGS = [
-      ReFusionTasksConfig(name="default", description="20k train / 1k validation / 1k test."),
-      ReFusionTasksConfig(
-          name="tiny", num_train=512, num_validation=64, num_test=64, description="For smoke tests."
-      ),
+    ReFusionTasksConfig(name="default", description="20k train / 1k validation / 1k test."),
+    ReFusionTasksConfig(name="tiny", num_train=512, num_validation=64, num_test=64, description="For smoke tests."),
   ]
 
   def _info(self) -> tfds.core.DatasetInfo:
@@ -86,24 +84,24 @@ def _content_name(prefix: str, *parts) -> str:
 
 
 def build_refusion_tasks(
-    data_dir: str,
-    *,
-    num_train: int = 20_000,
-    num_validation: int = 1_000,
-    num_test: int = 1_000,
-    seed: int = 0,
-    task_names: Sequence[str] = tasks.TASKS,
+  data_dir: str,
+  *,
+  num_train: int = 20_000,
+  num_validation: int = 1_000,
+  num_test: int = 1_000,
+  seed: int = 0,
+  task_names: Sequence[str] = tasks.TASKS,
 ) -> dict[str, Sequence[dict[str, bytes]]]:
   """Builds the built-in tasks under `data_dir` (once) and returns {split: data source}."""
   task_names = tuple(task_names)
   sizes = (num_train, num_validation, num_test)
   config = ReFusionTasksConfig(
-      name=_content_name("n" + "_".join(map(str, sizes)), seed, task_names),
-      num_train=num_train,
-      num_validation=num_validation,
-      num_test=num_test,
-      seed=seed,
-      tasks=task_names,
+    name=_content_name("n" + "_".join(map(str, sizes)), seed, task_names),
+    num_train=num_train,
+    num_validation=num_validation,
+    num_test=num_test,
+    seed=seed,
+    tasks=task_names,
   )
   return _prepare(ReFusionTasks, config, data_dir)
 
@@ -126,9 +124,13 @@ def _read_records(path: str) -> list[dict]:
       return [json.loads(line) for line in text.splitlines() if line.strip()]
     records = json.loads(text)
   except json.JSONDecodeError as error:
-    raise ValueError(f"{path} is not valid JSON ({error}); expected a list of {{\"query\", \"response\"}} objects.")
+    raise ValueError(
+      f'{path} is not valid JSON ({error}); expected a list of {{"query", "response"}} objects.'
+    ) from None
   if not isinstance(records, list):
-    raise ValueError(f"{path} holds a JSON {type(records).__name__}; expected a list of {{\"query\", \"response\"}} objects.")
+    raise ValueError(
+      f'{path} holds a JSON {type(records).__name__}; expected a list of {{"query", "response"}} objects.'
+    )
   return records
 
 
@@ -151,21 +153,30 @@ class QueryResponseJson(tfds.core.GeneratorBasedBuilder):
   def _generate_examples(self, files: Sequence[str]) -> Iterator[tuple[str, dict[str, str]]]:
     for path in files:
       for index, record in enumerate(_read_records(path)):
-        if not isinstance(record, dict) or not isinstance(record.get("query"), str) or not isinstance(
-            record.get("response"), str
+        if (
+          not isinstance(record, dict)
+          or not isinstance(record.get("query"), str)
+          or not isinstance(record.get("response"), str)
         ):
           raise ValueError(f"{path}, record {index}: expected an object with string 'query' and 'response' fields.")
-        yield f"{path}:{index}", {
+        yield (
+          f"{path}:{index}",
+          {
             "query": record["query"],
             "response": record["response"],
             "task": str(record.get("task", "")),
-        }
+          },
+        )
 
 
 def build_query_response_json(
-    data_dir: str, split_files: Mapping[str, Sequence[str]]
+  data_dir: str, split_files: Mapping[str, Sequence[str]]
 ) -> dict[str, Sequence[dict[str, bytes]]]:
-  """Builds {split: JSON files} into array_record under `data_dir` (once per file content) and returns {split: data source}."""
+  """Builds {split: JSON files} into array_record under `data_dir` (once per file content).
+
+  Returns:
+    {split: data source}.
+  """
   resolved = {}
   for split, files in split_files.items():
     paths = tuple(os.path.abspath(path) for path in ([files] if isinstance(files, str) else files))
@@ -173,15 +184,18 @@ def build_query_response_json(
     if missing:
       raise FileNotFoundError(f"Split {split!r}: no such JSON file(s): {missing}.")
     resolved[split] = paths
-  stamps = sorted((split, path, os.stat(path).st_size, os.stat(path).st_mtime_ns)
-                  for split, paths in resolved.items() for path in paths)
+  stamps = sorted(
+    (split, path, os.stat(path).st_size, os.stat(path).st_mtime_ns)
+    for split, paths in resolved.items()
+    for path in paths
+  )
   config = QueryResponseJsonConfig(name=_content_name("files", stamps), split_files=resolved)
   return _prepare(QueryResponseJson, config, data_dir)
 
 
 def _prepare(builder_cls, config, data_dir: str) -> dict[str, Sequence[dict[str, bytes]]]:
   return tfds.data_source(
-      builder_cls.name,
-      data_dir=data_dir,
-      builder_kwargs={"config": config, "file_format": _FILE_FORMAT},
+    builder_cls.name,
+    data_dir=data_dir,
+    builder_kwargs={"config": config, "file_format": _FILE_FORMAT},
   )

@@ -31,7 +31,8 @@ the "data" item of an `ocp.args.Composite`.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import grain
 import jax
@@ -64,8 +65,8 @@ class _Tokenize(grain.transforms.Map):
     query = self._tokenizer.apply_chat_template(record["query"]) if self._chat_template else record["query"]
     answer = self._tokenizer.encode(record["response"]) + [self._tokenizer.eos_id]
     return {
-        "prompt": np.asarray(self._tokenizer.encode(query), np.int32),
-        "answer": np.asarray(answer, np.int32),
+      "prompt": np.asarray(self._tokenizer.encode(query), np.int32),
+      "answer": np.asarray(answer, np.int32),
     }
 
 
@@ -83,11 +84,11 @@ class _DropTooLong(grain.transforms.Filter):
     dropped = next(self._dropped)
     if dropped & (dropped - 1) == 0:
       logging.warning(
-          "Dropped %d example(s) longer than seq_len=%d so far (this one: %d prompt + %d answer tokens).",
-          dropped,
-          self._seq_len,
-          len(example["prompt"]),
-          len(example["answer"]),
+        "Dropped %d example(s) longer than seq_len=%d so far (this one: %d prompt + %d answer tokens).",
+        dropped,
+        self._seq_len,
+        len(example["prompt"]),
+        len(example["answer"]),
       )
     return False
 
@@ -111,28 +112,26 @@ def _stack_and_fill(rows: Sequence[Batch], batch_size: int, seq_len: int, pad_id
   """Stacks rows into a batch of exactly batch_size, filling with empty rows."""
   fill = batch_size - len(rows)
   return {
-      "tokens": np.concatenate(
-          [np.stack([row["tokens"] for row in rows]), np.full((fill, seq_len), pad_id, np.int32)]
-      ),
-      "prompt_len": np.asarray([row["prompt_len"] for row in rows] + [0] * fill, np.int32),
-      "answer_len": np.asarray([row["answer_len"] for row in rows] + [0] * fill, np.int32),
+    "tokens": np.concatenate([np.stack([row["tokens"] for row in rows]), np.full((fill, seq_len), pad_id, np.int32)]),
+    "prompt_len": np.asarray([row["prompt_len"] for row in rows] + [0] * fill, np.int32),
+    "answer_len": np.asarray([row["answer_len"] for row in rows] + [0] * fill, np.int32),
   }
 
 
 def make_dataset(
-    source: Sequence[Mapping[str, Any]],
-    tokenizer: Tokenizer,
-    *,
-    seq_len: int,
-    batch_size: int,
-    seed: int,
-    shuffle: bool = True,
-    num_epochs: int | None = None,
-    shard_index: int | None = None,
-    shard_count: int | None = None,
-    chat_template: bool = False,
-    drop_remainder: bool = False,
-    read_options: grain.ReadOptions | None = None,
+  source: Sequence[Mapping[str, Any]],
+  tokenizer: Tokenizer,
+  *,
+  seq_len: int,
+  batch_size: int,
+  seed: int,
+  shuffle: bool = True,
+  num_epochs: int | None = None,
+  shard_index: int | None = None,
+  shard_count: int | None = None,
+  chat_template: bool = False,
+  drop_remainder: bool = False,
+  read_options: grain.ReadOptions | None = None,
 ) -> grain.IterDataset:
   """A grain dataset of token batches (see the module docstring for the contract).
 
@@ -173,14 +172,14 @@ def make_dataset(
   if num_epochs != 1:
     dataset = dataset.repeat(num_epochs)
   dataset = (
-      dataset.map(_Tokenize(tokenizer, chat_template))
-      .filter(_DropTooLong(seq_len))
-      .map(_PadToLength(seq_len, tokenizer.pad_id))
+    dataset.map(_Tokenize(tokenizer, chat_template))
+    .filter(_DropTooLong(seq_len))
+    .map(_PadToLength(seq_len, tokenizer.pad_id))
   )
   return dataset.to_iter_dataset(read_options or _DEFAULT_READ_OPTIONS).batch(
-      batch_size,
-      drop_remainder=drop_remainder,
-      batch_fn=lambda rows: _stack_and_fill(rows, batch_size, seq_len, tokenizer.pad_id),
+    batch_size,
+    drop_remainder=drop_remainder,
+    batch_fn=lambda rows: _stack_and_fill(rows, batch_size, seq_len, tokenizer.pad_id),
   )
 
 

@@ -27,7 +27,7 @@ import dataclasses
 import random
 import re
 import zlib
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 BYTE_SEQ_LEN = 64
 SPLITS = ("train", "validation", "test")
@@ -173,13 +173,13 @@ class _Task:
 
 
 _TASKS = {
-    "copy": _Task(_copy_query, _copy_solve),
-    "reverse": _Task(_reverse_query, _reverse_solve),
-    "sort": _Task(_sort_query, _sort_solve),
-    "add": _Task(_add_query, _add_solve),
-    "add_steps": _Task(_add_steps_query, _add_steps_solve, _add_steps_answer),
-    "lookup": _Task(_lookup_query, _lookup_solve),
-    "code": _Task(_code_query, _code_solve),
+  "copy": _Task(_copy_query, _copy_solve),
+  "reverse": _Task(_reverse_query, _reverse_solve),
+  "sort": _Task(_sort_query, _sort_solve),
+  "add": _Task(_add_query, _add_solve),
+  "add_steps": _Task(_add_steps_query, _add_steps_solve, _add_steps_answer),
+  "lookup": _Task(_lookup_query, _lookup_solve),
+  "code": _Task(_code_query, _code_solve),
 }
 TASKS: tuple[str, ...] = tuple(_TASKS)
 
@@ -214,7 +214,7 @@ def check_answer(task: str, query: str, response: str) -> bool:
 
 
 def generate_examples(
-    split: str, num_examples: int, *, seed: int = 0, tasks: Sequence[str] = TASKS
+  split: str, num_examples: int, *, seed: int = 0, tasks: Sequence[str] = TASKS
 ) -> list[dict[str, str]]:
   """`num_examples` distinct examples of `split`, tasks in round-robin order.
 
@@ -238,8 +238,8 @@ def generate_examples(
         break
     else:
       raise ValueError(
-          f"Task {name!r} ran out of distinct {split} queries after {index} examples;"
-          " ask for fewer examples or add tasks."
+        f"Task {name!r} ran out of distinct {split} queries after {index} examples;"
+        " ask for fewer examples or add tasks."
       )
     seen.add(query)
     examples.append({"query": query, "response": spec.solve(query), "task": name})

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import tokenizers
 
@@ -134,8 +135,8 @@ class HFTokenizer:
     tokenizer_file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(tokenizer_file):
       raise FileNotFoundError(
-          f"No tokenizer.json in {path!r}. Pass a Hugging Face checkpoint directory that holds"
-          " tokenizer.json (save one with `tokenizer.save_pretrained(dir)`), or 'bytes' for the byte tokenizer."
+        f"No tokenizer.json in {path!r}. Pass a Hugging Face checkpoint directory that holds"
+        " tokenizer.json (save one with `tokenizer.save_pretrained(dir)`), or 'bytes' for the byte tokenizer."
       )
     self._tokenizer = tokenizers.Tokenizer.from_file(tokenizer_file)
     named = {}
@@ -152,8 +153,8 @@ class HFTokenizer:
       eos_id = next((_first_id(c["eos_token_id"]) for c in model_configs if c.get("eos_token_id") is not None), None)
     if eos_id is None:
       raise ValueError(
-          f"Could not find the EOS token of the tokenizer in {path!r}: set `eos_token` in"
-          " tokenizer_config.json (or `eos_token_id` in generation_config.json)."
+        f"Could not find the EOS token of the tokenizer in {path!r}: set `eos_token` in"
+        " tokenizer_config.json (or `eos_token_id` in generation_config.json)."
       )
     self._eos_id = eos_id
     pad_id = self._id_of(named.get("pad_token"))
@@ -164,7 +165,7 @@ class HFTokenizer:
       known = [self._tokenizer.token_to_id(token) for token in _MASK_TOKEN_CANDIDATES]
       self._mask_id = next((token_id for token_id in known if token_id is not None), None)
     self._has_chat_tokens = all(
-        self._tokenizer.token_to_id(token) is not None for token in ("<|im_start|>", "<|im_end|>")
+      self._tokenizer.token_to_id(token) is not None for token in ("<|im_start|>", "<|im_end|>")
     )
 
   def _id_of(self, token: str | None) -> int | None:
@@ -207,11 +208,11 @@ class HFTokenizer:
 
 
 def load_tokenizer(path_or_name: str) -> Tokenizer:
-  """"bytes" -> `ByteTokenizer`; a directory holding tokenizer.json -> `HFTokenizer`."""
+  """ "bytes" -> `ByteTokenizer`; a directory holding tokenizer.json -> `HFTokenizer`."""
   if path_or_name == "bytes":
     return ByteTokenizer()
   if os.path.isdir(path_or_name):
     return HFTokenizer(path_or_name)
   raise ValueError(
-      f"Unknown tokenizer {path_or_name!r}: pass 'bytes' or a directory holding a Hugging Face tokenizer.json."
+    f"Unknown tokenizer {path_or_name!r}: pass 'bytes' or a directory holding a Hugging Face tokenizer.json."
   )

@@ -16,28 +16,28 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from refusion_jax.decoding.common import (
+  PHASE_STEP,
+  DecodeResult,
+  answer_tokens,
+  blank_after_answer,
+  check_prompts,
+  check_special_id,
+  check_temperature,
+  default_pad_id,
+  first_given,
+  pad_prompts,
+  row_gumbel_noise,
+)
 from refusion_jax.model import cache as kv_cache
 from refusion_jax.model.config import ModelConfig
-from refusion_jax.decoding.common import (
-    PHASE_STEP,
-    DecodeResult,
-    answer_tokens,
-    blank_after_answer,
-    check_prompts,
-    check_special_id,
-    check_temperature,
-    default_pad_id,
-    first_given,
-    pad_prompts,
-    row_gumbel_noise,
-)
 from refusion_jax.model.transformer import Transformer
 
 # An id no token has: "no EOS known" simply never matches.
@@ -52,7 +52,7 @@ def _eos_and_pad(eos_id: int | None, pad_id: int | None, config: ModelConfig) ->
 
 
 def pick_tokens(
-    logits: jax.Array, key: jax.Array, step: jax.Array, temperature: jax.Array, sample: bool
+  logits: jax.Array, key: jax.Array, step: jax.Array, temperature: jax.Array, sample: bool
 ) -> tuple[jax.Array, jax.Array]:
   """Greedy or Gumbel-max sampled tokens and their probabilities.
 
@@ -133,14 +133,14 @@ def _ar_loop(graphdef, state, prompt, lengths, key, temperature, eos_id, *, gen_
 
 
 def ar_generate(
-    model: Transformer,
-    prompt_ids: Sequence[Sequence[int]],
-    *,
-    gen_length: int,
-    temperature: float = 0.0,
-    seed: int = 0,
-    eos_id: int | None = None,
-    pad_id: int | None = None,
+  model: Transformer,
+  prompt_ids: Sequence[Sequence[int]],
+  *,
+  gen_length: int,
+  temperature: float = 0.0,
+  seed: int = 0,
+  eos_id: int | None = None,
+  pad_id: int | None = None,
 ) -> DecodeResult:
   """Batched autoregressive decoding with the KV cache.
 
@@ -168,18 +168,30 @@ def ar_generate(
   prompt, lengths = pad_prompts(prompt_ids, pad)
   graphdef, state = nnx.split(model)
   out, forwards = _ar_loop(
-      graphdef, state, prompt, lengths, jax.random.key(seed), jnp.float32(temperature), jnp.int32(eos),
-      gen_length=gen_length, sample=temperature > 0,
+    graphdef,
+    state,
+    prompt,
+    lengths,
+    jax.random.key(seed),
+    jnp.float32(temperature),
+    jnp.int32(eos),
+    gen_length=gen_length,
+    sample=temperature > 0,
   )
   out, forwards = np.asarray(out), np.asarray(forwards)
   seconds = time.perf_counter() - start
 
   answers = answer_tokens(out, eos)
   iteration, phase = blank_after_answer(
-      answers, np.broadcast_to(np.arange(gen_length), out.shape), np.full(out.shape, PHASE_STEP))
+    answers, np.broadcast_to(np.arange(gen_length), out.shape), np.full(out.shape, PHASE_STEP)
+  )
   return DecodeResult(
-      tokens=answers, num_forwards=forwards, steps=forwards.copy(),
-      commit_iteration=iteration, commit_phase=phase, seconds=seconds,
+    tokens=answers,
+    num_forwards=forwards,
+    steps=forwards.copy(),
+    commit_iteration=iteration,
+    commit_phase=phase,
+    seconds=seconds,
   )
 
 
@@ -203,20 +215,20 @@ def check_mdm_schedule(gen_length: int, block_length: int, steps: int) -> int:
   """Validate the block/step split; returns steps per block."""
   if block_length < 1 or gen_length % block_length:
     raise ValueError(
-        f"gen_length={gen_length} must be a positive multiple of block_length={block_length}; "
-        f"pick block_length among the divisors of gen_length."
+      f"gen_length={gen_length} must be a positive multiple of block_length={block_length}; "
+      f"pick block_length among the divisors of gen_length."
     )
   num_blocks = gen_length // block_length
   if steps < 1 or steps % num_blocks:
     raise ValueError(
-        f"steps={steps} must be a positive multiple of the number of blocks "
-        f"(gen_length / block_length = {num_blocks}), so every block gets the same number of steps."
+      f"steps={steps} must be a positive multiple of the number of blocks "
+      f"(gen_length / block_length = {num_blocks}), so every block gets the same number of steps."
     )
   steps_per_block = steps // num_blocks
   if steps_per_block > block_length:
     raise ValueError(
-        f"steps={steps} gives {steps_per_block} steps per block but a block has only "
-        f"{block_length} tokens; use at most steps={block_length * num_blocks}."
+      f"steps={steps} gives {steps_per_block} steps per block but a block has only "
+      f"{block_length} tokens; use at most steps={block_length * num_blocks}."
     )
   return steps_per_block
 
@@ -262,17 +274,17 @@ def _mdm_loop(graphdef, state, prompt, lengths, key, temperature, mask_id, *, ge
 
 
 def mdm_generate(
-    model: Transformer,
-    prompt_ids: Sequence[Sequence[int]],
-    *,
-    gen_length: int,
-    block_length: int,
-    steps: int,
-    mask_id: int | None = None,
-    eos_id: int | None = None,
-    pad_id: int | None = None,
-    temperature: float = 0.0,
-    seed: int = 0,
+  model: Transformer,
+  prompt_ids: Sequence[Sequence[int]],
+  *,
+  gen_length: int,
+  block_length: int,
+  steps: int,
+  mask_id: int | None = None,
+  eos_id: int | None = None,
+  pad_id: int | None = None,
+  temperature: float = 0.0,
+  seed: int = 0,
 ) -> DecodeResult:
   """Batched LLaDA-style masked diffusion decoding with low-confidence remasking.
 
@@ -306,8 +318,17 @@ def mdm_generate(
   prompt, lengths = pad_prompts(prompt_ids, pad)
   graphdef, state = nnx.split(model)
   answer, committed_at = _mdm_loop(
-      graphdef, state, prompt, lengths, jax.random.key(seed), jnp.float32(temperature), jnp.int32(mask),
-      gen_length=gen_length, block_length=block_length, steps=steps, sample=temperature > 0,
+    graphdef,
+    state,
+    prompt,
+    lengths,
+    jax.random.key(seed),
+    jnp.float32(temperature),
+    jnp.int32(mask),
+    gen_length=gen_length,
+    block_length=block_length,
+    steps=steps,
+    sample=temperature > 0,
   )
   answer, committed_at = np.asarray(answer), np.asarray(committed_at)
   seconds = time.perf_counter() - start
@@ -316,8 +337,12 @@ def mdm_generate(
   answers = answer_tokens(answer, eos)
   iteration, phase = blank_after_answer(answers, committed_at, np.full(committed_at.shape, PHASE_STEP))
   return DecodeResult(
-      tokens=answers, num_forwards=np.full(batch, steps, np.int32), steps=np.full(batch, steps, np.int32),
-      commit_iteration=iteration, commit_phase=phase, seconds=seconds,
+    tokens=answers,
+    num_forwards=np.full(batch, steps, np.int32),
+    steps=np.full(batch, steps, np.int32),
+    commit_iteration=iteration,
+    commit_phase=phase,
+    seconds=seconds,
   )
 
 

@@ -9,7 +9,7 @@ new prompts do not recompile, and return a `DecodeResult`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -64,9 +64,8 @@ class DecodeResult:
   def trace(self, row: int = 0) -> list[tuple[int, int, int, str]]:
     """(position, token, iteration, phase name) of every answer token of `row`."""
     return [
-        (pos, tok, int(self.commit_iteration[row, pos]),
-         PHASE_NAMES.get(int(self.commit_phase[row, pos]), "none"))
-        for pos, tok in enumerate(self.tokens[row])
+      (pos, tok, int(self.commit_iteration[row, pos]), PHASE_NAMES.get(int(self.commit_phase[row, pos]), "none"))
+      for pos, tok in enumerate(self.tokens[row])
     ]
 
 
@@ -106,15 +105,13 @@ def check_prompts(prompts: Sequence[Sequence[int]], config: ModelConfig, gen_len
     ids = np.asarray(prompt)
     bad = ids[(ids < 0) | (ids >= config.vocab_size)]
     if bad.size:
-      raise ValueError(
-          f"Prompt {row} has token id {int(bad[0])} outside the vocabulary [0, {config.vocab_size})."
-      )
+      raise ValueError(f"Prompt {row} has token id {int(bad[0])} outside the vocabulary [0, {config.vocab_size}).")
     total = len(prompt) + gen_length
     if total > config.max_position_embeddings:
       raise ValueError(
-          f"Prompt {row} has {len(prompt)} tokens; with gen_length={gen_length} that is {total} "
-          f"positions, more than the model's maximum {config.max_position_embeddings}. "
-          f"Shorten the prompt or lower gen_length to at most {config.max_position_embeddings - len(prompt)}."
+        f"Prompt {row} has {len(prompt)} tokens; with gen_length={gen_length} that is {total} "
+        f"positions, more than the model's maximum {config.max_position_embeddings}. "
+        f"Shorten the prompt or lower gen_length to at most {config.max_position_embeddings - len(prompt)}."
       )
 
 
@@ -122,8 +119,8 @@ def check_special_id(name: str, value: int | None, config: ModelConfig) -> int:
   """A special token id that must exist and lie inside the vocabulary."""
   if value is None:
     raise ValueError(
-        f"No {name} is known for this model: pass {name}=... explicitly "
-        f"(the checkpoint's config and tokenizer did not define one)."
+      f"No {name} is known for this model: pass {name}=... explicitly "
+      f"(the checkpoint's config and tokenizer did not define one)."
     )
   if not 0 <= value < config.vocab_size:
     raise ValueError(f"{name}={value} lies outside the vocabulary [0, {config.vocab_size}).")
@@ -152,8 +149,8 @@ def check_slot_layout(gen_length: int, slot_size: int, serial_blocks: int) -> No
   if gen_length % unit:
     nearest = max(unit, unit * round(gen_length / unit))
     raise ValueError(
-        f"gen_length={gen_length} must be a multiple of slot_size × serial_blocks = {unit}; "
-        f"use gen_length={nearest}, or change slot_size / serial_blocks."
+      f"gen_length={gen_length} must be a multiple of slot_size × serial_blocks = {unit}; "
+      f"use gen_length={nearest}, or change slot_size / serial_blocks."
     )
 
 

@@ -22,21 +22,20 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from flax import nnx
 
-from refusion_jax.model.cache import KVCache
 from refusion_jax.decoding.common import (
-    PHASE_INFILL,
-    PHASE_NONE,
-    PHASE_VERIFY,
-    DecodeResult,
-    check_prompts,
-    check_slot_layout,
-    check_special_id,
-    check_temperature,
-    check_threshold,
+  PHASE_INFILL,
+  PHASE_NONE,
+  PHASE_VERIFY,
+  DecodeResult,
+  check_prompts,
+  check_slot_layout,
+  check_special_id,
+  check_temperature,
+  check_threshold,
 )
+from refusion_jax.model.cache import KVCache
 from refusion_jax.model.transformer import Transformer
 
 
@@ -89,9 +88,11 @@ class _Storage:
     stored_positions = np.zeros((padded_rows, capacity), np.int32)
     stored_positions[:, :length] = self.positions
     cache = KVCache(
-        k=k, v=v, positions=stored_positions,
-        valid=np.broadcast_to(np.arange(capacity) < length, (padded_rows, capacity)),
-        length=np.full((padded_rows,), length, np.int32),
+      k=k,
+      v=v,
+      positions=stored_positions,
+      valid=np.broadcast_to(np.arange(capacity) < length, (padded_rows, capacity)),
+      length=np.full((padded_rows,), length, np.int32),
     )
     outputs = _padded_forward(self.graphdef, self.params, query, query_positions, cache)
     logits, probs, kv = jax.device_get(outputs)
@@ -113,19 +114,19 @@ def _leading_passes(passes: list[bool]) -> int:
 
 
 def decode_reference(
-    model: Transformer,
-    prompt_ids: list[int],
-    *,
-    gen_length: int,
-    slot_size: int,
-    serial_blocks: int,
-    slot_threshold: float,
-    token_threshold: float,
-    mask_id: int,
-    eos_id: int,
-    temperature: float = 0.0,
-    seed: int = 0,
-    stats: collections.Counter | None = None,
+  model: Transformer,
+  prompt_ids: list[int],
+  *,
+  gen_length: int,
+  slot_size: int,
+  serial_blocks: int,
+  slot_threshold: float,
+  token_threshold: float,
+  mask_id: int,
+  eos_id: int,
+  temperature: float = 0.0,
+  seed: int = 0,
+  stats: collections.Counter | None = None,
 ) -> DecodeResult:
   """Plan-and-infill decoding of one prompt, eagerly.
 
@@ -202,7 +203,7 @@ def decode_reference(
         counts["plans_forced_choice"] += 1
       if len(chosen) > 1:
         counts["plans_several_slots"] += 1
-      drafts = {slot: [int(t) for t in x0[undecided.index(slot) * S:][:S]] for slot in chosen}
+      drafts = {slot: [int(t) for t in x0[undecided.index(slot) * S :][:S]] for slot in chosen}
 
       # 2. Global verification: the chosen drafts concatenated, causal over that order.
       flat = [t for slot in chosen for t in drafts[slot]]
@@ -225,7 +226,7 @@ def decode_reference(
 
       # 3. Parallel infill: each chosen slot sees only the storage and itself.
       counts["infills"] += 1
-      accepted = [_leading_passes(passes[i * S:(i + 1) * S]) for i in range(len(chosen))]
+      accepted = [_leading_passes(passes[i * S : (i + 1) * S]) for i in range(len(chosen))]
       counts["infill_slots_partly_accepted"] += sum(1 < a < S for a in accepted)
       counts["infill_slots_fully_accepted"] += sum(a == S for a in accepted)
       tokens = [list(drafts[slot]) for slot in chosen]
@@ -284,10 +285,10 @@ def decode_reference(
   if stats is not None:
     stats.update(counts)
   return DecodeResult(
-      tokens=[answer],
-      num_forwards=np.array([forwards], np.int32),
-      steps=np.array([steps], np.int32),
-      commit_iteration=iteration,
-      commit_phase=phase,
-      seconds=time.perf_counter() - start_time,
+    tokens=[answer],
+    num_forwards=np.array([forwards], np.int32),
+    steps=np.array([steps], np.int32),
+    commit_iteration=iteration,
+    commit_phase=phase,
+    seconds=time.perf_counter() - start_time,
   )

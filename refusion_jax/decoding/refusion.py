@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import flax.struct
 import jax
@@ -34,28 +34,34 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from refusion_jax.model import cache as kv_cache
 from refusion_jax.decoding.common import (
-    PHASE_INFILL,
-    PHASE_NONE,
-    PHASE_VERIFY,
-    DecodeResult,
-    answer_tokens,
-    blank_after_answer,
-    check_prompts,
-    check_slot_layout,
-    check_special_id,
-    check_temperature,
-    check_threshold,
-    default_pad_id,
-    first_given,
-    pad_prompts,
-    row_gumbel_noise,
+  PHASE_INFILL,
+  PHASE_NONE,
+  PHASE_VERIFY,
+  DecodeResult,
+  answer_tokens,
+  blank_after_answer,
+  check_prompts,
+  check_slot_layout,
+  check_special_id,
+  check_temperature,
+  check_threshold,
+  default_pad_id,
+  first_given,
+  pad_prompts,
+  row_gumbel_noise,
 )
+from refusion_jax.model import cache as kv_cache
 from refusion_jax.model.transformer import Transformer
 
 __all__ = [
-    "DecodeKnobs", "DecodeOutputs", "DecodeResult", "DecodeSettings", "compile_count", "decode_loop", "generate",
+  "DecodeKnobs",
+  "DecodeOutputs",
+  "DecodeResult",
+  "DecodeSettings",
+  "compile_count",
+  "decode_loop",
+  "generate",
 ]
 
 # Stage of a row: what its next forward is.
@@ -287,19 +293,17 @@ def _commit(state: _RowState, kv, positions, take, settings: DecodeSettings, eos
   rows = jnp.arange(take.shape[0])[:, None]
   phase = jnp.where(state.stage == STAGE_VERIFY, PHASE_VERIFY, PHASE_INFILL)
   out = out.replace(
-      answer=out.answer.at[rows, target].set(state.drafts, mode="drop"),
-      commit_iteration=out.commit_iteration.at[rows, target].set(
-          jnp.broadcast_to((out.steps - 1)[:, None], take.shape), mode="drop"),
-      commit_phase=out.commit_phase.at[rows, target].set(
-          jnp.broadcast_to(phase[:, None], take.shape), mode="drop"),
+    answer=out.answer.at[rows, target].set(state.drafts, mode="drop"),
+    commit_iteration=out.commit_iteration.at[rows, target].set(
+      jnp.broadcast_to((out.steps - 1)[:, None], take.shape), mode="drop"
+    ),
+    commit_phase=out.commit_phase.at[rows, target].set(jnp.broadcast_to(phase[:, None], take.shape), mode="drop"),
   )
-  return state.replace(
-      cache=cache, undecided=state.undecided & ~removed, eos_seen=state.eos_seen | has_eos, out=out
-  )
+  return state.replace(cache=cache, undecided=state.undecided & ~removed, eos_seen=state.eos_seen | has_eos, out=out)
 
 
 def _step(
-    model: Transformer, state: _RowState, prompt_lengths, knobs: DecodeKnobs, settings: DecodeSettings
+  model: Transformer, state: _RowState, prompt_lengths, knobs: DecodeKnobs, settings: DecodeSettings
 ) -> _RowState:
   """One forward for the whole batch, then each live row advances by its stage."""
   T = settings.block_length
@@ -323,40 +327,38 @@ def _step(
   committed = jnp.any(take, axis=-1)
   out = state.out.replace(num_forwards=state.out.num_forwards + live, steps=state.out.steps + is_plan)
   state = state.replace(
-      drafts=drafts,
-      chosen=jnp.where(row(is_plan), plan_chosen, jnp.where(row(is_check), check_chosen, state.chosen)),
-      accepted=jnp.where(
-          row(is_verify), verify_accepted, jnp.where(row(is_check), check_accepted, state.accepted)
-      ),
-      out=out,
+    drafts=drafts,
+    chosen=jnp.where(row(is_plan), plan_chosen, jnp.where(row(is_check), check_chosen, state.chosen)),
+    accepted=jnp.where(row(is_verify), verify_accepted, jnp.where(row(is_check), check_accepted, state.accepted)),
+    out=out,
   )
   state = _commit(state, kv, positions, take, settings, knobs.eos_id)
 
   next_stage = jnp.select(
-      [is_plan, is_verify | is_check, is_draft],
-      [STAGE_VERIFY, jnp.where(committed, STAGE_PLAN, STAGE_DRAFT), STAGE_CHECK],
-      stage,
+    [is_plan, is_verify | is_check, is_draft],
+    [STAGE_VERIFY, jnp.where(committed, STAGE_PLAN, STAGE_DRAFT), STAGE_CHECK],
+    stage,
   )
   block_done = live & committed & ~jnp.any(state.undecided, axis=-1)
   finish = block_done & (state.eos_seen | (state.block == settings.serial_blocks - 1))
   advance = block_done & ~finish
   return state.replace(
-      stage=next_stage,
-      block=state.block + advance,
-      undecided=state.undecided | row(advance),
-      finished=state.finished | finish,
+    stage=next_stage,
+    block=state.block + advance,
+    undecided=state.undecided | row(advance),
+    finished=state.finished | finish,
   )
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"))
 def decode_loop(
-    graphdef: nnx.GraphDef,
-    params: nnx.State,
-    prompt_tokens: jax.Array,
-    prompt_lengths: jax.Array,
-    knobs: DecodeKnobs,
-    *,
-    settings: DecodeSettings,
+  graphdef: nnx.GraphDef,
+  params: nnx.State,
+  prompt_tokens: jax.Array,
+  prompt_lengths: jax.Array,
+  knobs: DecodeKnobs,
+  *,
+  settings: DecodeSettings,
 ) -> DecodeOutputs:
   """Prefill the prompts, then run the plan-and-infill loop until every row is done.
 
@@ -384,47 +386,47 @@ def decode_loop(
 
   none = jnp.full((batch, G), -1, jnp.int32)
   state = _RowState(
-      cache=cache,
-      stage=jnp.full((batch,), STAGE_PLAN, jnp.int32),
-      block=jnp.zeros((batch,), jnp.int32),
-      undecided=jnp.ones((batch, N), bool),
-      chosen=jnp.zeros((batch, N), bool),
-      accepted=jnp.zeros((batch, N), jnp.int32),
-      drafts=jnp.zeros((batch, settings.block_length), jnp.int32),
-      eos_seen=jnp.zeros((batch,), bool),
-      finished=jnp.zeros((batch,), bool),
-      out=DecodeOutputs(
-          answer=none,
-          commit_iteration=none,
-          commit_phase=jnp.full((batch, G), PHASE_NONE, jnp.int32),
-          # The prompt prefill is a forward too; counting it keeps TPF
-          # comparable with the AR baseline, whose prefill yields its first token.
-          num_forwards=jnp.ones((batch,), jnp.int32),
-          steps=jnp.zeros((batch,), jnp.int32),
-      ),
+    cache=cache,
+    stage=jnp.full((batch,), STAGE_PLAN, jnp.int32),
+    block=jnp.zeros((batch,), jnp.int32),
+    undecided=jnp.ones((batch, N), bool),
+    chosen=jnp.zeros((batch, N), bool),
+    accepted=jnp.zeros((batch, N), jnp.int32),
+    drafts=jnp.zeros((batch, settings.block_length), jnp.int32),
+    eos_seen=jnp.zeros((batch,), bool),
+    finished=jnp.zeros((batch,), bool),
+    out=DecodeOutputs(
+      answer=none,
+      commit_iteration=none,
+      commit_phase=jnp.full((batch, G), PHASE_NONE, jnp.int32),
+      # The prompt prefill is a forward too; counting it keeps TPF
+      # comparable with the AR baseline, whose prefill yields its first token.
+      num_forwards=jnp.ones((batch,), jnp.int32),
+      steps=jnp.zeros((batch,), jnp.int32),
+    ),
   )
   state = jax.lax.while_loop(
-      lambda s: ~jnp.all(s.finished),
-      lambda s: _step(model, s, prompt_lengths, knobs, settings),
-      state,
+    lambda s: ~jnp.all(s.finished),
+    lambda s: _step(model, s, prompt_lengths, knobs, settings),
+    state,
   )
   return state.out
 
 
 def generate(
-    model: Transformer,
-    prompt_ids: Sequence[Sequence[int]],
-    *,
-    gen_length: int,
-    slot_size: int,
-    serial_blocks: int,
-    slot_threshold: float,
-    token_threshold: float,
-    temperature: float = 0.0,
-    seed: int = 0,
-    mask_id: int | None = None,
-    eos_id: int | None = None,
-    pad_id: int | None = None,
+  model: Transformer,
+  prompt_ids: Sequence[Sequence[int]],
+  *,
+  gen_length: int,
+  slot_size: int,
+  serial_blocks: int,
+  slot_threshold: float,
+  token_threshold: float,
+  temperature: float = 0.0,
+  seed: int = 0,
+  mask_id: int | None = None,
+  eos_id: int | None = None,
+  pad_id: int | None = None,
 ) -> DecodeResult:
   """Batched ReFusion plan-and-infill decoding (DESIGN §1.2), one compiled loop.
 
@@ -456,12 +458,12 @@ def generate(
   check_prompts(prompt_ids, config, gen_length)
   temperature = check_temperature(temperature)
   knobs = DecodeKnobs(
-      slot_threshold=jnp.float32(check_threshold("slot_threshold", slot_threshold)),
-      token_threshold=jnp.float32(check_threshold("token_threshold", token_threshold)),
-      temperature=jnp.float32(temperature),
-      key=jax.random.key(seed),
-      mask_id=jnp.int32(check_special_id("mask_id", first_given(mask_id, config.mask_token_id), config)),
-      eos_id=jnp.int32(check_special_id("eos_id", first_given(eos_id, config.eos_token_id), config)),
+    slot_threshold=jnp.float32(check_threshold("slot_threshold", slot_threshold)),
+    token_threshold=jnp.float32(check_threshold("token_threshold", token_threshold)),
+    temperature=jnp.float32(temperature),
+    key=jax.random.key(seed),
+    mask_id=jnp.int32(check_special_id("mask_id", first_given(mask_id, config.mask_token_id), config)),
+    eos_id=jnp.int32(check_special_id("eos_id", first_given(eos_id, config.eos_token_id), config)),
   )
   pad = check_special_id("pad_id", default_pad_id(pad_id, config), config)
   settings = DecodeSettings(gen_length, slot_size, serial_blocks, sample=temperature > 0)
@@ -475,10 +477,10 @@ def generate(
   answers = answer_tokens(out.answer, int(knobs.eos_id))
   iteration, phase = blank_after_answer(answers, np.asarray(out.commit_iteration), np.asarray(out.commit_phase))
   return DecodeResult(
-      tokens=answers,
-      num_forwards=np.asarray(out.num_forwards),
-      steps=np.asarray(out.steps),
-      commit_iteration=iteration,
-      commit_phase=phase,
-      seconds=seconds,
+    tokens=answers,
+    num_forwards=np.asarray(out.num_forwards),
+    steps=np.asarray(out.steps),
+    commit_iteration=iteration,
+    commit_phase=phase,
+    seconds=seconds,
   )

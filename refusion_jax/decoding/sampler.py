@@ -14,31 +14,30 @@ compiled program of the decoder's jit cache.
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
-from refusion_jax.decoding import baselines, refusion as decode
+from refusion_jax.data.tokenizer import Tokenizer, load_tokenizer
+from refusion_jax.decoding import baselines
+from refusion_jax.decoding import refusion as decode
 from refusion_jax.decoding.common import DecodeResult
 from refusion_jax.model.transformer import Transformer
-from refusion_jax.data.tokenizer import Tokenizer, load_tokenizer
 
 # The decoder of each method and its default knobs (the paper's settings scaled to short demos).
 METHODS: dict[str, tuple[Callable[..., DecodeResult], dict]] = {
-    "refusion": (
-        decode.generate,
-        dict(gen_length=64, slot_size=4, serial_blocks=1, slot_threshold=0.9, token_threshold=0.9),
-    ),
-    "ar": (baselines.ar_generate, dict(gen_length=64)),
-    # block_length and steps follow gen_length unless given (see `Sampler`).
-    "mdm": (baselines.mdm_generate, dict(gen_length=64)),
+  "refusion": (
+    decode.generate,
+    dict(gen_length=64, slot_size=4, serial_blocks=1, slot_threshold=0.9, token_threshold=0.9),
+  ),
+  "ar": (baselines.ar_generate, dict(gen_length=64)),
+  # block_length and steps follow gen_length unless given (see `Sampler`).
+  "mdm": (baselines.mdm_generate, dict(gen_length=64)),
 }
 MDM_BLOCK_LENGTH = 32
 
 
 def decoder_options(decoder: Callable) -> list[str]:
   """The keyword-only arguments of a decoder (what `decode_kwargs` may set)."""
-  return [
-      name for name, p in inspect.signature(decoder).parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
-  ]
+  return [name for name, p in inspect.signature(decoder).parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
 
 
 class Sampler:
@@ -50,12 +49,12 @@ class Sampler:
   """
 
   def __init__(
-      self,
-      model: Transformer,
-      tokenizer: Tokenizer | str,
-      method: str = "refusion",
-      chat_template: bool = False,
-      **decode_kwargs,
+    self,
+    model: Transformer,
+    tokenizer: Tokenizer | str,
+    method: str = "refusion",
+    chat_template: bool = False,
+    **decode_kwargs,
   ):
     """
     Args:

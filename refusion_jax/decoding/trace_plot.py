@@ -17,11 +17,12 @@ import matplotlib.colors
 import matplotlib.patches
 import matplotlib.ticker
 import numpy as np
+
 # A bare Figure renders with Agg and never touches pyplot or a display.
 from matplotlib.figure import Figure
 
-from refusion_jax.decoding.common import PHASE_INFILL, PHASE_NAMES, DecodeResult
 from refusion_jax.data.tokenizer import Tokenizer
+from refusion_jax.decoding.common import PHASE_INFILL, PHASE_NAMES, DecodeResult
 
 COLORMAP = "viridis"
 # Hatch of each phase in the figure (verification / baseline step: plain).
@@ -61,8 +62,8 @@ def _text_on(rgb) -> str:
 def _title(result: DecodeResult, row: int) -> str:
   count = len(result.tokens[row])
   return (
-      f"row {row}: {count} tokens in {int(result.steps[row])} iterations, "
-      f"{int(result.num_forwards[row])} forwards, TPF {result.tpf[row]:.2f}"
+    f"row {row}: {count} tokens in {int(result.steps[row])} iterations, "
+    f"{int(result.num_forwards[row])} forwards, TPF {result.tpf[row]:.2f}"
   )
 
 
@@ -73,11 +74,11 @@ def _row_trace(result: DecodeResult, row: int) -> tuple[list[int], np.ndarray, n
 
 
 def plot_trace(
-    result: DecodeResult,
-    row: int = 0,
-    tokenizer: Tokenizer | None = None,
-    path: str | None = None,
-    tokens_per_line: int = 16,
+  result: DecodeResult,
+  row: int = 0,
+  tokenizer: Tokenizer | None = None,
+  path: str | None = None,
+  tokens_per_line: int = 16,
 ) -> Figure:
   """Draw one row's answer as a grid of cells coloured by commit iteration.
 
@@ -101,14 +102,31 @@ def plot_trace(
   ax = fig.add_subplot()
   for pos, (text, colour, phase) in enumerate(zip(texts, rgb, phases)):
     x, y = pos % tokens_per_line, pos // tokens_per_line
-    ax.add_patch(matplotlib.patches.Rectangle(
-        (x, y), 1, 1, facecolor=colour, edgecolor="white", linewidth=1.5,
-        hatch=_HATCH.get(int(phase)), gid="token",
-    ))
+    ax.add_patch(
+      matplotlib.patches.Rectangle(
+        (x, y),
+        1,
+        1,
+        facecolor=colour,
+        edgecolor="white",
+        linewidth=1.5,
+        hatch=_HATCH.get(int(phase)),
+        gid="token",
+      )
+    )
     label = text if len(text) <= 6 else text[:5] + "\u2026"
-    ax.text(x + 0.5, y + 0.5, label, ha="center", va="center", fontsize=9, fontweight="bold",
-            color=_text_on(colour), parse_math=False,
-            bbox=dict(boxstyle="round,pad=0.1", facecolor=colour, edgecolor="none"))
+    ax.text(
+      x + 0.5,
+      y + 0.5,
+      label,
+      ha="center",
+      va="center",
+      fontsize=9,
+      fontweight="bold",
+      color=_text_on(colour),
+      parse_math=False,
+      bbox=dict(boxstyle="round,pad=0.1", facecolor=colour, edgecolor="none"),
+    )
   ax.set_xlim(0, tokens_per_line)
   ax.set_ylim(lines, 0)
   ax.set_aspect("equal")
@@ -120,8 +138,8 @@ def plot_trace(
   bar.ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
   present = sorted({int(p) for p in phases if int(p) in PHASE_NAMES})
   handles = [
-      matplotlib.patches.Patch(facecolor="white", edgecolor="black", hatch=_HATCH.get(p), label=PHASE_NAMES[p])
-      for p in present
+    matplotlib.patches.Patch(facecolor="white", edgecolor="black", hatch=_HATCH.get(p), label=PHASE_NAMES[p])
+    for p in present
   ]
   if handles:
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0, 0), ncol=len(handles), frameon=False, fontsize=8)
@@ -175,7 +193,7 @@ def format_trace_terminal(result: DecodeResult, row: int = 0, tokenizer: Tokeniz
   if tokenizer is None:
     texts = [t + " " for t in texts]
   body = "".join(
-      _ansi_cell(t, _terminal_code(int(i), top), int(p) == PHASE_INFILL) for t, i, p in zip(texts, iterations, phases)
+    _ansi_cell(t, _terminal_code(int(i), top), int(p) == PHASE_INFILL) for t, i, p in zip(texts, iterations, phases)
   )
   # Past the ramp's length, neighbouring iterations share a colour: label one per colour.
   shown = sorted({round(i) for i in np.linspace(0, top, min(top + 1, len(_TERMINAL_RAMP)))})

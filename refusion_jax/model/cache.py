@@ -44,14 +44,14 @@ class KVCache:
   length: jax.Array
 
   @classmethod
-  def create(cls, config: ModelConfig, batch: int, capacity: int) -> "KVCache":
+  def create(cls, config: ModelConfig, batch: int, capacity: int) -> KVCache:
     shape = (config.num_layers, batch, capacity, config.num_kv_heads, config.head_dim)
     return cls(
-        k=jnp.zeros(shape, config.compute_dtype),
-        v=jnp.zeros(shape, config.compute_dtype),
-        positions=jnp.zeros((batch, capacity), jnp.int32),
-        valid=jnp.zeros((batch, capacity), bool),
-        length=jnp.zeros((batch,), jnp.int32),
+      k=jnp.zeros(shape, config.compute_dtype),
+      v=jnp.zeros(shape, config.compute_dtype),
+      positions=jnp.zeros((batch, capacity), jnp.int32),
+      valid=jnp.zeros((batch, capacity), bool),
+      length=jnp.zeros((batch,), jnp.int32),
     )
 
   @property
@@ -64,11 +64,11 @@ class KVCache:
 
 
 def write(
-    cache: KVCache,
-    kv: BlockKV,
-    indices: jax.Array,
-    positions: jax.Array,
-    write_mask: jax.Array,
+  cache: KVCache,
+  kv: BlockKV,
+  indices: jax.Array,
+  positions: jax.Array,
+  write_mask: jax.Array,
 ) -> KVCache:
   """Scatter block entries into the cache at explicit indices.
 
@@ -93,10 +93,10 @@ def write(
     return dst.at[:, batch_idx, target].set(src.astype(dst.dtype), mode="drop")
 
   return cache.replace(
-      k=scatter(cache.k, kv.k),
-      v=scatter(cache.v, kv.v),
-      positions=cache.positions.at[batch_idx, target].set(positions, mode="drop"),
-      valid=cache.valid.at[batch_idx, target].set(True, mode="drop"),
+    k=scatter(cache.k, kv.k),
+    v=scatter(cache.v, kv.v),
+    positions=cache.positions.at[batch_idx, target].set(positions, mode="drop"),
+    valid=cache.valid.at[batch_idx, target].set(True, mode="drop"),
   )
 
 

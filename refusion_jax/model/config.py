@@ -57,9 +57,7 @@ class ModelConfig:
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
-      raise ValueError(
-          f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads} (GQA)."
-      )
+      raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads} (GQA).")
     for field in ("dtype", "param_dtype"):
       if getattr(self, field) not in _DTYPES:
         raise ValueError(f"{field}={getattr(self, field)!r}; expected one of {sorted(_DTYPES)}.")
@@ -74,33 +72,33 @@ class ModelConfig:
   def weight_dtype(self) -> jnp.dtype:
     return _DTYPES[self.param_dtype]
 
-  def replace(self, **changes) -> "ModelConfig":
+  def replace(self, **changes) -> ModelConfig:
     return dataclasses.replace(self, **changes)
 
 
 def family_switches(architecture: Architecture) -> dict:
   """The `qk_norm` / `qkv_bias` defaults of each family."""
   return {
-      "qwen3": dict(qk_norm=True, qkv_bias=False),
-      "qwen2": dict(qk_norm=False, qkv_bias=True),
-      "llama": dict(qk_norm=False, qkv_bias=False),
+    "qwen3": dict(qk_norm=True, qkv_bias=False),
+    "qwen2": dict(qk_norm=False, qkv_bias=True),
+    "llama": dict(qk_norm=False, qkv_bias=False),
   }[architecture]
 
 
 def tiny(vocab_size: int = 256, architecture: Architecture = "qwen3", **overrides) -> ModelConfig:
   """A two-layer model for tests and CPU demos (GQA ratio 2)."""
   fields = dict(
-      vocab_size=vocab_size,
-      hidden_size=64,
-      intermediate_size=128,
-      num_layers=2,
-      num_heads=4,
-      num_kv_heads=2,
-      head_dim=16,
-      architecture=architecture,
-      max_position_embeddings=4096,
-      rope_theta=10_000.0,
-      **family_switches(architecture),
+    vocab_size=vocab_size,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    architecture=architecture,
+    max_position_embeddings=4096,
+    rope_theta=10_000.0,
+    **family_switches(architecture),
   )
   fields.update(overrides)
   return ModelConfig(**fields)
@@ -109,14 +107,14 @@ def tiny(vocab_size: int = 256, architecture: Architecture = "qwen3", **override
 def small(vocab_size: int = 512, **overrides) -> ModelConfig:
   """A ~20M-parameter Qwen3-shaped model: the largest the CPU benchmarks use."""
   fields = dict(
-      vocab_size=vocab_size,
-      hidden_size=512,
-      intermediate_size=1536,
-      num_layers=6,
-      num_heads=8,
-      num_kv_heads=4,
-      head_dim=64,
-      max_position_embeddings=4096,
+    vocab_size=vocab_size,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_layers=6,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=64,
+    max_position_embeddings=4096,
   )
   fields.update(overrides)
   return ModelConfig(**fields)
@@ -124,17 +122,17 @@ def small(vocab_size: int = 512, **overrides) -> ModelConfig:
 
 def _qwen3(hidden, intermediate, layers, heads, tie, vocab=151_936, **overrides) -> ModelConfig:
   return ModelConfig(
-      vocab_size=vocab,
-      hidden_size=hidden,
-      intermediate_size=intermediate,
-      num_layers=layers,
-      num_heads=heads,
-      num_kv_heads=8,
-      head_dim=128,
-      tie_embeddings=tie,
-      eos_token_id=151_645,
-      pad_token_id=151_643,
-      **overrides,
+    vocab_size=vocab,
+    hidden_size=hidden,
+    intermediate_size=intermediate,
+    num_layers=layers,
+    num_heads=heads,
+    num_kv_heads=8,
+    head_dim=128,
+    tie_embeddings=tie,
+    eos_token_id=151_645,
+    pad_token_id=151_643,
+    **overrides,
   )
 
 
@@ -160,13 +158,13 @@ def refusion_8b(**overrides) -> ModelConfig:
 
 
 PRESETS = {
-    "tiny": tiny,
-    "small": small,
-    "qwen3_0p6b": qwen3_0p6b,
-    "qwen3_1p7b": qwen3_1p7b,
-    "qwen3_4b": qwen3_4b,
-    "qwen3_8b": qwen3_8b,
-    "refusion_8b": refusion_8b,
+  "tiny": tiny,
+  "small": small,
+  "qwen3_0p6b": qwen3_0p6b,
+  "qwen3_1p7b": qwen3_1p7b,
+  "qwen3_4b": qwen3_4b,
+  "qwen3_8b": qwen3_8b,
+  "refusion_8b": refusion_8b,
 }
 
 

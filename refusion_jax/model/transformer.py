@@ -88,11 +88,11 @@ class Attention(nnx.Module):
     return out
 
   def __call__(
-      self,
-      x: jax.Array,
-      positions: jax.Array,
-      mask: jax.Array,
-      cached: tuple[jax.Array, jax.Array] | None,
+    self,
+    x: jax.Array,
+    positions: jax.Array,
+    mask: jax.Array,
+    cached: tuple[jax.Array, jax.Array] | None,
   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Attend the block to the cache and to itself.
 
@@ -117,7 +117,7 @@ class Attention(nnx.Module):
 
     batch, block = x.shape[:2]
     groups = c.num_heads // c.num_kv_heads
-    q = q.reshape(batch, block, c.num_kv_heads, groups, c.head_dim) * (c.head_dim ** -0.5)
+    q = q.reshape(batch, block, c.num_kv_heads, groups, c.head_dim) * (c.head_dim**-0.5)
 
     # Scores against the cache and against the block are computed apart and
     # joined only as scores, so the cache itself is never concatenated.
@@ -187,11 +187,11 @@ class Transformer(nnx.Module):
       self.lm_head = _param(rngs, (c.hidden_size, c.vocab_size), ("embed", "vocab"), c)
 
   def __call__(
-      self,
-      tokens: jax.Array,
-      positions: jax.Array | None = None,
-      mask: jax.Array | None = None,
-      cache: KVCache | None = None,
+    self,
+    tokens: jax.Array,
+    positions: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    cache: KVCache | None = None,
   ) -> tuple[jax.Array, BlockKV]:
     """Forward a block of tokens.
 

@@ -18,7 +18,8 @@ train step receives matching in/out shardings; XLA inserts the collectives.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import flax.core.spmd
 import jax
@@ -30,15 +31,15 @@ MESH_AXES = ("data", "fsdp", "tensor")
 
 # logical axis name -> mesh axis (str), several mesh axes (tuple) or None (replicated).
 LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
-    ("batch", ("data", "fsdp")),
-    ("length", None),
-    ("embed", "fsdp"),
-    ("vocab", "tensor"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("head_dim", None),
-    ("mlp", "tensor"),
-    ("layers", None),
+  ("batch", ("data", "fsdp")),
+  ("length", None),
+  ("embed", "fsdp"),
+  ("vocab", "tensor"),
+  ("heads", "tensor"),
+  ("kv_heads", "tensor"),
+  ("head_dim", None),
+  ("mlp", "tensor"),
+  ("layers", None),
 )
 
 Rules = Sequence[tuple[str, Any]]
@@ -63,14 +64,14 @@ def make_mesh(mesh_shape: Mapping[str, int], devices: Sequence[jax.Device] | Non
   if -1 in sizes:
     if len(devices) % fixed:
       raise ValueError(
-          f"Cannot fill the mesh {dict(zip(MESH_AXES, sizes))}: {len(devices)} devices are not a "
-          f"multiple of the fixed axes' product {fixed}."
+        f"Cannot fill the mesh {dict(zip(MESH_AXES, sizes))}: {len(devices)} devices are not a "
+        f"multiple of the fixed axes' product {fixed}."
       )
     sizes[sizes.index(-1)] = len(devices) // fixed
   if math.prod(sizes) != len(devices):
     raise ValueError(
-        f"The mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices but there are "
-        f"{len(devices)}; set one axis to -1 to use all of them."
+      f"The mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices but there are "
+      f"{len(devices)}; set one axis to -1 to use all of them."
     )
   return jax.make_mesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
@@ -81,8 +82,7 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules = LOGICAL_A
   missing = [name for name in logical_axes if name is not None and name not in table]
   if missing:
     raise ValueError(
-        f"Logical axes {missing} have no entry in the sharding rules {sorted(table)}; "
-        f"add them to config.sharding_rules."
+      f"Logical axes {missing} have no entry in the sharding rules {sorted(table)}; add them to config.sharding_rules."
     )
   return PartitionSpec(*(None if name is None else table[name] for name in logical_axes))
 
@@ -121,8 +121,7 @@ def shard_batch(batch: Mapping[str, np.ndarray], mesh: Mesh, rules: Rules = LOGI
   if jax.process_count() == 1:
     return {key: jax.device_put(np.asarray(value), shardings[key]) for key, value in batch.items()}
   return {
-      key: jax.make_array_from_process_local_data(shardings[key], np.asarray(value))
-      for key, value in batch.items()
+    key: jax.make_array_from_process_local_data(shardings[key], np.asarray(value)) for key, value in batch.items()
   }
 
 
@@ -133,8 +132,8 @@ def check_batch_divisible(global_batch: int, mesh: Mesh, rules: Rules = LOGICAL_
   ways = math.prod(mesh.shape[a] for a in axes)
   if global_batch % ways or global_batch % jax.process_count():
     raise ValueError(
-        f"batch_size={global_batch} must be a multiple of the batch-parallel mesh size {ways} "
-        f"(axes {axes}) and of the process count {jax.process_count()}."
+      f"batch_size={global_batch} must be a multiple of the batch-parallel mesh size {ways} "
+      f"(axes {axes}) and of the process count {jax.process_count()}."
     )
 
 

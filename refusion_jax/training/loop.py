@@ -33,7 +33,8 @@ import shutil
 import signal
 import threading
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import flax.struct
 import jax
@@ -45,22 +46,22 @@ from absl import logging
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from refusion_jax.parallel import sharding
 from refusion_jax.checkpoints.orbax import (
-    CHECKPOINT_SUBDIR,
-    Checkpoints,
-    abstract_model,
-    load_model_from_checkpoint,
-    local_path,
-    model_meta,
+  CHECKPOINT_SUBDIR,
+  Checkpoints,
+  abstract_model,
+  load_model_from_checkpoint,
+  local_path,
+  model_meta,
 )
-from refusion_jax.model.config import ModelConfig, preset
 from refusion_jax.data import pipeline
 from refusion_jax.data.tasks import check_answer
-from refusion_jax.training.metrics import MetricsLogger, console
-from refusion_jax.model.transformer import Transformer
-from refusion_jax.training.objective import ObjectiveConfig, loss_fn
 from refusion_jax.data.tokenizer import Tokenizer, load_tokenizer
+from refusion_jax.model.config import ModelConfig, preset
+from refusion_jax.model.transformer import Transformer
+from refusion_jax.parallel import sharding
+from refusion_jax.training.metrics import MetricsLogger, console
+from refusion_jax.training.objective import ObjectiveConfig, loss_fn
 
 
 class NonFiniteLossError(RuntimeError):
@@ -132,12 +133,17 @@ def objective_config_from(config: ml_collections.ConfigDict, model_config: Model
       raise ValueError("The model has no mask token id; set config.model.mask_token_id or use a tokenizer with one.")
     mask_id = 0  # never fed: the AR objective masks nothing
   return ObjectiveConfig(
-      kind=config.objective.kind, slot_sizes=tuple(config.objective.slot_sizes), eps=config.objective.eps,
-      mask_id=mask_id, pad_id=model_config.pad_token_id,
+    kind=config.objective.kind,
+    slot_sizes=tuple(config.objective.slot_sizes),
+    eps=config.objective.eps,
+    mask_id=mask_id,
+    pad_id=model_config.pad_token_id,
   )
 
 
-def make_optimizer(opt: ml_collections.ConfigDict, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def make_optimizer(
+  opt: ml_collections.ConfigDict, total_steps: int
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """AdamW after global-norm clipping, with linear warmup then `opt.decay` ("cosine", "linear", "constant").
 
   Weight decay applies to matrices only (not to norm scales).
@@ -145,20 +151,24 @@ def make_optimizer(opt: ml_collections.ConfigDict, total_steps: int) -> tuple[op
   decay_steps = max(total_steps - opt.warmup_steps, 1)
   end_lr = opt.lr * opt.final_lr_ratio
   decays = {
-      "cosine": optax.cosine_decay_schedule(opt.lr, decay_steps, alpha=opt.final_lr_ratio),
-      "linear": optax.linear_schedule(opt.lr, end_lr, decay_steps),
-      "constant": optax.constant_schedule(opt.lr),
+    "cosine": optax.cosine_decay_schedule(opt.lr, decay_steps, alpha=opt.final_lr_ratio),
+    "linear": optax.linear_schedule(opt.lr, end_lr, decay_steps),
+    "constant": optax.constant_schedule(opt.lr),
   }
   if opt.decay not in decays:
     raise ValueError(f"optimizer.decay={opt.decay!r}; choose one of {sorted(decays)}.")
   warmup = optax.linear_schedule(0.0, opt.lr, opt.warmup_steps)
   schedule = optax.join_schedules([warmup, decays[opt.decay]], [opt.warmup_steps])
   tx = optax.chain(
-      optax.clip_by_global_norm(opt.grad_clip),
-      optax.adamw(
-          schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
-          mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
-      ),
+    optax.clip_by_global_norm(opt.grad_clip),
+    optax.adamw(
+      schedule,
+      b1=opt.b1,
+      b2=opt.b2,
+      eps=opt.eps,
+      weight_decay=opt.weight_decay,
+      mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+    ),
   )
   return tx, schedule
 
@@ -176,11 +186,11 @@ def _microbatches(x: jax.Array, count: int) -> jax.Array:
 
 
 def make_train_step(
-    graphdef: nnx.GraphDef,
-    tx: optax.GradientTransformation,
-    schedule: optax.Schedule,
-    objective: ObjectiveConfig,
-    grad_accum_steps: int,
+  graphdef: nnx.GraphDef,
+  tx: optax.GradientTransformation,
+  schedule: optax.Schedule,
+  objective: ObjectiveConfig,
+  grad_accum_steps: int,
 ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
   """The (un-jitted) step: average gradients over `grad_accum_steps` microbatches, one AdamW update.
 
@@ -249,23 +259,27 @@ class Placement:
   def jit_step(self, step_fn: Callable) -> Callable:
     """`step_fn(state, batch)` jitted with the state donated and kept in place."""
     return jax.jit(
-        step_fn,
-        in_shardings=(self.state_shardings, self._batch_shardings()),
-        out_shardings=(self.state_shardings, self._replicated()),
-        donate_argnums=0,
+      step_fn,
+      in_shardings=(self.state_shardings, self._batch_shardings()),
+      out_shardings=(self.state_shardings, self._replicated()),
+      donate_argnums=0,
     )
 
   def jit_eval(self, eval_fn: Callable) -> Callable:
     """`eval_fn(params, batch, key)` jitted."""
     return jax.jit(
-        eval_fn,
-        in_shardings=(self.state_shardings.params, self._batch_shardings(), self._replicated()),
-        out_shardings=self._replicated(),
+      eval_fn,
+      in_shardings=(self.state_shardings.params, self._batch_shardings(), self._replicated()),
+      out_shardings=self._replicated(),
     )
 
 
 # Only the ranks matter for the shardings: tokens [batch, length], the rest [batch].
-_BATCH_EXAMPLE = {"tokens": np.zeros((1, 1), np.int32), "prompt_len": np.zeros(1, np.int32), "answer_len": np.zeros(1, np.int32)}
+_BATCH_EXAMPLE = {
+  "tokens": np.zeros((1, 1), np.int32),
+  "prompt_len": np.zeros(1, np.int32),
+  "answer_len": np.zeros(1, np.int32),
+}
 
 
 def make_placement(init_fn: Callable[[], TrainState], mesh: jax.sharding.Mesh, rules) -> Placement:
@@ -289,8 +303,10 @@ def init_state_fn(model_config: ModelConfig, tx: optax.GradientTransformation, s
 
 def _state_from_params(params: nnx.State, tx: optax.GradientTransformation, seed: int) -> TrainState:
   return TrainState(
-      step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-      rng=jax.random.PRNGKey(seed + 1),  # seed itself initialised the parameters
+    step=jnp.zeros((), jnp.int32),
+    params=params,
+    opt_state=tx.init(params),
+    rng=jax.random.PRNGKey(seed + 1),  # seed itself initialised the parameters
   )
 
 
@@ -298,8 +314,9 @@ def state_with_params(params: nnx.State, tx, seed: int, placement: Placement) ->
   """A step-0 TrainState around given parameters, placed with the placement's shardings."""
   params = jax.device_put(params, placement.state_shardings.params)
   init = jax.jit(
-      lambda p: _state_from_params(p, tx, seed),
-      in_shardings=(placement.state_shardings.params,), out_shardings=placement.state_shardings,
+    lambda p: _state_from_params(p, tx, seed),
+    in_shardings=(placement.state_shardings.params,),
+    out_shardings=placement.state_shardings,
   )
   return init(params)
 
@@ -338,6 +355,7 @@ def resize_vocab(params: nnx.State, new_vocab: int, key: jax.Array, noise_scale:
   by their standard deviation): a new token then starts as an "average" token
   instead of an outlier the softmax would have to unlearn.
   """
+
   def grow(table: jax.Array, key: jax.Array) -> jax.Array:  # [vocab, embed]
     extra = new_vocab - table.shape[0]
     mean = table.astype(jnp.float32).mean(0)
@@ -364,8 +382,10 @@ def load_hf_params(config: ml_collections.ConfigDict, tokens_dir: str) -> tuple[
 
   path = config.init_from_hf
   model = hf_io.load_hf(
-      path, dtype=config.model.get("dtype", "float32"), param_dtype=config.model.get("param_dtype", None),
-      config_overrides=dict(remat=config.model.get("remat", False)),
+    path,
+    dtype=config.model.get("dtype", "float32"),
+    param_dtype=config.model.get("param_dtype", None),
+    config_overrides=dict(remat=config.model.get("remat", False)),
   )
   model_config = model.config
   params = nnx.state(model)
@@ -405,8 +425,12 @@ def _open_splits(config: ml_collections.ConfigDict, workdir: str) -> dict[str, A
   data_dir = data.data_dir or os.path.join(workdir, "data")
   if data.dataset == "tasks":
     return builders.build_refusion_tasks(
-        data_dir, num_train=data.num_train, num_validation=data.num_validation, num_test=data.num_test,
-        seed=data.seed, task_names=tuple(data.tasks),
+      data_dir,
+      num_train=data.num_train,
+      num_validation=data.num_validation,
+      num_test=data.num_test,
+      seed=data.seed,
+      task_names=tuple(data.tasks),
     )
   if data.dataset == "json":
     files = {split: [f for f in data.get(f"{split}_files", "").split(",") if f] for split in ("train", "validation")}
@@ -419,8 +443,14 @@ def _open_splits(config: ml_collections.ConfigDict, workdir: str) -> dict[str, A
 def batches(source, tokenizer: Tokenizer, config: ml_collections.ConfigDict, *, train: bool):
   """The grain dataset of this process's rows: endless and shuffled for training, one ordered pass for eval."""
   return pipeline.make_dataset(
-      source, tokenizer, seq_len=config.data.seq_len, batch_size=config.batch_size // jax.process_count(),
-      seed=config.seed, shuffle=train, num_epochs=None if train else 1, chat_template=config.data.chat_template,
+    source,
+    tokenizer,
+    seq_len=config.data.seq_len,
+    batch_size=config.batch_size // jax.process_count(),
+    seed=config.seed,
+    shuffle=train,
+    num_epochs=None if train else 1,
+    chat_template=config.data.chat_template,
   )
 
 
@@ -435,14 +465,21 @@ def decode_answers(model: Transformer, prompts: list[list[int]], config: ml_coll
     from refusion_jax.decoding.refusion import generate
 
     return generate(
-        model, prompts, gen_length=ev.gen_length, slot_size=ev.slot_size, serial_blocks=ev.serial_blocks,
-        slot_threshold=ev.slot_threshold, token_threshold=ev.token_threshold,
+      model,
+      prompts,
+      gen_length=ev.gen_length,
+      slot_size=ev.slot_size,
+      serial_blocks=ev.serial_blocks,
+      slot_threshold=ev.slot_threshold,
+      token_threshold=ev.token_threshold,
     )
   from refusion_jax.decoding import baselines
 
   if kind == "ar":
     return baselines.ar_generate(model, prompts, gen_length=ev.gen_length)
-  return baselines.mdm_generate(model, prompts, gen_length=ev.gen_length, block_length=ev.mdm_block_length, steps=ev.mdm_steps)
+  return baselines.mdm_generate(
+    model, prompts, gen_length=ev.gen_length, block_length=ev.mdm_block_length, steps=ev.mdm_steps
+  )
 
 
 def evaluate_decoding(model: Transformer, records, tokenizer: Tokenizer, config: ml_collections.ConfigDict):
@@ -464,11 +501,13 @@ def evaluate_decoding(model: Transformer, records, tokenizer: Tokenizer, config:
     for ex, tokens in zip(chunk, result.tokens):
       answer = tokenizer.decode(tokens)
       correct = _is_correct(ex, answer)
-      samples.append(dict(task=ex.get("task", ""), query=ex["query"], answer=answer, reference=ex["response"], correct=correct))
+      samples.append(
+        dict(task=ex.get("task", ""), query=ex["query"], answer=answer, reference=ex["response"], correct=correct)
+      )
   metrics = dict(
-      exact_match=float(np.mean([s["correct"] for s in samples])) if samples else 0.0,
-      tpf=answer_tokens / max(forwards, 1),
-      mean_forwards=forwards / max(count, 1),
+    exact_match=float(np.mean([s["correct"] for s in samples])) if samples else 0.0,
+    tpf=answer_tokens / max(forwards, 1),
+    mean_forwards=forwards / max(count, 1),
   )
   by_task = {}
   for sample in samples:
@@ -583,8 +622,10 @@ def _initial_state(config, start: _Start, tx, placement: Placement, checkpoints:
   if start.resume_step is not None:
     abstract = placement.abstract_state
     restored = checkpoints.restore(
-        start.resume_step, abstract_params=abstract.params, abstract_train=abstract.train_part(),
-        data_iterator=train_iter,
+      start.resume_step,
+      abstract_params=abstract.params,
+      abstract_train=abstract.train_part(),
+      data_iterator=train_iter,
     )
     console(f"Resumed from {checkpoints.directory} at step {start.resume_step}.")
     return TrainState(params=restored.params, **restored.train)
@@ -608,8 +649,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Train
   os.makedirs(workdir, exist_ok=True)
   stop_signal = StopSignal()
   checkpoints = Checkpoints(
-      os.path.join(workdir, CHECKPOINT_SUBDIR), max_to_keep=config.checkpoint.max_to_keep,
-      async_save=config.checkpoint.async_save,
+    os.path.join(workdir, CHECKPOINT_SUBDIR),
+    max_to_keep=config.checkpoint.max_to_keep,
+    async_save=config.checkpoint.async_save,
   )
   try:
     return _train_loop(config, workdir, checkpoints, stop_signal)
@@ -623,8 +665,8 @@ def _check_batch_size(config, mesh) -> None:
   sharding.check_batch_divisible(config.batch_size, mesh, config.sharding_rules)
   if config.batch_size % (config.grad_accum_steps * jax.process_count()):
     raise ValueError(
-        f"batch_size={config.batch_size} must be a multiple of grad_accum_steps={config.grad_accum_steps} "
-        f"times the process count {jax.process_count()}."
+      f"batch_size={config.batch_size} must be a multiple of grad_accum_steps={config.grad_accum_steps} "
+      f"times the process count {jax.process_count()}."
     )
 
 
@@ -710,9 +752,9 @@ def _check_finite(metrics: dict, step: int, last_saved: int | None, checkpoints:
     return
   checkpoints.wait()
   raise NonFiniteLossError(
-      f"Non-finite loss or gradient at step {step} (loss={loss}, grad_norm={grad_norm}); stopping. "
-      f"Nothing was saved for this step: the last good checkpoint is step {last_saved} in "
-      f"{checkpoints.directory}. Lower optimizer.lr or check the data, then rerun to resume from it."
+    f"Non-finite loss or gradient at step {step} (loss={loss}, grad_norm={grad_norm}); stopping. "
+    f"Nothing was saved for this step: the last good checkpoint is step {last_saved} in "
+    f"{checkpoints.directory}. Lower optimizer.lr or check the data, then rerun to resume from it."
   )
 
 
@@ -723,18 +765,22 @@ def _resolve_tokenizer(name: str, checkpoint_dir: str) -> Tokenizer:
 
 def _format_samples(samples: list[dict]) -> str:
   return "\n".join(
-      f"[{'ok' if s['correct'] else 'wrong'}] {s['query']!r} -> {s['answer']!r} (reference {s['reference']!r})"
-      for s in samples
+    f"[{'ok' if s['correct'] else 'wrong'}] {s['query']!r} -> {s['answer']!r} (reference {s['reference']!r})"
+    for s in samples
   )
 
 
 def _print_samples(result: TrainResult, config) -> None:
   step, metrics = result.evals[-1]
   lines = [f"Samples at step {step}:", _format_samples(result.samples[: config.num_samples_to_print])]
-  by_task = ", ".join(f"{key.removeprefix('exact_match_')} {value:.3f}" for key, value in metrics.items()
-                      if key.startswith("exact_match_"))
+  by_task = ", ".join(
+    f"{key.removeprefix('exact_match_')} {value:.3f}"
+    for key, value in metrics.items()
+    if key.startswith("exact_match_")
+  )
   lines.append(
-      f"Validation exact match {metrics['exact_match']:.3f} over {len(result.samples)} examples"
-      + (f" ({by_task})" if by_task else "") + f", tokens per forward {metrics['tpf']:.2f}."
+    f"Validation exact match {metrics['exact_match']:.3f} over {len(result.samples)} examples"
+    + (f" ({by_task})" if by_task else "")
+    + f", tokens per forward {metrics['tpf']:.2f}."
   )
   console("\n".join(lines))

@@ -7,7 +7,7 @@ never branch on the process index.
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
 import tqdm
@@ -32,8 +32,12 @@ class MetricsLogger:
     self.enabled = jax.process_index() == 0
     self._writer = SummaryWriter(logdir=os.path.join(logdir, "tensorboard")) if self.enabled else None
     self._bar = tqdm.tqdm(
-        total=total_steps, initial=initial_step, disable=not self.enabled, unit="step",
-        dynamic_ncols=True, mininterval=2.0,
+      total=total_steps,
+      initial=initial_step,
+      disable=not self.enabled,
+      unit="step",
+      dynamic_ncols=True,
+      mininterval=2.0,
     )
 
   def step(self, loss: float) -> None:

@@ -7,11 +7,11 @@ built from the batch, and one cross entropy with two kinds of labelled tokens:
 - MDM-labelled (masked) tokens: CE / p / answer_length, summed and divided by
   the number of real rows.
 
-| kind       | layout                                                | AR labels                         | MDM labels               | attention                  |
-| ---------- | ----------------------------------------------------- | --------------------------------- | ------------------------ | -------------------------- |
-| `refusion` | prompt, clean slots shuffled, masked slots in order   | next token of the same clean slot | masked slots' tokens     | causal over storage order  |
-| `ar`       | unchanged                                             | next token, for answer targets    | none                     | causal                     |
-| `mdm`      | unchanged, answer tokens masked one by one w.p. p     | none                              | masked tokens            | bidirectional (real keys)  |
+| kind       | layout                                              | AR labels           | MDM labels    | attention   |
+| ---------- | --------------------------------------------------- | ------------------- | ------------- | ----------- |
+| `refusion` | prompt, clean slots shuffled, masked slots in order | next token in slot  | masked tokens | causal      |
+| `ar`       | unchanged                                           | next answer token   | none          | causal      |
+| `mdm`      | unchanged, answer tokens masked one by one w.p. p   | none                | masked tokens | full (real) |
 
 All randomness comes from `draw_randomness`; `build_inputs` is deterministic
 given the draws, which lets tests replay the same draws in a plain NumPy
@@ -27,7 +27,8 @@ Batch contract (from the data pipeline): a dict with
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Mapping
+from collections.abc import Mapping
+from typing import Literal
 
 import flax.struct
 import jax
@@ -134,10 +135,10 @@ def draw_randomness(key: jax.Array, batch_size: int, length: int, config: Object
   size_key, t_key, mask_key, rank_key = jax.random.split(key, 4)
   ranks = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch_size, length))
   return Draws(
-      slot_size=jax.random.choice(size_key, jnp.asarray(config.slot_sizes, jnp.int32), (batch_size,)),
-      t=jax.random.uniform(t_key, (batch_size,), jnp.float32),
-      mask_uniform=jax.random.uniform(mask_key, (batch_size, length), jnp.float32),
-      slot_rank=jax.random.permutation(rank_key, ranks, axis=1, independent=True),
+    slot_size=jax.random.choice(size_key, jnp.asarray(config.slot_sizes, jnp.int32), (batch_size,)),
+    t=jax.random.uniform(t_key, (batch_size,), jnp.float32),
+    mask_uniform=jax.random.uniform(mask_key, (batch_size, length), jnp.float32),
+    slot_rank=jax.random.permutation(rank_key, ranks, axis=1, independent=True),
   )
 
 
@@ -148,8 +149,8 @@ def _check_batch(batch: Mapping[str, jax.Array]) -> None:
   tokens, prompt_len, answer_len = batch["tokens"], batch["prompt_len"], batch["answer_len"]
   if tokens.ndim != 2 or prompt_len.shape != tokens.shape[:1] or answer_len.shape != tokens.shape[:1]:
     raise ValueError(
-        f"Batch shapes tokens={tokens.shape}, prompt_len={prompt_len.shape}, answer_len={answer_len.shape}; "
-        "expected tokens [batch, length] and prompt_len, answer_len [batch]."
+      f"Batch shapes tokens={tokens.shape}, prompt_len={prompt_len.shape}, answer_len={answer_len.shape}; "
+      "expected tokens [batch, length] and prompt_len, answer_len [batch]."
     )
   # Values can only be checked on concrete host arrays, not under a trace.
   if isinstance(prompt_len, np.ndarray) and isinstance(answer_len, np.ndarray):
@@ -157,8 +158,8 @@ def _check_batch(batch: Mapping[str, jax.Array]) -> None:
       raise ValueError("prompt_len and answer_len must be non-negative.")
     if (prompt_len + answer_len > tokens.shape[1]).any():
       raise ValueError(
-          f"Some rows have prompt_len + answer_len > length={tokens.shape[1]}; "
-          "truncate them or pad the batch to a longer length."
+        f"Some rows have prompt_len + answer_len > length={tokens.shape[1]}; "
+        "truncate them or pad the batch to a longer length."
       )
 
 
@@ -220,21 +221,21 @@ def build_inputs(batch: Mapping[str, jax.Array], draws: Draws, config: Objective
     within_group = jnp.where(clean, _gather(draws.slot_rank, unit), index)
     order = jnp.lexsort((jnp.where(clean, offset_in_slot, 0), group * length + within_group), axis=-1)
     fed, labels, ar_labelled, mdm_weights, valid = (
-        _gather(x, order) for x in (fed, labels, ar_labelled, mdm_weights, valid)
+      _gather(x, order) for x in (fed, labels, ar_labelled, mdm_weights, valid)
     )
   else:
     order = index
 
   return TrainingInputs(
-      tokens=fed,
-      positions=jnp.where(valid, order, 0).astype(jnp.int32),
-      labels=labels.astype(jnp.int32),
-      ar_weights=ar_labelled.astype(jnp.float32),
-      mdm_weights=mdm_weights.astype(jnp.float32),
-      valid=valid,
-      real_rows=answer_len[:, 0] > 0,
-      p=p,
-      slot_size=unit_size,
+    tokens=fed,
+    positions=jnp.where(valid, order, 0).astype(jnp.int32),
+    labels=labels.astype(jnp.int32),
+    ar_weights=ar_labelled.astype(jnp.float32),
+    mdm_weights=mdm_weights.astype(jnp.float32),
+    valid=valid,
+    real_rows=answer_len[:, 0] > 0,
+    p=p,
+    slot_size=unit_size,
   )
 
 
@@ -262,7 +263,7 @@ def forward(model: nnx.Module, inputs: TrainingInputs, config: ObjectiveConfig) 
 
 
 def loss_from_inputs(
-    model: nnx.Module, inputs: TrainingInputs, config: ObjectiveConfig
+  model: nnx.Module, inputs: TrainingInputs, config: ObjectiveConfig
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Loss = AR CE averaged over AR-labelled tokens + sum(CE / p / answer_len) over masked tokens / real rows.
 
@@ -278,17 +279,17 @@ def loss_from_inputs(
   mdm_loss = jnp.sum(ce * inputs.mdm_weights) / jnp.maximum(num_rows, 1.0)
   loss = ar_loss + mdm_loss
   metrics = dict(
-      loss=loss,
-      ar_loss=ar_loss,
-      mdm_loss=mdm_loss,
-      num_ar_tokens=num_ar,
-      num_mdm_tokens=jnp.sum((inputs.mdm_weights > 0).astype(jnp.float32)),
+    loss=loss,
+    ar_loss=ar_loss,
+    mdm_loss=mdm_loss,
+    num_ar_tokens=num_ar,
+    num_mdm_tokens=jnp.sum((inputs.mdm_weights > 0).astype(jnp.float32)),
   )
   return loss, metrics
 
 
 def loss_fn(
-    model: nnx.Module, batch: Mapping[str, jax.Array], key: jax.Array, config: ObjectiveConfig
+  model: nnx.Module, batch: Mapping[str, jax.Array], key: jax.Array, config: ObjectiveConfig
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The training loss of one batch: `reorganize` then `loss_from_inputs`.
 
