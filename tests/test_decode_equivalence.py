@@ -4,7 +4,7 @@ Hundreds of random cases (random tiny models, prompts, thresholds, slot
 layouts and EOS ids) are decoded by both `refusion_jax.decoding.refusion.generate` and
 `refusion_jax.decoding.reference.decode_reference`; tokens, forwards, plan
 steps and the commit trace must agree exactly. Branch counters collected from
-the reference prove that every path of DESIGN §1.2 was exercised.
+the reference prove that every path of docs/method.md §2 was exercised.
 """
 
 import collections

@@ -1,4 +1,4 @@
-"""The training objectives against a plain NumPy transcription of DESIGN §1.1.
+"""The training objectives against a plain NumPy transcription of docs/method.md §1.
 
 The reference below loops over examples and slots in Python and consumes the
 very draws the jitted code uses (`objective.draw_randomness`), so layouts and
@@ -41,7 +41,7 @@ def host_draws(draws):
   return jax.tree.map(np.asarray, draws)
 
 
-# ---------------------------------------------------------------- NumPy reference of DESIGN §1.1
+# ---------------------------------------------------------------- NumPy reference of docs/method.md §1
 
 
 def reference_p(t, config):
@@ -50,7 +50,7 @@ def reference_p(t, config):
 
 
 def reference_refusion_row(tokens, P, A, draws, b, config):
-  """Stored (token, position, label, ar_weight, mdm_weight) of one example, per §1.1."""
+  """Stored (token, position, label, ar_weight, mdm_weight) of one example, per docs/method.md §1."""
   p = reference_p(draws.t[b], config)
   S = int(draws.slot_size[b])
   answer = tokens[P : P + A]
@@ -117,7 +117,7 @@ def reference_layout(batch, draws, config):
 
 
 def reference_loss(model, batch, draws, config):
-  """Per example: forward the reference layout alone, then §1.1 step 5 in float64.
+  """Per example: forward the reference layout alone, then docs/method.md §1 step 5 in float64.
 
   Each example runs as a batch of one; the mask written here hides its padding
   from every real query (causal for "refusion"/"ar", all real tokens for

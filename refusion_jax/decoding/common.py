@@ -21,7 +21,7 @@ PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 3276
 
 # Phase codes recorded in `DecodeResult.commit_phase`.
 PHASE_NONE = -1
-PHASE_VERIFY = 0  # committed as a whole slot by the global verification (DESIGN §1.2 step 2)
+PHASE_VERIFY = 0  # committed as a whole slot by the global verification (docs/method.md §2 step 2)
 PHASE_INFILL = 1  # committed after parallel infill (step 3)
 PHASE_STEP = 2  # baselines: committed by an AR step or an MDM unmasking step
 PHASE_NAMES = {PHASE_VERIFY: "verify", PHASE_INFILL: "infill", PHASE_STEP: "step"}

@@ -1,4 +1,4 @@
-"""An eager, batch-1 ReFusion decoder written straight from DESIGN §1.2.
+"""An eager, batch-1 ReFusion decoder written straight from docs/method.md §2.
 
 It exists to be read next to the paper and to check `refusion_jax.decoding.refusion`
 against: plain Python loops, dynamic shapes, and nothing shared with the

@@ -1,4 +1,4 @@
-"""ReFusion plan-and-infill decoding, batched and jitted end to end (DESIGN §1.2, §2).
+"""ReFusion plan-and-infill decoding, batched and jitted end to end (docs/method.md §2, §3).
 
 The whole decode is one `jax.jit`-compiled `lax.while_loop`. Every loop
 iteration is ONE model forward for the whole batch over a query block of
@@ -278,7 +278,7 @@ def _infill_check(probs, state: _RowState, knobs: DecodeKnobs, settings: DecodeS
 def _commit(state: _RowState, kv, positions, take, settings: DecodeSettings, eos_id):
   """Append the taken tokens, record them, and take their slots out of the pool.
 
-  Slots after a committed EOS are dropped too (DESIGN §1.2: only those after
+  Slots after a committed EOS are dropped too (docs/method.md §2: only those after
   the EOS slot, unlike the official code).
   """
   S, T = settings.slot_size, settings.block_length
@@ -428,12 +428,12 @@ def generate(
   eos_id: int | None = None,
   pad_id: int | None = None,
 ) -> DecodeResult:
-  """Batched ReFusion plan-and-infill decoding (DESIGN §1.2), one compiled loop.
+  """Batched ReFusion plan-and-infill decoding (docs/method.md §2), one compiled loop.
 
   Temperature > 0 samples the plan step by Gumbel-max (row b, plan step s
   draws its noise from fold_in(fold_in(key(seed), b), s), so results are
   reproducible per seed); slot confidence stays the un-noised probability of
-  the drafted first token. Infill drafts are always argmax: §1.2 noises
+  the drafted first token. Infill drafts are always argmax: docs/method.md §2 noises
   only the plan.
 
   Args:

@@ -1,4 +1,4 @@
-"""Training objectives: ReFusion's slot reordering (DESIGN §1.1) and the AR / MDM baselines.
+"""Training objectives: ReFusion's slot reordering (docs/method.md §1) and the AR / MDM baselines.
 
 Every objective is one forward of the backbone over a [batch, length] layout
 built from the batch, and one cross entropy with two kinds of labelled tokens:
@@ -15,7 +15,7 @@ built from the batch, and one cross entropy with two kinds of labelled tokens:
 
 All randomness comes from `draw_randomness`; `build_inputs` is deterministic
 given the draws, which lets tests replay the same draws in a plain NumPy
-transcription of §1.1. Shapes are static and there is no per-example Python
+transcription of docs/method.md §1. Shapes are static and there is no per-example Python
 loop: the reordering is one lexicographic sort per row.
 
 Batch contract (from the data pipeline): a dict with
@@ -49,7 +49,7 @@ class ObjectiveConfig:
   """Which objective to train and its constants. Hashable: a static jit argument.
 
   Attributes:
-    kind: "refusion" (DESIGN §1.1), "ar" (next-token baseline) or "mdm"
+    kind: "refusion" (docs/method.md §1), "ar" (next-token baseline) or "mdm"
       (LLaDA-style token-level masked diffusion baseline).
     slot_sizes: ReFusion draws each example's slot size S uniformly from these.
     eps: the masking probability is p = (1 - eps) t + eps with t ~ U(0, 1).
@@ -240,7 +240,7 @@ def build_inputs(batch: Mapping[str, jax.Array], draws: Draws, config: Objective
 
 
 def reorganize(batch: Mapping[str, jax.Array], key: jax.Array, config: ObjectiveConfig) -> TrainingInputs:
-  """Draw the randomness from `key` and lay the batch out (DESIGN §1.1 steps 1-4 for "refusion")."""
+  """Draw the randomness from `key` and lay the batch out (docs/method.md §1 steps 1-4 for "refusion")."""
   _check_batch(batch)
   batch_size, length = batch["tokens"].shape
   return build_inputs(batch, draw_randomness(key, batch_size, length, config), config)
