@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from refusion_jax import sample
+from refusion_jax.checkpoints.load import load
 from refusion_jax.decoding import baselines
 from refusion_jax.decoding import refusion as decode
 from refusion_jax.decoding.common import DecodeResult, bucket_length, check_slot_layout
@@ -106,7 +107,7 @@ def random_bench_model(size: str, batch: int, scale: float, seed: int) -> BenchM
 
 def trained_bench_model(args: argparse.Namespace) -> BenchModel:
   """The --hf_checkpoint / --checkpoint model; prompts from --prompt (cycled to fill the batch) or random."""
-  model, tokenizer = sample.load_model(args)
+  model, tokenizer = load(**sample.model_request(args))
   # As the Sampler does: the tokenizer's ids (those seen in training), then the config's.
   mask_id = next((i for i in (args.mask_id, tokenizer.mask_id, model.config.mask_token_id) if i is not None), None)
   if mask_id is None:

@@ -18,23 +18,18 @@ import os
 import sys
 from collections.abc import Sequence
 
-import jax
-from flax import nnx
-
-from refusion_jax.checkpoints import hf as hf_io
-from refusion_jax.checkpoints import orbax as checkpoint
-from refusion_jax.data.tokenizer import Tokenizer, load_tokenizer
+from refusion_jax.checkpoints.load import load
+from refusion_jax.data.tokenizer import Tokenizer
 from refusion_jax.decoding.common import DecodeResult
 from refusion_jax.decoding.sampler import METHODS, Sampler, decoder_options
 from refusion_jax.decoding.trace_plot import format_trace_terminal, plot_trace
 from refusion_jax.model import config as config_lib
-from refusion_jax.model.transformer import Transformer, init_model
 
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 def add_model_flags(parser: argparse.ArgumentParser, random_init: bool = True) -> None:
-  """The flags `load_model` reads: where the model and tokenizer come from, and the dtype."""
+  """The flags `model_request` reads: where the model and tokenizer come from, and the dtype."""
   source = parser.add_argument_group("model (exactly one)" if random_init else "trained model (optional)")
   source.add_argument(
     "--hf_checkpoint", metavar="DIR", help="Hugging Face checkpoint directory (config.json + safetensors)."
@@ -53,8 +48,8 @@ def add_model_flags(parser: argparse.ArgumentParser, random_init: bool = True) -
     source.add_argument("--init_seed", type=int, default=0, help="with --random_init: the weights' seed.")
   parser.add_argument(
     "--tokenizer",
-    help="'bytes' or a directory with tokenizer.json (default: the checkpoint's "
-    "tokenizer when it has one, else 'bytes').",
+    help="'bytes' or a directory with tokenizer.json (default: the checkpoint's tokenizer; without one, "
+    "prompts must be --prompt_ids; 'bytes' with --random_init).",
   )
   parser.add_argument("--dtype", choices=DTYPES, help="activation and parameter dtype (default: as stored).")
 
@@ -117,45 +112,29 @@ def _parse_ids(text: str) -> list[int]:
     ) from None
 
 
-def load_model(args: argparse.Namespace) -> tuple[Transformer, Tokenizer]:
-  """The model and tokenizer the flags name."""
-  sources = [name for name in ("hf_checkpoint", "checkpoint", "random_init") if getattr(args, name, None)]
-  if len(sources) != 1:
+def model_request(args: argparse.Namespace) -> dict:
+  """The keyword arguments of `refusion_jax.checkpoints.load.load` that the model flags ask for."""
+  sources = {
+    "hf": getattr(args, "hf_checkpoint", None),
+    "refusion": getattr(args, "checkpoint", None),
+    "preset": getattr(args, "random_init", None),
+  }
+  given = {format: source for format, source in sources.items() if source}
+  if len(given) != 1:
     raise UsageError("Give exactly one of --hf_checkpoint DIR, --checkpoint DIR or --random_init PRESET.")
   if args.step is not None and not args.checkpoint:
     raise UsageError("--step only applies to --checkpoint.")
-  overrides = {} if args.dtype is None else dict(dtype=args.dtype, param_dtype=args.dtype)
-
-  if sources == ["random_init"]:
-    tokenizer = load_tokenizer(args.tokenizer or "bytes")
-    model_config = config_lib.preset(args.random_init).replace(
-      vocab_size=tokenizer.vocab_size,
-      mask_token_id=tokenizer.mask_id,
-      eos_token_id=tokenizer.eos_id,
-      pad_token_id=tokenizer.pad_id,
-      **overrides,
-    )
-    return init_model(model_config, args.init_seed), tokenizer
-
-  if args.hf_checkpoint:
-    if not os.path.isdir(args.hf_checkpoint):
-      raise UsageError(f"--hf_checkpoint {args.hf_checkpoint!r} is not a directory.")
-    model = hf_io.load_hf(args.hf_checkpoint, **({"dtype": args.dtype} if args.dtype else {}))
-    has_tokenizer = os.path.isfile(os.path.join(args.hf_checkpoint, "tokenizer.json"))
-    return model, load_tokenizer(args.tokenizer or (args.hf_checkpoint if has_tokenizer else "bytes"))
-
-  model, stored_tokenizer = checkpoint.load_model_from_checkpoint(args.checkpoint, args.step)
-  if overrides:
-    model = cast_model(model, args.dtype)
-  return model, load_tokenizer(args.tokenizer or stored_tokenizer)
-
-
-def cast_model(model: Transformer, dtype: str) -> Transformer:
-  """The same weights with activations and parameters in `dtype`."""
-  model_config = model.config.replace(dtype=dtype, param_dtype=dtype)
-  graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0))))
-  state = jax.tree.map(lambda x: x.astype(model_config.weight_dtype), nnx.state(model))
-  return nnx.merge(graphdef, state)
+  ((format, source),) = given.items()
+  if format == "hf" and not os.path.isdir(source):
+    raise UsageError(f"--hf_checkpoint {source!r} is not a directory.")
+  return dict(
+    source=source,
+    format=format,
+    step=args.step,
+    tokenizer=args.tokenizer,
+    dtype=args.dtype,
+    seed=getattr(args, "init_seed", 0),
+  )
 
 
 def decode_kwargs(args: argparse.Namespace) -> dict:
@@ -198,7 +177,7 @@ def run(args: argparse.Namespace) -> None:
   if not args.prompt and not args.prompt_ids:
     raise UsageError("Give at least one --prompt TEXT or --prompt_ids 1,2,3.")
   id_prompts = [_parse_ids(text) for text in args.prompt_ids]
-  model, tokenizer = load_model(args)
+  model, tokenizer = load(**model_request(args))
   sampler = Sampler(model, tokenizer, method=args.method, chat_template=args.chat_template, **decode_kwargs(args))
   prompt_ids = [sampler.encode(text) for text in args.prompt] + id_prompts
   result = sampler.decode_ids(prompt_ids)

@@ -110,6 +110,8 @@ def test_cli_json_on_a_hf_checkpoint(capsys, hf_dir, model):
     capsys,
     "--hf_checkpoint",
     hf_dir,
+    "--tokenizer",
+    "bytes",
     "--prompt",
     "hello",
     "--prompt_ids",
@@ -148,7 +150,19 @@ def test_cli_baseline_methods(capsys, hf_dir, model, method):
 def test_cli_trace_writes_pngs_and_prints_a_coloured_trace(capsys, tmp_path, hf_dir):
   png = tmp_path / "trace.png"
   code, out, err = run_cli(
-    capsys, "--hf_checkpoint", hf_dir, "--prompt", "ab", "--prompt", "cd", "--gen_length", 8, "--trace", png
+    capsys,
+    "--hf_checkpoint",
+    hf_dir,
+    "--tokenizer",
+    "bytes",
+    "--prompt",
+    "ab",
+    "--prompt",
+    "cd",
+    "--gen_length",
+    8,
+    "--trace",
+    png,
   )
   assert code == 0, err
   for i in range(2):
@@ -156,6 +170,23 @@ def test_cli_trace_writes_pngs_and_prints_a_coloured_trace(capsys, tmp_path, hf_
     assert written.read_bytes()[:4] == b"\x89PNG"
   assert out.count("\x1b[") > 16
   assert "TPF" in out and "answer:" in out
+
+
+def test_cli_names_a_hf_checkpoint_without_a_tokenizer_and_accepts_ids(capsys, tmp_path):
+  # A vocabulary larger than the byte tokenizer's: a silent byte fallback would fail on ids >= 260.
+  model_config = config.tiny(vocab_size=512, mask_token_id=511, eos_token_id=510, pad_token_id=509)
+  big = model_lib.init_model(model_config, seed=int(np.random.default_rng().integers(1 << 16)))
+  hf_io.save_hf(big, tmp_path)
+  code, out, err = run_cli(capsys, "--hf_checkpoint", tmp_path, "--prompt", "hi")
+  assert code == 2 and "Traceback" not in err
+  assert f"{tmp_path} has no tokenizer" in err
+  assert "--tokenizer" in err and "--prompt_ids" in err
+
+  code, out, err = run_cli(capsys, "--hf_checkpoint", tmp_path, "--prompt_ids", "300,7,450", "--method", "ar", "--json")
+  assert code == 0, err
+  tokens = json.loads(out)["tokens"]
+  assert tokens == baselines.ar_generate(big, [[300, 7, 450]], gen_length=64, eos_id=510, pad_id=509).tokens[0]
+  assert json.loads(out)["text"] == ",".join(map(str, tokens))
 
 
 def test_cli_orbax_checkpoint(capsys, tmp_path):

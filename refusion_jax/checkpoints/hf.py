@@ -30,7 +30,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from refusion_jax.model.config import ModelConfig, family_switches
-from refusion_jax.model.transformer import Transformer
+from refusion_jax.model.transformer import Transformer, abstract_model
 
 # Hugging Face class name of each family we load and save.
 _HF_CLASSES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
@@ -455,8 +455,7 @@ def load_hf(
   """
   path = pathlib.Path(path)
   config = load_hf_config(path, dtype=dtype, param_dtype=param_dtype or dtype, **(config_overrides or {}))
-  abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-  graphdef, state = nnx.split(abstract)
+  graphdef, state = abstract_model(config)
   flat = list(nnx.to_flat_state(state))
   targets = {_dotted(p): variable.get_value() for p, variable in flat}
   values = _read_parameters(_checkpoint_files(path), config, targets)

@@ -29,7 +29,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from refusion_jax.model.config import ModelConfig
-from refusion_jax.model.transformer import Transformer
+from refusion_jax.model.transformer import Transformer, abstract_model
 
 PARAMS, TRAIN, DATA, META = "params", "train", "data", "meta"
 # Name of the checkpoint directory inside a workdir.
@@ -194,12 +194,6 @@ def _check_shapes(item: str, stored: Any, target: Any, where: str) -> None:
 def model_meta(model_config: ModelConfig, tokenizer: str, **extra) -> dict:
   """The `meta` item: enough to rebuild the model and its tokenizer."""
   return dict(model_config=dataclasses.asdict(model_config), tokenizer=tokenizer, **extra)
-
-
-def abstract_model(model_config: ModelConfig):
-  """(graphdef, abstract state) of a model, without allocating its weights."""
-  model = nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0)))
-  return nnx.split(model)
 
 
 def local_path(path: str) -> str:

@@ -235,3 +235,11 @@ class Transformer(nnx.Module):
 def init_model(config: ModelConfig, seed: int = 0) -> Transformer:
   """A randomly initialised model."""
   return Transformer(config, rngs=nnx.Rngs(params=seed))
+
+
+def abstract_model(config: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+  """(graphdef, state) of a model whose parameters are `jax.ShapeDtypeStruct`s (shapes, dtypes, logical axes).
+
+  Nothing is allocated or initialised: loaders fill the state from a checkpoint.
+  """
+  return nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
