@@ -16,10 +16,9 @@ _EXPORTS = {
   "load_hf": "refusion_jax.checkpoints.hf",
   "save_hf": "refusion_jax.checkpoints.hf",
   "generate": "refusion_jax.decoding.refusion",
-  "DecodeResult": "refusion_jax.decoding.refusion",
-  "decode_reference": "refusion_jax.decoding.reference",
-  "ar_generate": "refusion_jax.decoding.baselines",
-  "mdm_generate": "refusion_jax.decoding.baselines",
+  "DecodeResult": "refusion_jax.decoding.common",
+  "ar_generate": "refusion_jax.decoding.ar",
+  "mdm_generate": "refusion_jax.decoding.mdm",
   "Sampler": "refusion_jax.decoding.sampler",
 }
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import math
 import shlex
 import statistics
 import sys
@@ -37,12 +36,14 @@ from flax import nnx
 
 from refusion_jax import sample
 from refusion_jax.checkpoints.load import load
-from refusion_jax.decoding import baselines
-from refusion_jax.decoding import refusion as decode
+from refusion_jax.decoding import defaults
+from refusion_jax.decoding.ar import ar_generate
 from refusion_jax.decoding.common import DecodeResult, bucket_length, check_slot_layout
+from refusion_jax.decoding.mdm import check_mdm_schedule, mdm_generate
 from refusion_jax.decoding.reference import decode_reference
+from refusion_jax.decoding.refusion import generate
 from refusion_jax.model import config as config_lib
-from refusion_jax.model.cache import KVCache
+from refusion_jax.model.cache import kv_cache_bytes
 from refusion_jax.model.transformer import Transformer, init_model
 
 PROMPT_LENGTHS = (8, 16)  # random prompts: lengths drawn in [8, 16], one bucket
@@ -122,12 +123,6 @@ def trained_bench_model(args: argparse.Namespace) -> BenchModel:
   return BenchModel(name, model, prompts, mask_id, tokenizer.eos_id, tokenizer.pad_id)
 
 
-def kv_cache_bytes(model: Transformer, batch: int, capacity: int) -> int:
-  """Bytes of a `KVCache` of that batch and capacity (computed from shapes, nothing allocated)."""
-  shapes = jax.eval_shape(lambda: KVCache.create(model.config, batch, capacity))
-  return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
-
-
 def _log(message: str) -> None:
   print(f"[bench] {message}", file=sys.stderr, flush=True)
 
@@ -160,10 +155,10 @@ def decoders(bench: BenchModel, args: argparse.Namespace) -> dict[str, Callable[
     mask_id=bench.mask_id,
   )
   return {
-    "refusion": lambda p: decode.generate(bench.model, p, **refusion, **ids),
+    "refusion": lambda p: generate(bench.model, p, **refusion, **ids),
     "refusion eager ref.": lambda p: decode_reference(bench.model, p[0], **refusion, eos_id=bench.eos_id),
-    "ar": lambda p: baselines.ar_generate(bench.model, p, gen_length=args.gen_length, **ids),
-    "mdm": lambda p: baselines.mdm_generate(
+    "ar": lambda p: ar_generate(bench.model, p, gen_length=args.gen_length, **ids),
+    "mdm": lambda p: mdm_generate(
       bench.model,
       p,
       gen_length=args.gen_length,
@@ -199,7 +194,7 @@ def bench_decode(bench: BenchModel, args: argparse.Namespace) -> list[Measuremen
           tokens_per_s=answer_tokens / run_s,
           compile_s=compile_s,
           run_s=run_s,
-          kv_cache_bytes=kv_cache_bytes(bench.model, batch, capacity) if method in cached else None,
+          kv_cache_bytes=kv_cache_bytes(bench.model.config, batch, capacity) if method in cached else None,
           tokens=result.tokens,
         )
       )
@@ -270,14 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
   )
   p.add_argument("--sizes", default="tiny,small", help="comma-separated model presets (random weights).")
   p.add_argument("--batch", type=int, default=16, help="the large batch (batch 1 is always measured too).")
-  p.add_argument("--gen_length", type=int, default=64)
+  p.add_argument("--gen_length", type=int, default=defaults.GEN_LENGTH)
   p.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up; the median is reported.")
-  p.add_argument("--slot_size", type=int, default=4)
-  p.add_argument("--serial_blocks", type=int, default=1)
-  p.add_argument("--slot_threshold", type=float, default=0.9)
-  p.add_argument("--token_threshold", type=float, default=0.9)
-  p.add_argument("--mdm_block_length", type=int, default=32)
-  p.add_argument("--mdm_steps", type=int, help="MDM unmasking steps in all (default gen_length / 2).")
+  for name, value in defaults.REFUSION.items():
+    p.add_argument(f"--{name}", type=type(value), default=value)
+  p.add_argument("--mdm_block_length", type=int, help="MDM tokens per block (default min(32, gen_length)).")
+  p.add_argument("--mdm_steps", type=int, help="MDM unmasking steps in all (default gen_length: one token per step).")
   p.add_argument("--sharpen", type=float, default=128.0, help="LM-head scale of the random models (1: plain init).")
   p.add_argument("--seed", type=int, default=0, help="weights and prompts of the random models.")
   sample.add_model_flags(p, random_init=False)
@@ -291,10 +284,11 @@ def check_args(args: argparse.Namespace) -> None:
   """Reject bad knobs before anything is built or compiled."""
   if args.batch < 1 or args.repeats < 1:
     raise ValueError(f"--batch ({args.batch}) and --repeats ({args.repeats}) must be at least 1.")
-  if args.mdm_steps is None:
-    args.mdm_steps = max(args.gen_length // 2, 1)
+  mdm = defaults.method_defaults("mdm", args.gen_length)
+  args.mdm_block_length = args.mdm_block_length or mdm["block_length"]
+  args.mdm_steps = args.mdm_steps or mdm["steps"]
   check_slot_layout(args.gen_length, args.slot_size, args.serial_blocks)
-  baselines.check_mdm_schedule(args.gen_length, args.mdm_block_length, args.mdm_steps)
+  check_mdm_schedule(args.gen_length, args.mdm_block_length, args.mdm_steps)
   unknown = [s for s in args.sizes.split(",") if s not in config_lib.PRESETS]
   if unknown:
     raise ValueError(f"Unknown --sizes {unknown}; choose among {sorted(config_lib.PRESETS)}.")

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from refusion_jax.checkpoints.load import load
 from refusion_jax.data.tokenizer import Tokenizer
+from refusion_jax.decoding import defaults
 from refusion_jax.decoding.common import DecodeResult
 from refusion_jax.decoding.sampler import METHODS, Sampler, decoder_options
 from refusion_jax.decoding.trace_plot import format_trace_terminal, plot_trace
@@ -75,13 +76,28 @@ def build_parser() -> argparse.ArgumentParser:
 
   knobs = parser.add_argument_group("decoding")
   knobs.add_argument("--method", choices=sorted(METHODS), default="refusion")
-  knobs.add_argument("--gen_length", type=int, default=64, help="G, answer tokens at most.")
-  knobs.add_argument("--slot_size", type=int, default=4, help="refusion: S, tokens per slot.")
-  knobs.add_argument("--serial_blocks", type=int, default=1, help="refusion: NB, blocks decoded left to right.")
-  knobs.add_argument("--slot_threshold", type=float, default=0.9, help="refusion: plan confidence to choose a slot.")
-  knobs.add_argument("--token_threshold", type=float, default=0.9, help="refusion: AR probability to accept a token.")
-  knobs.add_argument("--block_length", type=int, help="mdm: tokens per block (default min(32, G)).")
-  knobs.add_argument("--steps", type=int, help="mdm: total unmasking steps (default G).")
+  refusion = defaults.REFUSION
+  knobs.add_argument("--gen_length", type=int, default=defaults.GEN_LENGTH, help="G, answer tokens at most.")
+  knobs.add_argument("--slot_size", type=int, default=refusion["slot_size"], help="refusion: S, tokens per slot.")
+  knobs.add_argument(
+    "--serial_blocks", type=int, default=refusion["serial_blocks"], help="refusion: NB, blocks decoded left to right."
+  )
+  knobs.add_argument(
+    "--slot_threshold",
+    type=float,
+    default=refusion["slot_threshold"],
+    help="refusion: plan confidence to choose a slot.",
+  )
+  knobs.add_argument(
+    "--token_threshold",
+    type=float,
+    default=refusion["token_threshold"],
+    help="refusion: AR probability to accept a token.",
+  )
+  knobs.add_argument(
+    "--block_length", type=int, help=f"mdm: tokens per block (default min({defaults.MDM_BLOCK_LENGTH}, G))."
+  )
+  knobs.add_argument("--steps", type=int, help="mdm: total unmasking steps (default G: one token per step).")
   knobs.add_argument("--temperature", type=float, default=0.0)
   knobs.add_argument("--seed", type=int, default=0)
   knobs.add_argument("--mask_id", type=int, help="default: the tokenizer's, else the model config's.")
@@ -139,7 +155,7 @@ def model_request(args: argparse.Namespace) -> dict:
 
 def decode_kwargs(args: argparse.Namespace) -> dict:
   """The flags the chosen method's decoder takes (unset optional ones left to the sampler's defaults)."""
-  options = decoder_options(METHODS[args.method][0])
+  options = decoder_options(METHODS[args.method])
   return {name: getattr(args, name) for name in options if getattr(args, name, None) is not None}
 
 

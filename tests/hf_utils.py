@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 
+import chex
 import numpy as np
 import torch
 import transformers
@@ -56,6 +57,12 @@ def hf_logits(
   with torch.no_grad():
     out = model(input_ids=torch.from_numpy(np.asarray(tokens, np.int64)), **kwargs)
   return out.logits.float().numpy()
+
+
+def assert_logits_close(ours, reference, tolerance: float) -> None:
+  """Every |ours - reference| <= tolerance * max |reference| (chex names the worst entries when not)."""
+  reference = np.asarray(reference, np.float64)
+  chex.assert_trees_all_close(np.asarray(ours, np.float64), reference, rtol=0, atol=tolerance * np.abs(reference).max())
 
 
 def relative_error(ours, reference) -> float:

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from refusion_jax.decoding import baselines
-from refusion_jax.decoding.common import PHASE_NONE, PHASE_STEP
+from refusion_jax.decoding.ar import ar_generate, ar_loop
+from refusion_jax.decoding.common import PHASE_NONE, PHASE_STEP, compile_count
+from refusion_jax.decoding.mdm import mdm_generate, num_transfer_tokens
 from refusion_jax.model import config
 from refusion_jax.model import transformer as model_lib
 
@@ -78,7 +79,7 @@ def llada_low_confidence(model, prompt, gen_length, block_length, steps, mask_id
 
 def test_ar_greedy_matches_naive_loop_for_a_ragged_batch(model):
   prompts = random_prompts(0, [5, 1, 12, 20])
-  result = baselines.ar_generate(model, prompts, gen_length=10)
+  result = ar_generate(model, prompts, gen_length=10)
   for row, prompt in enumerate(prompts):
     assert result.tokens[row] == naive_greedy(model, prompt, 10)
 
@@ -87,7 +88,7 @@ def test_ar_rows_stop_at_their_own_eos(model):
   prompts = random_prompts(1, [7, 3, 9])
   free = [naive_greedy(model, p, 12) for p in prompts]
   eos_id = free[0][3]
-  result = baselines.ar_generate(model, prompts, gen_length=12, eos_id=eos_id)
+  result = ar_generate(model, prompts, gen_length=12, eos_id=eos_id)
   for row, prompt in enumerate(prompts):
     expected = naive_greedy(model, prompt, 12, eos_id=eos_id)
     assert result.tokens[row] == expected
@@ -101,7 +102,7 @@ def test_ar_rows_stop_at_their_own_eos(model):
 
 
 def test_ar_without_eos_costs_one_forward_per_token(model):
-  result = baselines.ar_generate(model, random_prompts(2, [4, 6]), gen_length=9)
+  result = ar_generate(model, random_prompts(2, [4, 6]), gen_length=9)
   assert [len(t) for t in result.tokens] == [9, 9]
   assert result.num_forwards.tolist() == [9, 9]
   assert result.overall_tpf == pytest.approx(1.0)
@@ -110,9 +111,9 @@ def test_ar_without_eos_costs_one_forward_per_token(model):
 def test_ar_sampling_is_reproducible_per_seed():
   prompts = random_prompts(3, [6, 11])
   hot = model_lib.init_model(config.tiny(mask_token_id=MASK_ID), seed=4)  # flat logits: samples vary
-  first = baselines.ar_generate(hot, prompts, gen_length=16, temperature=1.0, seed=7)
-  again = baselines.ar_generate(hot, prompts, gen_length=16, temperature=1.0, seed=7)
-  other = baselines.ar_generate(hot, prompts, gen_length=16, temperature=1.0, seed=8)
+  first = ar_generate(hot, prompts, gen_length=16, temperature=1.0, seed=7)
+  again = ar_generate(hot, prompts, gen_length=16, temperature=1.0, seed=7)
+  other = ar_generate(hot, prompts, gen_length=16, temperature=1.0, seed=8)
   assert first.tokens == again.tokens
   assert first.tokens != other.tokens
 
@@ -120,7 +121,7 @@ def test_ar_sampling_is_reproducible_per_seed():
 @pytest.mark.parametrize("gen_length,block_length,steps", [(8, 8, 8), (12, 4, 6), (12, 6, 4)])
 def test_mdm_matches_llada_transcription(model, gen_length, block_length, steps):
   prompts = random_prompts(4, [6, 2, 13])
-  result = baselines.mdm_generate(model, prompts, gen_length=gen_length, block_length=block_length, steps=steps)
+  result = mdm_generate(model, prompts, gen_length=gen_length, block_length=block_length, steps=steps)
   for row, prompt in enumerate(prompts):
     assert result.tokens[row] == llada_low_confidence(model, prompt, gen_length, block_length, steps, MASK_ID)
   assert result.num_forwards.tolist() == [steps] * len(prompts)
@@ -128,11 +129,11 @@ def test_mdm_matches_llada_transcription(model, gen_length, block_length, steps)
 
 def test_mdm_unmasks_the_schedule_per_step_and_cuts_after_eos(model):
   prompts = random_prompts(5, [8])
-  free = baselines.mdm_generate(model, prompts, gen_length=12, block_length=4, steps=6)
+  free = mdm_generate(model, prompts, gen_length=12, block_length=4, steps=6)
   counts = np.bincount(free.commit_iteration[0], minlength=6)
   assert counts.tolist() == [2] * 6  # 4 tokens per block over 2 steps each
   eos_id = free.tokens[0][5]
-  cut = baselines.mdm_generate(model, prompts, gen_length=12, block_length=4, steps=6, eos_id=eos_id)
+  cut = mdm_generate(model, prompts, gen_length=12, block_length=4, steps=6, eos_id=eos_id)
   first = free.tokens[0].index(eos_id)
   assert cut.tokens[0] == free.tokens[0][: first + 1]
   assert (cut.commit_iteration[0, first + 1 :] == -1).all()
@@ -142,21 +143,21 @@ def test_mdm_sampling_is_reproducible_per_seed():
   prompts = random_prompts(6, [5, 9])
   kwargs = dict(gen_length=8, block_length=4, steps=4, temperature=1.0)
   hot = model_lib.init_model(config.tiny(mask_token_id=MASK_ID), seed=5)
-  first = baselines.mdm_generate(hot, prompts, seed=1, **kwargs)
-  assert first.tokens == baselines.mdm_generate(hot, prompts, seed=1, **kwargs).tokens
-  assert first.tokens != baselines.mdm_generate(hot, prompts, seed=2, **kwargs).tokens
+  first = mdm_generate(hot, prompts, seed=1, **kwargs)
+  assert first.tokens == mdm_generate(hot, prompts, seed=1, **kwargs).tokens
+  assert first.tokens != mdm_generate(hot, prompts, seed=2, **kwargs).tokens
 
 
 def test_num_transfer_tokens_gives_the_remainder_to_the_first_steps():
-  assert baselines.num_transfer_tokens(10, 4).tolist() == [3, 3, 2, 2]
-  assert baselines.num_transfer_tokens(8, 8).tolist() == [1] * 8
+  assert num_transfer_tokens(10, 4).tolist() == [3, 3, 2, 2]
+  assert num_transfer_tokens(8, 8).tolist() == [1] * 8
 
 
 def test_new_prompts_in_one_bucket_do_not_recompile(model):
-  baselines.ar_generate(model, random_prompts(7, [3, 4]), gen_length=5)
-  before = baselines.compile_count()
-  baselines.ar_generate(model, random_prompts(8, [9, 2]), gen_length=5)
-  assert baselines.compile_count() == before
+  ar_generate(model, random_prompts(7, [3, 4]), gen_length=5)
+  before = compile_count(ar_loop)
+  ar_generate(model, random_prompts(8, [9, 2]), gen_length=5)
+  assert compile_count(ar_loop) == before
 
 
 @pytest.mark.parametrize(
@@ -171,17 +172,17 @@ def test_new_prompts_in_one_bucket_do_not_recompile(model):
 )
 def test_mdm_rejects_bad_arguments(model, kwargs, message):
   with pytest.raises(ValueError, match=message):
-    baselines.mdm_generate(model, [[1, 2, 3]], **kwargs)
+    mdm_generate(model, [[1, 2, 3]], **kwargs)
 
 
 def test_mdm_needs_a_mask_id():
   plain = model_lib.init_model(config.tiny(), seed=0)
   with pytest.raises(ValueError, match="mask_id"):
-    baselines.mdm_generate(plain, [[1, 2]], gen_length=4, block_length=4, steps=4)
+    mdm_generate(plain, [[1, 2]], gen_length=4, block_length=4, steps=4)
 
 
 def test_ar_rejects_bad_prompts(model):
   with pytest.raises(ValueError, match="list of lists"):
-    baselines.ar_generate(model, [1, 2, 3], gen_length=4)
+    ar_generate(model, [1, 2, 3], gen_length=4)
   with pytest.raises(ValueError, match="outside the vocabulary"):
-    baselines.ar_generate(model, [[1, 300]], gen_length=4)
+    ar_generate(model, [[1, 300]], gen_length=4)

@@ -30,7 +30,7 @@ def test_minimal_bench_reports_every_row(capsys):
   assert sorted(rows) == sorted(ROWS)
   forwards = {key: float(cells[0]) for key, cells in rows.items()}
   assert forwards[("ar", 1)] == 8.0  # EOS is never predicted: 8 tokens, one forward each
-  assert forwards[("mdm", 1)] == 4.0  # default steps = gen_length / 2
+  assert forwards[("mdm", 1)] == 8.0  # default steps = gen_length (one token per step)
   assert forwards[("refusion", 1)] == forwards[("refusion eager ref.", 1)]
   assert rows[("mdm", 2)][-1] == "-" and rows[("refusion eager ref.", 1)][-1] == "-"  # no fixed cache
   one, two = rows[("refusion", 1)][-2:], rows[("refusion", 2)][-2:]

@@ -4,9 +4,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from refusion_jax.decoding.common import PHASE_INFILL, PHASE_VERIFY
+from refusion_jax.data.tokenizer import ByteTokenizer
+from refusion_jax.decoding.ar import ar_generate, ar_loop
+from refusion_jax.decoding.common import PHASE_INFILL, PHASE_VERIFY, compile_count
+from refusion_jax.decoding.mdm import mdm_generate, mdm_loop
 from refusion_jax.decoding.reference import decode_reference
-from refusion_jax.decoding.refusion import compile_count, generate
+from refusion_jax.decoding.refusion import decode_loop, generate
+from refusion_jax.decoding.sampler import Sampler
 from refusion_jax.model.config import tiny
 from refusion_jax.model.transformer import init_model
 from tests.decode_cases import random_weights
@@ -134,13 +138,13 @@ def random_model(seed: int, head_std: float = 0.5):
 def test_new_prompts_and_weights_in_one_bucket_compile_once():
   rng = np.random.default_rng(0)
   knobs = dict(KNOBS, gen_length=12, slot_size=3)  # a layout no other test compiles
-  before = compile_count()
+  before = compile_count(decode_loop)
   generate(random_model(0), [rng.integers(0, 14, 3).tolist()], **knobs)
-  assert compile_count() == before + 1
+  assert compile_count(decode_loop) == before + 1
   for index in range(10):
     prompt = rng.integers(0, 14, int(rng.integers(1, 17))).tolist()
     generate(random_model(index + 1), [prompt], **dict(knobs, slot_threshold=float(rng.uniform(0.1, 0.9))))
-  assert compile_count() == before + 1
+  assert compile_count(decode_loop) == before + 1
 
 
 def test_sampling_is_reproducible_per_seed():
@@ -197,7 +201,36 @@ def test_bad_input_is_rejected_before_compiling(change, message):
   model = init_model(tiny(vocab_size=16))  # no mask or EOS id in the config
   args = dict(KNOBS, prompt_ids=[[1, 2, 3]])
   args.update(change)
-  before = compile_count()
+  before = compile_count(decode_loop)
   with pytest.raises(ValueError, match=message):
     generate(model, **args)
-  assert compile_count() == before
+  assert compile_count(decode_loop) == before
+
+
+NOT_INTEGER_IDS = {
+  "floats": [[1.5, 2.0]],
+  "whole floats": [[1.0, 2.0]],
+  "one float among ints": [[1, 2.0, 3]],
+  "float array": np.array([[4.0, 5.0]]),
+  "bools": [[True, False]],
+  "a bool among ints": [[3, True]],
+  "bool array": np.array([[1, 0]], bool),
+}
+
+
+@pytest.mark.parametrize("ids", NOT_INTEGER_IDS.values(), ids=NOT_INTEGER_IDS)
+def test_non_integer_token_ids_are_refused_by_every_decoder(ids):
+  tok = ByteTokenizer()
+  model = init_model(tiny(vocab_size=tok.vocab_size, mask_token_id=tok.mask_id, eos_token_id=tok.eos_id))
+  refusion = dict(gen_length=8, slot_size=4, serial_blocks=1, slot_threshold=0.5, token_threshold=0.5)
+  decoders = [
+    lambda: generate(model, ids, **refusion),
+    lambda: ar_generate(model, ids, gen_length=8),
+    lambda: mdm_generate(model, ids, gen_length=8, block_length=8, steps=8),
+    lambda: Sampler(model, tok, **refusion).decode_ids(ids),
+  ]
+  before = [compile_count(loop) for loop in (decode_loop, ar_loop, mdm_loop)]
+  for decode in decoders:
+    with pytest.raises(ValueError, match="Prompt 0 must be a flat list of integer token ids"):
+      decode()
+  assert [compile_count(loop) for loop in (decode_loop, ar_loop, mdm_loop)] == before

@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_utils import hf_logits, relative_error, save_tiny_hf_model
+from hf_utils import assert_logits_close, hf_logits, relative_error, save_tiny_hf_model
 
 from refusion_jax.checkpoints.hf import load_hf
 
@@ -76,6 +76,6 @@ def test_logits_match_transformers(case, tmp_path):
   positions = rng.integers(0, 2000, (batch, 1)) + np.arange(length)
 
   ours, _ = model(jnp.asarray(tokens), jnp.asarray(positions, jnp.int32))
-  ratio = relative_error(ours, hf_logits(hf_model, tokens, positions))
-  print(f"\n[hf parity] {case}: max|diff| / max|logit| = {ratio:.2e}")
-  assert ratio <= TOLERANCE
+  reference = hf_logits(hf_model, tokens, positions)
+  print(f"\n[hf parity] {case}: max|diff| / max|logit| = {relative_error(ours, reference):.2e}")
+  assert_logits_close(ours, reference, TOLERANCE)

@@ -11,14 +11,16 @@ from refusion_jax import sample
 from refusion_jax.checkpoints import hf as hf_io
 from refusion_jax.checkpoints import orbax as checkpoint
 from refusion_jax.data.tokenizer import ByteTokenizer
-from refusion_jax.decoding import baselines
+from refusion_jax.decoding import ar, mdm
 from refusion_jax.decoding import refusion as decode
+from refusion_jax.decoding.common import compile_count
 from refusion_jax.decoding.sampler import Sampler
 from refusion_jax.model import config
 from refusion_jax.model import transformer as model_lib
 
 TOK = ByteTokenizer()
 REFUSION = dict(gen_length=8, slot_size=4, serial_blocks=1, slot_threshold=0.5, token_threshold=0.5)
+BASELINES = {"ar": ar.ar_generate, "mdm": mdm.mdm_generate}
 
 
 def byte_model(seed=0):
@@ -64,11 +66,11 @@ def test_sampler_text_in_text_out(model):
 
 def test_sampler_compiles_once_per_bucket(model):
   sampler = Sampler(model, TOK, gen_length=12, slot_size=4, slot_threshold=0.7)  # settings no other test uses
-  before = decode.compile_count()
+  before = compile_count(decode.decode_loop)
   sampler(["first prompt"])
-  assert decode.compile_count() == before + 1
+  assert compile_count(decode.decode_loop) == before + 1
   sampler(["other words"])  # same bucket (16), same batch size
-  assert decode.compile_count() == before + 1
+  assert compile_count(decode.decode_loop) == before + 1
 
 
 @pytest.mark.parametrize(
@@ -78,7 +80,7 @@ def test_sampler_dispatches_to_the_baselines(model, method, kwargs):
   rng = np.random.default_rng(0)
   prompts = ["".join(chr(c) for c in rng.integers(97, 123, size=n)) for n in (3, 9)]
   _, result = Sampler(model, TOK, method=method, **kwargs).generate(prompts)
-  direct = getattr(baselines, f"{method}_generate")(model, [TOK.encode(p) for p in prompts], **kwargs)
+  direct = BASELINES[method](model, [TOK.encode(p) for p in prompts], **kwargs)
   assert result.tokens == direct.tokens
 
 
@@ -143,7 +145,7 @@ def test_cli_baseline_methods(capsys, hf_dir, model, method):
   )
   assert code == 0, err
   kwargs = dict(gen_length=8) if method == "ar" else dict(gen_length=8, block_length=8, steps=8)
-  expected = getattr(baselines, f"{method}_generate")(model, [[3, 1, 4]], **kwargs)
+  expected = BASELINES[method](model, [[3, 1, 4]], **kwargs)
   assert json.loads(out)["tokens"] == expected.tokens[0]
 
 
@@ -205,7 +207,7 @@ def test_cli_orbax_checkpoint(capsys, tmp_path):
     capsys, "--checkpoint", tmp_path, "--prompt_ids", "9,8,7", "--method", "ar", "--gen_length", 6, "--json"
   )
   assert code == 0, err
-  assert json.loads(out)["tokens"] == baselines.ar_generate(trained, [[9, 8, 7]], gen_length=6).tokens[0]
+  assert json.loads(out)["tokens"] == ar.ar_generate(trained, [[9, 8, 7]], gen_length=6).tokens[0]
   code, out, err = run_cli(
     capsys,
     "--checkpoint",

@@ -1,20 +1,33 @@
-"""What every decoder shares: input checks, prompt buckets and the result type.
+"""What every decoder shares: input checks, prompt buckets, the prefill, the host-side front end.
 
 ReFusion (`refusion_jax.decoding.refusion`), its eager reference and the AR / MDM
-baselines (`refusion_jax.decoding.baselines`) all take token-id prompts, reject bad
-input before anything is compiled, pad prompts into a few length buckets so
-new prompts do not recompile, and return a `DecodeResult`.
+baselines (`refusion_jax.decoding.ar`, `refusion_jax.decoding.mdm`) all take
+token-id prompts, reject bad input before anything is compiled, pad prompts
+into a few length buckets so new prompts do not recompile, and return a
+`DecodeResult`. The jitted decoders share more: `run_decoder` is their one
+host-side front end (check, pad, split the model, run the compiled loop, read
+the answers back), `prefill` their one prompt forward, and `counts_compilations`
+their one compile counter (docs/method.md §3).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from collections.abc import Sequence
+import functools
+import time
+from collections.abc import Callable, Sequence
 
+import chex
+import flax.struct
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from refusion_jax.model import cache as kv_cache
 from refusion_jax.model.config import ModelConfig
+from refusion_jax.model.transformer import Transformer
 
 # Prompt lengths are padded up to the smallest bucket that holds them.
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -69,6 +82,24 @@ class DecodeResult:
     ]
 
 
+@flax.struct.dataclass
+class DecodeOutputs:
+  """What a jitted decode loop returns, per row (read back by `run_decoder`).
+
+  answer:           [B, G] int32 ids by answer offset (anything where none was committed)
+  commit_iteration: [B, G] int32 iteration (0-based) that committed each offset, -1 where none
+  commit_phase:     [B, G] int32 PHASE_* of each offset, PHASE_NONE where none
+  num_forwards:     [B] int32 forwards while the row was unfinished (its prefill included)
+  steps:            [B] int32 decode iterations of the row
+  """
+
+  answer: jax.Array
+  commit_iteration: jax.Array
+  commit_phase: jax.Array
+  num_forwards: jax.Array
+  steps: jax.Array
+
+
 def bucket_length(length: int, buckets: Sequence[int] = PROMPT_BUCKETS) -> int:
   """The smallest bucket that holds `length` tokens."""
   for bucket in buckets:
@@ -102,7 +133,7 @@ def check_prompts(prompts: Sequence[Sequence[int]], config: ModelConfig, gen_len
       raise ValueError("prompt_ids must be a list of lists (one list per batch row), got a flat list of ints.")
     if len(prompt) == 0:
       raise ValueError(f"Prompt {row} is empty; every row needs at least one token.")
-    ids = np.asarray(prompt)
+    ids = _integer_ids(row, prompt)
     bad = ids[(ids < 0) | (ids >= config.vocab_size)]
     if bad.size:
       raise ValueError(f"Prompt {row} has token id {int(bad[0])} outside the vocabulary [0, {config.vocab_size}).")
@@ -113,6 +144,19 @@ def check_prompts(prompts: Sequence[Sequence[int]], config: ModelConfig, gen_len
         f"positions, more than the model's maximum {config.max_position_embeddings}. "
         f"Shorten the prompt or lower gen_length to at most {config.max_position_embeddings - len(prompt)}."
       )
+
+
+def _integer_ids(row: int, prompt: Sequence[int]) -> np.ndarray:
+  """Prompt `row` as a 1-D integer array; floats, bools and nested lists are refused, not rounded."""
+  ids = np.asarray(prompt)
+  is_bool = ids.dtype == bool or any(isinstance(t, (bool, np.bool_)) for t in prompt)
+  if ids.ndim != 1 or ids.dtype.kind not in "iu" or is_bool:
+    example = next((t for t in prompt if is_bool or not isinstance(t, (int, np.integer))), prompt[0])
+    raise ValueError(
+      f"Prompt {row} must be a flat list of integer token ids, got {example!r} (as array: dtype {ids.dtype}, "
+      f"{ids.ndim}-D). Pass ints, e.g. [[1, 2, 3]]; convert a float array that holds ids with .astype(int)."
+    )
+  return ids
 
 
 def check_special_id(name: str, value: int | None, config: ModelConfig) -> int:
@@ -187,3 +231,188 @@ def blank_after_answer(answers: list[list[int]], iteration: np.ndarray, phase: n
   """Commit iteration and phase [B, G] with every position past each row's answer set to none."""
   answered = np.arange(iteration.shape[1])[None, :] < np.array([len(a) for a in answers])[:, None]
   return np.where(answered, iteration, -1), np.where(answered, phase, PHASE_NONE)
+
+
+# An id no token has: "no EOS known" simply never matches (the baselines run without one).
+NO_TOKEN = -1
+
+
+def optional_eos_id(eos_id: int | None, config: ModelConfig) -> int:
+  """The checked EOS id (given, else the config's), or `NO_TOKEN` when neither names one."""
+  eos_id = first_given(eos_id, config.eos_token_id)
+  return NO_TOKEN if eos_id is None else check_special_id("eos_id", eos_id, config)
+
+
+@dataclasses.dataclass(frozen=True)
+class RefusionKnobs:
+  """ReFusion's checked scalar knobs (docs/method.md §2), shared by the jitted decoder and its reference."""
+
+  slot_threshold: float
+  token_threshold: float
+  temperature: float
+  mask_id: int
+  eos_id: int
+
+
+def check_refusion_knobs(
+  config: ModelConfig,
+  gen_length: int,
+  slot_size: int,
+  serial_blocks: int,
+  slot_threshold: float,
+  token_threshold: float,
+  temperature: float,
+  mask_id: int | None,
+  eos_id: int | None,
+) -> RefusionKnobs:
+  """Reject a bad slot layout or knob; the mask and EOS ids default to the config's.
+
+  The arguments are `generate`'s keyword arguments of the same names, in its order.
+  """
+  check_slot_layout(gen_length, slot_size, serial_blocks)
+  return RefusionKnobs(
+    slot_threshold=check_threshold("slot_threshold", slot_threshold),
+    token_threshold=check_threshold("token_threshold", token_threshold),
+    temperature=check_temperature(temperature),
+    mask_id=check_special_id("mask_id", first_given(mask_id, config.mask_token_id), config),
+    eos_id=check_special_id("eos_id", first_given(eos_id, config.eos_token_id), config),
+  )
+
+
+def pick_tokens(
+  logits: jax.Array, key: jax.Array, step: jax.Array, temperature: jax.Array, sample: bool
+) -> tuple[jax.Array, jax.Array]:
+  """Greedy or Gumbel-max sampled tokens and their probabilities (the AR and MDM baselines).
+
+  Gumbel-max on `logits + temperature * gumbel` samples from
+  softmax(logits / temperature), which is what LLaDA's `add_gumbel_noise`
+  computes in another form. Row b at step s draws its noise from
+  fold_in(fold_in(key, b), s), as the ReFusion decoder does. The returned
+  probability is that of the chosen token under the un-noised softmax
+  (LLaDA's confidence).
+
+  Args:
+    logits: [batch, length, vocab] float32.
+    step: a scalar or [batch] step of each row.
+    sample: False for greedy (argmax, first maximum); a static switch.
+
+  Returns:
+    tokens [batch, length] int32 and their probabilities [batch, length] float32.
+  """
+  scores = logits
+  if sample:
+    steps = jnp.broadcast_to(step, logits.shape[:1])
+    scores = logits + temperature * row_gumbel_noise(key, steps, logits.shape[1:])
+  tokens = jnp.argmax(scores, axis=-1).astype(jnp.int32)
+  probs = jax.nn.softmax(logits, axis=-1)
+  return tokens, jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]
+
+
+def step_outputs(answer: jax.Array, commit_iteration: jax.Array, forwards: jax.Array) -> DecodeOutputs:
+  """A baseline's `DecodeOutputs`: every token committed by a step (PHASE_STEP), one step per forward.
+
+  Args:
+    answer, commit_iteration: [B, G]; forwards: [B].
+  """
+  return DecodeOutputs(
+    answer=answer,
+    commit_iteration=commit_iteration,
+    commit_phase=jnp.full(answer.shape, PHASE_STEP, jnp.int32),
+    num_forwards=forwards,
+    steps=forwards,
+  )
+
+
+def prefill(
+  model: Transformer, tokens: jax.Array, lengths: jax.Array, capacity: int
+) -> tuple[jax.Array, kv_cache.KVCache]:
+  """The prompt forward into a fresh cache (causal over each row's valid prompt tokens).
+
+  Args:
+    tokens: [batch, width] right-padded prompt ids; lengths: [batch] true lengths.
+    capacity: cache entries per row (width + the answer's).
+
+  Returns:
+    logits [batch, width, vocab] and a `KVCache` holding the prompts at indices 0..lengths-1.
+  """
+  chex.assert_rank([tokens, lengths], [2, 1])
+  chex.assert_type([tokens, lengths], int)
+  batch, width = tokens.shape
+  columns = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+  valid = columns < lengths[:, None]
+  causal = jnp.tril(jnp.ones((width, width), bool))[None] & valid[:, None, :]
+  logits, kv = model(tokens, columns, causal)
+  cache = kv_cache.KVCache.create(model.config, batch, capacity)
+  return logits, kv_cache.append(cache, kv, columns, valid)
+
+
+_COMPILATIONS: collections.Counter[str] = collections.Counter()
+
+
+def _loop_name(loop: Callable) -> str:
+  return f"{loop.__module__}.{loop.__qualname__}"
+
+
+def counts_compilations(loop: Callable) -> Callable:
+  """Count the traces (= compilations) of a decode loop; goes right under its `jax.jit`.
+
+  The body of a jitted function runs only when JAX traces it, so counting
+  calls of the wrapped body counts compilations, without JAX's private cache
+  API. Read it with `compile_count(loop)`.
+  """
+
+  @functools.wraps(loop)
+  def traced(*args, **kwargs):
+    _COMPILATIONS[_loop_name(loop)] += 1
+    return loop(*args, **kwargs)
+
+  return traced
+
+
+def compile_count(loop: Callable | None = None) -> int:
+  """Compilations of one jitted decode loop (decorated with `counts_compilations`), or of all of them."""
+  if loop is None:
+    return sum(_COMPILATIONS.values())
+  return _COMPILATIONS[_loop_name(loop)]
+
+
+def run_decoder(
+  model: Transformer,
+  prompt_ids: Sequence[Sequence[int]],
+  loop: Callable[[nnx.GraphDef, nnx.State, np.ndarray, np.ndarray], DecodeOutputs],
+  *,
+  gen_length: int,
+  eos_id: int,
+  pad_id: int | None,
+) -> DecodeResult:
+  """The host side of every jitted decoder: check, pad, split, run the loop, read the answers back.
+
+  Args:
+    prompt_ids: B prompts of integer token ids, any lengths (padded into one bucket).
+    loop: the compiled decode loop with its knobs bound; called with the model's
+      graph and parameters, prompts [B, bucket] int32 and their lengths [B] int32.
+    eos_id: the checked stop id the answers are cut after (`NO_TOKEN`: none).
+    pad_id: prompt padding id (never attended); defaults to the config's pad, else its EOS, else 0.
+
+  Returns:
+    A `DecodeResult` whose trace is blanked past each answer; seconds covers
+    padding, the loop (and its compilation, when it happens) and the read-back.
+  """
+  config = model.config
+  check_prompts(prompt_ids, config, gen_length)
+  pad = check_special_id("pad_id", default_pad_id(pad_id, config), config)
+  start = time.perf_counter()
+  prompt, lengths = pad_prompts(prompt_ids, pad)
+  graphdef, params = nnx.split(model)
+  out = jax.device_get(loop(graphdef, params, prompt, lengths))
+  seconds = time.perf_counter() - start
+  answers = answer_tokens(out.answer, eos_id)
+  iteration, phase = blank_after_answer(answers, np.asarray(out.commit_iteration), np.asarray(out.commit_phase))
+  return DecodeResult(
+    tokens=answers,
+    num_forwards=np.asarray(out.num_forwards),
+    steps=np.asarray(out.steps),
+    commit_iteration=iteration,
+    commit_phase=phase,
+    seconds=seconds,
+  )

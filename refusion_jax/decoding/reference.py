@@ -30,10 +30,7 @@ from refusion_jax.decoding.common import (
   PHASE_VERIFY,
   DecodeResult,
   check_prompts,
-  check_slot_layout,
-  check_special_id,
-  check_temperature,
-  check_threshold,
+  check_refusion_knobs,
 )
 from refusion_jax.model.cache import KVCache
 from refusion_jax.model.transformer import Transformer
@@ -146,12 +143,11 @@ def decode_reference(
   """
   config = model.config
   check_prompts([prompt_ids], config, gen_length)
-  check_slot_layout(gen_length, slot_size, serial_blocks)
-  slot_threshold = np.float32(check_threshold("slot_threshold", slot_threshold))
-  token_threshold = np.float32(check_threshold("token_threshold", token_threshold))
-  temperature = np.float32(check_temperature(temperature))
-  mask_id = check_special_id("mask_id", mask_id, config)
-  eos_id = check_special_id("eos_id", eos_id, config)
+  knobs = check_refusion_knobs(
+    config, gen_length, slot_size, serial_blocks, slot_threshold, token_threshold, temperature, mask_id, eos_id
+  )
+  slot_threshold, token_threshold = np.float32(knobs.slot_threshold), np.float32(knobs.token_threshold)
+  temperature, mask_id, eos_id = np.float32(knobs.temperature), knobs.mask_id, knobs.eos_id
   counts = collections.Counter()
   start_time = time.perf_counter()
 

@@ -25,54 +25,33 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from collections.abc import Sequence
 
+import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from refusion_jax.decoding.common import (
   PHASE_INFILL,
   PHASE_NONE,
   PHASE_VERIFY,
+  DecodeOutputs,
   DecodeResult,
-  answer_tokens,
-  blank_after_answer,
-  check_prompts,
-  check_slot_layout,
-  check_special_id,
-  check_temperature,
-  check_threshold,
-  default_pad_id,
-  first_given,
-  pad_prompts,
+  check_refusion_knobs,
+  counts_compilations,
+  prefill,
   row_gumbel_noise,
+  run_decoder,
 )
 from refusion_jax.model import cache as kv_cache
 from refusion_jax.model.transformer import Transformer
 
-__all__ = [
-  "DecodeKnobs",
-  "DecodeOutputs",
-  "DecodeResult",
-  "DecodeSettings",
-  "compile_count",
-  "decode_loop",
-  "generate",
-]
+__all__ = ["DecodeKnobs", "DecodeSettings", "decode_loop", "generate"]
 
 # Stage of a row: what its next forward is.
 STAGE_PLAN, STAGE_VERIFY, STAGE_DRAFT, STAGE_CHECK = 0, 1, 2, 3
-
-_TRACES = [0]
-
-
-def compile_count() -> int:
-  """How many times `decode_loop` has been traced (= compiled) in this process."""
-  return _TRACES[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,24 +83,6 @@ class DecodeKnobs:
   key: jax.Array  # typed PRNG key of the plan noise
   mask_id: jax.Array  # int32
   eos_id: jax.Array  # int32
-
-
-@flax.struct.dataclass
-class DecodeOutputs:
-  """What the loop returns, per row.
-
-  answer:           [B, G] committed ids by answer offset, -1 where none
-  commit_iteration: [B, G] plan step (0-based) whose cycle committed the offset, -1 where none
-  commit_phase:     [B, G] PHASE_VERIFY / PHASE_INFILL, PHASE_NONE where none
-  num_forwards:     [B] forwards while the row was unfinished
-  steps:            [B] plan steps
-  """
-
-  answer: jax.Array
-  commit_iteration: jax.Array
-  commit_phase: jax.Array
-  num_forwards: jax.Array
-  steps: jax.Array
 
 
 @flax.struct.dataclass
@@ -351,6 +312,7 @@ def _step(
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"))
+@counts_compilations
 def decode_loop(
   graphdef: nnx.GraphDef,
   params: nnx.State,
@@ -371,18 +333,16 @@ def decode_loop(
     params: the model's `nnx.State`.
     prompt_tokens: [B, P] right-padded prompt ids (P = a prompt bucket).
     prompt_lengths: [B] int32 true prompt lengths; padding is never attended.
+
+  Returns:
+    `DecodeOutputs`: steps counts plan steps, commit_iteration the plan step
+    whose cycle committed each offset, commit_phase PHASE_VERIFY / PHASE_INFILL.
   """
-  _TRACES[0] += 1
   model = nnx.merge(graphdef, params)
   batch, width = prompt_tokens.shape
   G, N = settings.gen_length, settings.slots_per_block
-
-  columns = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-  prompt_valid = columns < prompt_lengths[:, None]
-  causal = jnp.tril(jnp.ones((width, width), bool))[None] & prompt_valid[:, None, :]
-  _, kv = model(prompt_tokens, columns, causal)
-  cache = kv_cache.KVCache.create(model.config, batch, width + G)
-  cache = kv_cache.append(cache, kv, columns, prompt_valid)
+  chex.assert_shape(prompt_lengths, (batch,))
+  _, cache = prefill(model, prompt_tokens, prompt_lengths, width + G)
 
   none = jnp.full((batch, G), -1, jnp.int32)
   state = _RowState(
@@ -453,34 +413,17 @@ def generate(
     position and commit_phase PHASE_VERIFY or PHASE_INFILL (-1 / PHASE_NONE
     past the answer, also where a slot after the EOS was committed).
   """
-  config = model.config
-  check_slot_layout(gen_length, slot_size, serial_blocks)
-  check_prompts(prompt_ids, config, gen_length)
-  temperature = check_temperature(temperature)
+  checked = check_refusion_knobs(
+    model.config, gen_length, slot_size, serial_blocks, slot_threshold, token_threshold, temperature, mask_id, eos_id
+  )
   knobs = DecodeKnobs(
-    slot_threshold=jnp.float32(check_threshold("slot_threshold", slot_threshold)),
-    token_threshold=jnp.float32(check_threshold("token_threshold", token_threshold)),
-    temperature=jnp.float32(temperature),
+    slot_threshold=jnp.float32(checked.slot_threshold),
+    token_threshold=jnp.float32(checked.token_threshold),
+    temperature=jnp.float32(checked.temperature),
     key=jax.random.key(seed),
-    mask_id=jnp.int32(check_special_id("mask_id", first_given(mask_id, config.mask_token_id), config)),
-    eos_id=jnp.int32(check_special_id("eos_id", first_given(eos_id, config.eos_token_id), config)),
+    mask_id=jnp.int32(checked.mask_id),
+    eos_id=jnp.int32(checked.eos_id),
   )
-  pad = check_special_id("pad_id", default_pad_id(pad_id, config), config)
-  settings = DecodeSettings(gen_length, slot_size, serial_blocks, sample=temperature > 0)
-
-  start = time.perf_counter()
-  prompt, lengths = pad_prompts(prompt_ids, pad)
-  graphdef, params = nnx.split(model)
-  out = jax.device_get(decode_loop(graphdef, params, prompt, lengths, knobs, settings=settings))
-  seconds = time.perf_counter() - start
-
-  answers = answer_tokens(out.answer, int(knobs.eos_id))
-  iteration, phase = blank_after_answer(answers, np.asarray(out.commit_iteration), np.asarray(out.commit_phase))
-  return DecodeResult(
-    tokens=answers,
-    num_forwards=np.asarray(out.num_forwards),
-    steps=np.asarray(out.steps),
-    commit_iteration=iteration,
-    commit_phase=phase,
-    seconds=seconds,
-  )
+  settings = DecodeSettings(gen_length, slot_size, serial_blocks, sample=checked.temperature > 0)
+  loop = functools.partial(decode_loop, knobs=knobs, settings=settings)
+  return run_decoder(model, prompt_ids, loop, gen_length=gen_length, eos_id=checked.eos_id, pad_id=pad_id)

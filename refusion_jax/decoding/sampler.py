@@ -17,22 +17,15 @@ import inspect
 from collections.abc import Callable, Sequence
 
 from refusion_jax.data.tokenizer import Tokenizer, load_tokenizer
-from refusion_jax.decoding import baselines
-from refusion_jax.decoding import refusion as decode
+from refusion_jax.decoding import defaults
+from refusion_jax.decoding.ar import ar_generate
 from refusion_jax.decoding.common import DecodeResult
+from refusion_jax.decoding.mdm import mdm_generate
+from refusion_jax.decoding.refusion import generate
 from refusion_jax.model.transformer import Transformer
 
-# The decoder of each method and its default knobs (the paper's settings scaled to short demos).
-METHODS: dict[str, tuple[Callable[..., DecodeResult], dict]] = {
-  "refusion": (
-    decode.generate,
-    dict(gen_length=64, slot_size=4, serial_blocks=1, slot_threshold=0.9, token_threshold=0.9),
-  ),
-  "ar": (baselines.ar_generate, dict(gen_length=64)),
-  # block_length and steps follow gen_length unless given (see `Sampler`).
-  "mdm": (baselines.mdm_generate, dict(gen_length=64)),
-}
-MDM_BLOCK_LENGTH = 32
+# The decoder of each method; its default knobs are `defaults.method_defaults(method, gen_length)`.
+METHODS: dict[str, Callable[..., DecodeResult]] = {"refusion": generate, "ar": ar_generate, "mdm": mdm_generate}
 
 
 def decoder_options(decoder: Callable) -> list[str]:
@@ -64,11 +57,12 @@ class Sampler:
       chat_template: wrap every prompt with the tokenizer's chat template first.
       **decode_kwargs: keyword arguments of the method's decoder (e.g.
         gen_length, slot_size, temperature, seed); unset ones take the
-        defaults in `METHODS`.
+        defaults of `refusion_jax.decoding.defaults` (MDM's block length and
+        steps follow gen_length).
     """
     if method not in METHODS:
       raise ValueError(f"Unknown method {method!r}; choose one of {sorted(METHODS)}.")
-    self.decoder, defaults = METHODS[method]
+    self.decoder = METHODS[method]
     options = decoder_options(self.decoder)
     unknown = sorted(set(decode_kwargs) - set(options))
     if unknown:
@@ -79,13 +73,8 @@ class Sampler:
     self.chat_template = chat_template
     special = dict(mask_id=self.tokenizer.mask_id, eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
     self.decode_kwargs = {k: v for k, v in special.items() if k in options and v is not None}
-    self.decode_kwargs.update(defaults)
+    self.decode_kwargs.update(defaults.method_defaults(method, decode_kwargs.get("gen_length", defaults.GEN_LENGTH)))
     self.decode_kwargs.update(decode_kwargs)
-    if method == "mdm":
-      # LLaDA's usual setting: one token per step, blocks of 32 (or the whole answer when shorter).
-      gen_length = self.decode_kwargs["gen_length"]
-      self.decode_kwargs.setdefault("block_length", min(MDM_BLOCK_LENGTH, gen_length))
-      self.decode_kwargs.setdefault("steps", gen_length)
 
   def encode(self, text: str) -> list[int]:
     """Prompt ids of one text (after the chat template when it is on)."""

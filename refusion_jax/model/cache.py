@@ -9,6 +9,9 @@ entry never needs its position again except for bookkeeping.
 
 from __future__ import annotations
 
+import math
+
+import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -58,9 +61,11 @@ class KVCache:
   def capacity(self) -> int:
     return self.k.shape[2]
 
-  @property
-  def nbytes(self) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
+
+def kv_cache_bytes(config: ModelConfig, batch: int, capacity: int) -> int:
+  """Bytes of a `KVCache` of that batch and capacity (computed from shapes, nothing allocated)."""
+  shapes = jax.eval_shape(lambda: KVCache.create(config, batch, capacity))
+  return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 
 
 def write(
@@ -83,7 +88,11 @@ def write(
     The cache with the masked entries written and marked valid. `length` is
     left unchanged; `append` is the usual way to extend the cache.
   """
-  capacity = cache.capacity
+  layers, batch, capacity, kv_heads, head_dim = cache.k.shape
+  block = indices.shape[-1]
+  chex.assert_shape([kv.k, kv.v], (layers, batch, block, kv_heads, head_dim))
+  chex.assert_shape([indices, positions, write_mask], (batch, block))
+  chex.assert_type([indices, positions, write_mask], [int, int, bool])
   # Out-of-range indices are dropped by the scatter: that is the mask.
   target = jnp.where(write_mask, indices, capacity)
   batch_idx = jnp.arange(target.shape[0])[:, None]

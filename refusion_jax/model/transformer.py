@@ -13,6 +13,7 @@ maps them to mesh axes.
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -210,6 +211,7 @@ class Transformer(nnx.Module):
       `BlockKV` ([layers, batch, block, kv_heads, head_dim]).
     """
     c = self.config
+    chex.assert_rank(tokens, 2)
     batch, block = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(block, dtype=jnp.int32), (batch, block))
@@ -217,6 +219,10 @@ class Transformer(nnx.Module):
       mask = causal_mask(batch, block)
       if cache is not None:
         mask = block_mask(cache, mask)
+    keys = block if cache is None else cache.capacity + block
+    chex.assert_shape(positions, (batch, block))
+    chex.assert_shape(mask, (batch, block, keys))
+    chex.assert_type([tokens, positions, mask], [int, int, bool])
 
     x = self.embed_tokens[...][tokens].astype(c.compute_dtype)
     keys, values = [], []

@@ -473,13 +473,13 @@ def decode_answers(model: Transformer, prompts: list[list[int]], config: ml_coll
       slot_threshold=ev.slot_threshold,
       token_threshold=ev.token_threshold,
     )
-  from refusion_jax.decoding import baselines
-
   if kind == "ar":
-    return baselines.ar_generate(model, prompts, gen_length=ev.gen_length)
-  return baselines.mdm_generate(
-    model, prompts, gen_length=ev.gen_length, block_length=ev.mdm_block_length, steps=ev.mdm_steps
-  )
+    from refusion_jax.decoding.ar import ar_generate
+
+    return ar_generate(model, prompts, gen_length=ev.gen_length)
+  from refusion_jax.decoding.mdm import mdm_generate
+
+  return mdm_generate(model, prompts, gen_length=ev.gen_length, block_length=ev.mdm_block_length, steps=ev.mdm_steps)
 
 
 def evaluate_decoding(model: Transformer, records, tokenizer: Tokenizer, config: ml_collections.ConfigDict):
