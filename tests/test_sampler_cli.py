@@ -187,7 +187,7 @@ def test_cli_names_a_hf_checkpoint_without_a_tokenizer_and_accepts_ids(capsys, t
   code, out, err = run_cli(capsys, "--hf_checkpoint", tmp_path, "--prompt_ids", "300,7,450", "--method", "ar", "--json")
   assert code == 0, err
   tokens = json.loads(out)["tokens"]
-  assert tokens == baselines.ar_generate(big, [[300, 7, 450]], gen_length=64, eos_id=510, pad_id=509).tokens[0]
+  assert tokens == ar.ar_generate(big, [[300, 7, 450]], gen_length=64, eos_id=510, pad_id=509).tokens[0]
   assert json.loads(out)["text"] == ",".join(map(str, tokens))
 
 
