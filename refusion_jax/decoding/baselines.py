@@ -38,7 +38,7 @@ from refusion_jax.decoding.common import (
 )
 from refusion_jax.model import cache as kv_cache
 from refusion_jax.model.config import ModelConfig
-from refusion_jax.model.transformer import Transformer
+from refusion_jax.model.transformer import Transformer, inference_view
 
 # An id no token has: "no EOS known" simply never matches.
 _NO_TOKEN = -1
@@ -159,6 +159,7 @@ def ar_generate(
     A `DecodeResult`: num_forwards = steps = answer tokens per row (prefill
     included), commit_iteration[b, t] = t.
   """
+  model = inference_view(model)
   config = model.config
   check_prompts(prompt_ids, config, gen_length)
   temperature = check_temperature(temperature)
@@ -307,6 +308,7 @@ def mdm_generate(
   Returns:
     A `DecodeResult`; commit_iteration is the step that unmasked each position.
   """
+  model = inference_view(model)
   config = model.config
   check_prompts(prompt_ids, config, gen_length)
   check_mdm_schedule(gen_length, block_length, steps)

@@ -52,7 +52,7 @@ from refusion_jax.decoding.common import (
   row_gumbel_noise,
 )
 from refusion_jax.model import cache as kv_cache
-from refusion_jax.model.transformer import Transformer
+from refusion_jax.model.transformer import Transformer, inference_view
 
 __all__ = [
   "DecodeKnobs",
@@ -453,6 +453,7 @@ def generate(
     position and commit_phase PHASE_VERIFY or PHASE_INFILL (-1 / PHASE_NONE
     past the answer, also where a slot after the EOS was committed).
   """
+  model = inference_view(model)
   config = model.config
   check_slot_layout(gen_length, slot_size, serial_blocks)
   check_prompts(prompt_ids, config, gen_length)

@@ -20,7 +20,7 @@ from refusion_jax.data.tokenizer import Tokenizer, load_tokenizer
 from refusion_jax.decoding import baselines
 from refusion_jax.decoding import refusion as decode
 from refusion_jax.decoding.common import DecodeResult
-from refusion_jax.model.transformer import Transformer
+from refusion_jax.model.transformer import Transformer, inference_view
 
 # The decoder of each method and its default knobs (the paper's settings scaled to short demos).
 METHODS: dict[str, tuple[Callable[..., DecodeResult], dict]] = {
@@ -73,7 +73,7 @@ class Sampler:
     unknown = sorted(set(decode_kwargs) - set(options))
     if unknown:
       raise ValueError(f"method={method!r} takes no {', '.join(unknown)}; its options are {options}.")
-    self.model = model
+    self.model = inference_view(model)  # remat off and weights cast once, not per call
     self.method = method
     self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     self.chat_template = chat_template

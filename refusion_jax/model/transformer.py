@@ -235,3 +235,39 @@ class Transformer(nnx.Module):
 def init_model(config: ModelConfig, seed: int = 0) -> Transformer:
   """A randomly initialised model."""
   return Transformer(config, rngs=nnx.Rngs(params=seed))
+
+
+def inference_view(model: Transformer) -> Transformer:
+  """The model as every decoder must run it: no remat, weights already in the compute dtype.
+
+  Remat only pays off where gradients are taken; inside a decode `while_loop`
+  `nnx.remat` even fails (it would write Params of an outer trace). Weights
+  stored wider than the compute dtype (float32 master weights, bfloat16
+  compute) are cast here, once: a jitted decoder that received them as
+  float32 would hold a cast copy of every weight for each call. Hold on to the
+  view to pay the cast once (the `Sampler` does); a view of a view, or of a
+  model that needs no change, is the model itself.
+
+  The view shares every parameter array with `model` when no cast is needed
+  (no copy), and keeps each array's sharding and logical axes either way.
+  Updating `model` afterwards does not update a cast view.
+  """
+  config = model.config
+  narrow = _narrower_dtype(config.weight_dtype, config.compute_dtype)
+  view_config = config.replace(remat=False, param_dtype=config.dtype if narrow else config.param_dtype)
+  if view_config == config:
+    return model
+  graphdef, state = nnx.split(model)
+  if narrow:
+    state = jax.tree.map(lambda x: x.astype(config.compute_dtype) if x.dtype == config.weight_dtype else x, state)
+  view = nnx.merge(graphdef, state)
+  # The config is a static attribute of the modules that read it at call time.
+  for _, node in nnx.iter_graph(view):
+    if isinstance(node, nnx.Module) and getattr(node, "config", None) == config:
+      node.config = view_config
+  return view
+
+
+def _narrower_dtype(stored: jnp.dtype, compute: jnp.dtype) -> bool:
+  """Whether weights stored as `stored` lose bits in `compute` (so casting them once saves memory)."""
+  return jnp.dtype(compute).itemsize < jnp.dtype(stored).itemsize
