@@ -1,41 +1,130 @@
 #!/usr/bin/env bash
-# Run refusion_jax.train on every worker of a Cloud TPU VM pod (one process per host).
+# Train on a Cloud TPU VM pod: one process per host, all started together (gcloud ... ssh --worker=all).
 #
-#   launch/tpu_pod.sh TPU_NAME ZONE CONFIG WORKDIR [--config.field=value ...]
-#   e.g. launch/tpu_pod.sh refusion-v5p-64 us-east5-a configs/refusion_qwen3_8b.py /mnt/shared/refusion \
+#   launch/tpu_pod.sh [--dry_run] [--accelerator=TYPE [--spot] [--runtime=VERSION]] \
+#       TPU_NAME ZONE CONFIG WORKDIR [--config.field=value ...]
+#   launch/tpu_pod.sh [--dry_run] logs|stop|delete TPU_NAME ZONE
+#
+#   e.g. launch/tpu_pod.sh --accelerator=v5p-128 --spot refusion-pod us-east5-a \
+#          configs/refusion_qwen3_8b.py /mnt/shared/refusion \
 #          --config.init_from_hf=/mnt/shared/Qwen3-8B --config.data.train_files=/mnt/shared/train.json
 #
-# What it does, on all workers at once (gcloud ... ssh --worker=all):
-#   1. copies this checkout to ~/refusion_jax (skip with SYNC=0),
-#   2. installs it with the TPU extra (skip with INSTALL=0),
-#   3. starts training in the background with REFUSION_DISTRIBUTED=1, so each
-#      process calls jax.distributed.initialize() (auto-detected on Cloud TPU),
-#      logging to ~/refusion_train.log on every worker.
-# WORKDIR must be one directory every worker sees (NFS, Filestore or a gcsfuse
-# mount): orbax writes each checkpoint there from all hosts together. A
-# preempted or stopped job resumes from it when this script is run again.
+# Training (the first form):
+#   1. with --accelerator: creates the TPU as a queued resource (TYPE as gcloud names it: v5p-128 is 64
+#      chips) and waits until it is ACTIVE; without it the TPU must exist already;
+#   2. copies this checkout to ~/refusion_jax on every worker (skip with SYNC=0);
+#   3. installs it with the TPU extra (skip with INSTALL=0);
+#   4. starts training in the background with REFUSION_DISTRIBUTED=1 (jax.distributed auto-detects the pod),
+#      logging to ~/refusion_train.log on every worker, and prints how to follow it and stop it.
+# WORKDIR must be one directory every worker sees (NFS / Filestore, or a gcsfuse-mounted bucket): orbax
+# writes each checkpoint there from all hosts together. A preempted or stopped job resumes from its latest
+# checkpoint when the same command is run again (recreate the TPU first if it was preempted).
 #
-# Follow worker 0:  gcloud compute tpus tpu-vm ssh TPU_NAME --zone ZONE --worker=0 --command 'tail -f ~/refusion_train.log'
-# Stop (saves a checkpoint first, SIGTERM):
-#   gcloud compute tpus tpu-vm ssh TPU_NAME --zone ZONE --worker=all --command 'pkill -TERM -f "refusion_jax.train --config"'
+#   logs    follow worker 0's log
+#   stop    SIGTERM on every worker: the run saves a checkpoint and exits
+#   delete  delete the queued resource and its TPU
+#
+# --dry_run prints every command (create, set-up, run, follow logs, stop) instead of running it.
 set -euo pipefail
 
-if [[ $# -lt 4 ]]; then
-  sed -n '2,20p' "$0"
+usage() {
+  sed -n '2,27p' "$0"
   exit 2
-fi
+}
+
+DRY_RUN=0 ACCELERATOR="" SPOT=0 RUNTIME=""
+while [[ $# -gt 0 && $1 == --* ]]; do
+  case $1 in
+    --dry_run) DRY_RUN=1 ;;
+    --accelerator=*) ACCELERATOR=${1#*=} ;;
+    --spot) SPOT=1 ;;
+    --runtime=*) RUNTIME=${1#*=} ;;
+    *) echo "Unknown option $1" >&2; usage ;;
+  esac
+  shift
+done
+
+# A command as it can be pasted into a shell: words with shell syntax in single quotes.
+quoted() {
+  local word out=()
+  for word in "$@"; do
+    if [[ $word =~ ^[A-Za-z0-9_./:=@%+,~-]+$ ]]; then out+=("$word"); else out+=("'${word//\'/\'\\\'\'}'"); fi
+  done
+  echo "${out[*]}"
+}
+
+# Print a command, then run it (unless --dry_run).
+run() {
+  quoted "$@"
+  if [[ $DRY_RUN == 0 ]]; then "$@"; fi
+}
+
+ssh_workers() {  # ssh_workers WORKERS COMMAND
+  run gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone "$ZONE" --worker="$1" --command "$2"
+}
+
+follow_logs() { ssh_workers 0 'tail -f ~/refusion_train.log'; }
+stop_training() { ssh_workers all 'pkill -TERM -f "refusion_jax.train --config"'; }
+
+# gcloud's TPU software version for an accelerator family.
+runtime_for() {
+  case $1 in
+    v4-*) echo tpu-ubuntu2204-base ;;
+    v5litepod-*) echo v2-alpha-tpuv5-lite ;;
+    v5p-*) echo v2-alpha-tpuv5 ;;
+    v6e-*) echo v2-alpha-tpuv6e ;;
+    *) echo "Unknown accelerator $1; pass --runtime=VERSION (gcloud compute tpus versions list)." >&2; exit 2 ;;
+  esac
+}
+
+create_tpu() {
+  local runtime=${RUNTIME:-$(runtime_for "$ACCELERATOR")}
+  local spot=()
+  if [[ $SPOT == 1 ]]; then spot=(--spot); fi
+  run gcloud compute tpus queued-resources create "$TPU_NAME" --node-id "$TPU_NAME" --zone "$ZONE" \
+    --accelerator-type "$ACCELERATOR" --runtime-version "$runtime" "${spot[@]}"
+  local state=(gcloud compute tpus queued-resources describe "$TPU_NAME" --zone "$ZONE" --format 'value(state.state)')
+  echo "# wait until the queued resource is ACTIVE:"
+  run "${state[@]}"
+  if [[ $DRY_RUN == 0 ]]; then
+    until [[ $("${state[@]}") == ACTIVE ]]; do sleep 60; done
+  fi
+}
+
+case ${1:-} in
+  logs | stop | delete)
+    [[ $# -eq 3 ]] || usage
+    STEP=$1 TPU_NAME=$2 ZONE=$3
+    case $STEP in
+      logs) follow_logs ;;
+      stop) stop_training ;;
+      delete) run gcloud compute tpus queued-resources delete "$TPU_NAME" --zone "$ZONE" --force --quiet ;;
+    esac
+    exit 0
+    ;;
+esac
+
+[[ $# -ge 4 ]] || usage
 TPU_NAME=$1 ZONE=$2 CONFIG=$3 WORKDIR=$4
 shift 4
 REMOTE_DIR='~/refusion_jax'
-ssh_all() { gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone "$ZONE" --worker=all --command "$1"; }
 
+if [[ -n $ACCELERATOR ]]; then
+  echo "# create"
+  create_tpu
+fi
+echo "# set up"
 if [[ "${SYNC:-1}" == 1 ]]; then
   repo_root=$(cd "$(dirname "$0")/.." && pwd)
-  gcloud compute tpus tpu-vm scp --zone "$ZONE" --worker=all --recurse "$repo_root" "$TPU_NAME:$REMOTE_DIR"
+  run gcloud compute tpus tpu-vm scp --zone "$ZONE" --worker=all --recurse "$repo_root" "$TPU_NAME:$REMOTE_DIR"
 fi
 if [[ "${INSTALL:-1}" == 1 ]]; then
-  ssh_all "cd $REMOTE_DIR && python3 -m pip install -q -e '.[tpu]'"
+  ssh_workers all "cd $REMOTE_DIR && python3 -m pip install -q -e '.[tpu]'"
 fi
+echo "# run"
 args=$(printf ' %q' --config "$CONFIG" --workdir "$WORKDIR" "$@")
-ssh_all "cd $REMOTE_DIR && REFUSION_DISTRIBUTED=1 nohup python3 -m refusion_jax.train$args > ~/refusion_train.log 2>&1 &"
-echo "Started on every worker of $TPU_NAME; logs in ~/refusion_train.log on each."
+ssh_workers all "cd $REMOTE_DIR && REFUSION_DISTRIBUTED=1 nohup python3 -m refusion_jax.train$args > ~/refusion_train.log 2>&1 &"
+echo "# follow logs (launch/tpu_pod.sh logs $TPU_NAME $ZONE):"
+DRY_RUN=1 follow_logs
+echo "# stop, saving a checkpoint first (launch/tpu_pod.sh stop $TPU_NAME $ZONE):"
+DRY_RUN=1 stop_training

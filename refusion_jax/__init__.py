@@ -11,6 +11,7 @@ _EXPORTS = {
   "preset": "refusion_jax.model.config",
   "Transformer": "refusion_jax.model.transformer",
   "init_model": "refusion_jax.model.transformer",
+  "inference_view": "refusion_jax.model.transformer",
   "KVCache": "refusion_jax.model.cache",
   "BlockKV": "refusion_jax.model.cache",
   "load_hf": "refusion_jax.checkpoints.hf",

@@ -27,7 +27,7 @@ from flax import nnx
 
 from refusion_jax.model import cache as kv_cache
 from refusion_jax.model.config import ModelConfig
-from refusion_jax.model.transformer import Transformer
+from refusion_jax.model.transformer import Transformer, inference_view
 
 # Prompt lengths are padded up to the smallest bucket that holds them.
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -401,6 +401,7 @@ def run_decoder(
   config = model.config
   check_prompts(prompt_ids, config, gen_length)
   pad = check_special_id("pad_id", default_pad_id(pad_id, config), config)
+  model = inference_view(model)  # every decoder runs without remat, on weights cast once (docs/method.md §5)
   start = time.perf_counter()
   prompt, lengths = pad_prompts(prompt_ids, pad)
   graphdef, params = nnx.split(model)

@@ -33,7 +33,7 @@ from refusion_jax.decoding.common import (
   check_refusion_knobs,
 )
 from refusion_jax.model.cache import KVCache
-from refusion_jax.model.transformer import Transformer
+from refusion_jax.model.transformer import Transformer, inference_view
 
 
 def _bucket(n: int, least: int = 1) -> int:
@@ -141,6 +141,7 @@ def decode_reference(
     A batch-1 `DecodeResult`; commit_iteration is the plan step (0-based) whose
     cycle committed each answer position.
   """
+  model = inference_view(model)
   config = model.config
   check_prompts([prompt_ids], config, gen_length)
   knobs = check_refusion_knobs(

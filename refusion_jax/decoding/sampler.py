@@ -22,7 +22,7 @@ from refusion_jax.decoding.ar import ar_generate
 from refusion_jax.decoding.common import DecodeResult
 from refusion_jax.decoding.mdm import mdm_generate
 from refusion_jax.decoding.refusion import generate
-from refusion_jax.model.transformer import Transformer
+from refusion_jax.model.transformer import Transformer, inference_view
 
 # The decoder of each method; its default knobs are `defaults.method_defaults(method, gen_length)`.
 METHODS: dict[str, Callable[..., DecodeResult]] = {"refusion": generate, "ar": ar_generate, "mdm": mdm_generate}
@@ -67,7 +67,7 @@ class Sampler:
     unknown = sorted(set(decode_kwargs) - set(options))
     if unknown:
       raise ValueError(f"method={method!r} takes no {', '.join(unknown)}; its options are {options}.")
-    self.model = model
+    self.model = inference_view(model)  # remat off and weights cast once, not per call
     self.method = method
     self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     self.chat_template = chat_template

@@ -17,6 +17,8 @@ from typing import Literal
 import jax.numpy as jnp
 
 Architecture = Literal["qwen3", "qwen2", "llama"]
+AttentionImpl = Literal["xla", "chunked", "dot_product"]
+_ATTENTION_IMPLS = ("xla", "chunked", "dot_product")
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -54,6 +56,11 @@ class ModelConfig:
   param_dtype: str = "float32"
   # Rematerialise each decoder layer in the backward pass (training memory saver).
   remat: bool = False
+  # How attention is computed (same logits; see refusion_jax.model.transformer): "xla" holds every
+  # [heads, block, keys] score at once, "chunked" only `attention_chunk` query rows' worth (long training
+  # sequences), "dot_product" calls jax.nn.dot_product_attention.
+  attention_impl: AttentionImpl = "xla"
+  attention_chunk: int = 512
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -63,6 +70,10 @@ class ModelConfig:
         raise ValueError(f"{field}={getattr(self, field)!r}; expected one of {sorted(_DTYPES)}.")
     if self.architecture not in ("qwen3", "qwen2", "llama"):
       raise ValueError(f"architecture={self.architecture!r}; expected 'qwen3', 'qwen2' or 'llama'.")
+    if self.attention_impl not in _ATTENTION_IMPLS:
+      raise ValueError(f"attention_impl={self.attention_impl!r}; expected one of {_ATTENTION_IMPLS}.")
+    if self.attention_chunk < 1:
+      raise ValueError(f"attention_chunk={self.attention_chunk} must be at least 1 (query rows per chunk).")
 
   @property
   def compute_dtype(self) -> jnp.dtype:

@@ -7,11 +7,22 @@ never from the positions, which is what lets ReFusion store tokens out of
 position order.
 
 Every parameter carries logical axis names (`embed`, `heads`, `kv_heads`,
-`head_dim`, `mlp`, `vocab`, `layers`) as metadata; `refusion_jax.parallel.sharding`
-maps them to mesh axes.
+`head_dim`, `mlp`, `vocab`, `layers`) as metadata, and the residual stream,
+attention and MLP intermediates and logits are constrained by `activation_*`
+names; `refusion_jax.parallel.sharding` maps both to mesh axes (docs/method.md §5).
+
+`config.attention_impl` picks how attention is computed (same logits):
+
+| impl          | scores held at once                 | use                                                  |
+| ------------- | ----------------------------------- | ---------------------------------------------------- |
+| `xla`         | [batch, heads, block, keys] float32 | decoding, short sequences (default)                  |
+| `chunked`     | [batch, heads, chunk, keys] float32 | long-sequence training (each chunk remat'd)          |
+| `dot_product` | as `xla` on CPU and TPU             | `jax.nn.dot_product_attention` (backends it fuses on) |
 """
 
 from __future__ import annotations
+
+import functools
 
 import chex
 import jax
@@ -20,10 +31,23 @@ from flax import nnx
 
 from refusion_jax.model.cache import BlockKV, KVCache, block_mask
 from refusion_jax.model.config import ModelConfig
+from refusion_jax.parallel.activations import constrain
 
 # Large negative instead of -inf: a fully masked query row (padding, finished
 # decode rows) then gives a harmless uniform average rather than NaN.
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+KV = tuple[jax.Array, jax.Array]  # one layer's keys and values, each [batch, length, kv_heads, head_dim]
+
+# Logical axes of the activations (see refusion_jax.parallel.sharding.LOGICAL_AXIS_RULES).
+_RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
+_HEADS = ("activation_batch", "activation_length", "activation_heads", "activation_head_dim")
+_KV = ("activation_batch", "activation_length", "activation_kv_heads", "activation_head_dim")
+# Grouped queries [batch, length, kv_heads, groups, head_dim]; scores [batch, kv_heads, groups, length, keys].
+_GROUPED = ("activation_batch", "activation_length", "activation_kv_heads", None, "activation_head_dim")
+_SCORES = ("activation_batch", "activation_kv_heads", None, "activation_length", None)
+_MLP = ("activation_batch", "activation_length", "activation_mlp")
+_LOGITS = ("activation_batch", "activation_length", "activation_vocab")
 
 
 def _param(rngs: nnx.Rngs, shape, axes, config: ModelConfig, init=None) -> nnx.Param:
@@ -116,26 +140,87 @@ class Attention(nnx.Module):
     q = rope(q, positions, c.rope_theta, c.rope_scaling_factor)
     k = rope(k, positions, c.rope_theta, c.rope_scaling_factor)
 
+    q, k, v = constrain(q, _HEADS), constrain(k, _KV), constrain(v, _KV)
+
     batch, block = x.shape[:2]
     groups = c.num_heads // c.num_kv_heads
     q = q.reshape(batch, block, c.num_kv_heads, groups, c.head_dim) * (c.head_dim**-0.5)
-
-    # Scores against the cache and against the block are computed apart and
-    # joined only as scores, so the cache itself is never concatenated.
-    scores = [jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)]
-    if cached is not None:
-      cache_k, cache_v = cached
-      scores.insert(0, jnp.einsum("btkgd,bskd->bkgts", q, cache_k, preferred_element_type=jnp.float32))
-    scores = jnp.concatenate(scores, axis=-1)
-    scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-
-    out = jnp.einsum("bkgts,bskd->btkgd", probs[..., -block:], v)
-    if cached is not None:
-      out = out + jnp.einsum("bkgts,bskd->btkgd", probs[..., :-block], cache_v)
-    out = out.reshape(batch, block, c.num_heads, c.head_dim)
+    chunked = functools.partial(attend_chunked, chunk=c.attention_chunk)
+    attend = {"xla": attend_dense, "chunked": chunked, "dot_product": attend_dot_product}[c.attention_impl]
+    out = attend(q, k, v, cached, mask)
+    out = constrain(out.reshape(batch, block, c.num_heads, c.head_dim), _HEADS)
     out = jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(x.dtype))
-    return out, (k, v)
+    return constrain(out, _RESIDUAL), (k, v)
+
+
+def attend_dense(q: jax.Array, k: jax.Array, v: jax.Array, cached: KV | None, mask: jax.Array) -> jax.Array:
+  """Softmax attention of a query block to the cache and the block's own keys, all scores at once.
+
+  Args:
+    q: [batch, queries, kv_heads, groups, head_dim], already scaled by head_dim^-0.5.
+    k, v: the block's keys and values [batch, block, kv_heads, head_dim].
+    cached: the cache's keys and values, each [batch, capacity, kv_heads, head_dim], or None.
+    mask: [batch, queries, capacity + block] bool (cache entries first).
+
+  Returns:
+    [batch, queries, kv_heads, groups, head_dim] in q's dtype.
+  """
+  # Scores against the cache and against the block are computed apart and
+  # joined only as scores, so the cache itself is never concatenated.
+  scores = [jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)]
+  if cached is not None:
+    cache_k, cache_v = cached
+    scores.insert(0, jnp.einsum("btkgd,bskd->bkgts", q, cache_k, preferred_element_type=jnp.float32))
+  scores = constrain(jnp.concatenate(scores, axis=-1), _SCORES)
+  scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
+  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+
+  block = k.shape[1]
+  out = jnp.einsum("bkgts,bskd->btkgd", probs[..., -block:], v)
+  if cached is not None:
+    out = out + jnp.einsum("bkgts,bskd->btkgd", probs[..., :-block], cache_v)
+  return constrain(out, _GROUPED)
+
+
+def attend_chunked(
+  q: jax.Array, k: jax.Array, v: jax.Array, cached: KV | None, mask: jax.Array, *, chunk: int
+) -> jax.Array:
+  """`attend_dense` over `chunk` queries at a time, each chunk rematerialised in the backward pass.
+
+  Only one chunk's scores [batch, heads, chunk, keys] exist at once, forward
+  and backward, instead of [batch, heads, queries, keys]: what lets 4096-token
+  training fit. Rows are independent, so the result is the dense one. Shapes
+  as in `attend_dense`; queries are padded up to a multiple of `chunk`.
+  """
+  queries = q.shape[1]
+  if queries <= chunk:
+    return attend_dense(q, k, v, cached, mask)
+  pad = -queries % chunk
+  q = jnp.pad(q, [(0, 0), (0, pad)] + [(0, 0)] * 3)
+  mask = jnp.pad(mask, [(0, 0), (0, pad), (0, 0)])  # padded queries see nothing and are dropped below
+
+  def split(x):  # [batch, queries, ...] -> [queries / chunk, batch, chunk, ...]
+    return jnp.moveaxis(x.reshape(x.shape[0], -1, chunk, *x.shape[2:]), 1, 0)
+
+  # prevent_cse=False: inside a scan, CSE cannot undo the rematerialisation.
+  one_chunk = jax.checkpoint(lambda qm: attend_dense(qm[0], k, v, cached, qm[1]), prevent_cse=False)
+  out = jax.lax.map(one_chunk, (split(q), split(mask)))  # [chunks, batch, chunk, kv_heads, groups, head_dim]
+  out = jnp.moveaxis(out, 0, 1).reshape(q.shape)
+  return out[:, :queries]
+
+
+def attend_dot_product(q: jax.Array, k: jax.Array, v: jax.Array, cached: KV | None, mask: jax.Array) -> jax.Array:
+  """`jax.nn.dot_product_attention` with the explicit mask; shapes as in `attend_dense`.
+
+  It takes one key sequence, so the cache and the block's keys are joined (a
+  copy of the layer's cache per forward).
+  """
+  batch, queries, kv_heads, groups, head_dim = q.shape
+  if cached is not None:
+    k, v = (jnp.concatenate([entries, new], axis=1) for entries, new in zip(cached, (k, v)))
+  grouped = q.reshape(batch, queries, kv_heads * groups, head_dim)  # query head h uses KV head h // groups
+  out = jax.nn.dot_product_attention(grouped, k, v, mask=mask[:, None], scale=1.0)
+  return constrain(out.reshape(q.shape), _GROUPED)
 
 
 class MLP(nnx.Module):
@@ -148,9 +233,9 @@ class MLP(nnx.Module):
     self.down_proj = _param(rngs, (c.intermediate_size, c.hidden_size), ("mlp", "embed"), c)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    gate = x @ self.gate_proj[...].astype(x.dtype)
-    up = x @ self.up_proj[...].astype(x.dtype)
-    return (jax.nn.silu(gate) * up) @ self.down_proj[...].astype(x.dtype)
+    gate = constrain(x @ self.gate_proj[...].astype(x.dtype), _MLP)
+    up = constrain(x @ self.up_proj[...].astype(x.dtype), _MLP)
+    return constrain((jax.nn.silu(gate) * up) @ self.down_proj[...].astype(x.dtype), _RESIDUAL)
 
 
 class DecoderLayer(nnx.Module):
@@ -164,8 +249,8 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, x, positions, mask, cached):
     attn_out, kv = self.self_attn(self.input_layernorm(x), positions, mask, cached)
-    x = x + attn_out
-    x = x + self.mlp(self.post_attention_layernorm(x))
+    x = constrain(x + attn_out, _RESIDUAL)
+    x = constrain(x + self.mlp(self.post_attention_layernorm(x)), _RESIDUAL)
     return x, kv
 
 
@@ -224,7 +309,10 @@ class Transformer(nnx.Module):
     chex.assert_shape(mask, (batch, block, keys))
     chex.assert_type([tokens, positions, mask], [int, int, bool])
 
-    x = self.embed_tokens[...][tokens].astype(c.compute_dtype)
+    # The lookup reads a whole (cast) table: gathering from a table split along `embed` would leave the rows
+    # split along `embed` too, which XLA can only turn into batch-split rows by replicating them first.
+    table = constrain(self.embed_tokens[...].astype(c.compute_dtype), (None, None))
+    x = constrain(table[tokens], _RESIDUAL)
     keys, values = [], []
     for i, layer in enumerate(self.layers):
       cached = None if cache is None else (cache.k[i], cache.v[i])
@@ -235,6 +323,7 @@ class Transformer(nnx.Module):
     x = self.norm(x)
     head = self.embed_tokens[...].T if c.tie_embeddings else self.lm_head[...]
     logits = jnp.einsum("bte,ev->btv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+    logits = constrain(logits, _LOGITS)
     return logits, BlockKV(k=jnp.stack(keys), v=jnp.stack(values))
 
 
@@ -249,3 +338,43 @@ def abstract_model(config: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
   Nothing is allocated or initialised: loaders fill the state from a checkpoint.
   """
   return nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+
+
+def inference_view(model: Transformer) -> Transformer:
+  """The model as every decoder must run it: no remat, weights already in the compute dtype.
+
+  Remat only pays off where gradients are taken; inside a decode `while_loop`
+  `nnx.remat` even fails (it would write Params of an outer trace). Weights
+  stored wider than the compute dtype (float32 master weights, bfloat16
+  compute) are cast here, once: a jitted decoder that received them as
+  float32 would hold a cast copy of every weight for each call. Hold on to the
+  view to pay the cast once (the `Sampler` does); a view of a view, or of a
+  model that needs no change, is the model itself.
+
+  The view shares every parameter array with `model` when no cast is needed
+  (no copy), and keeps each array's sharding and logical axes either way.
+  Updating `model` afterwards does not update a cast view.
+  """
+  config = model.config
+  view_config = inference_config(config)
+  if view_config == config:
+    return model
+  graphdef, state = nnx.split(model)
+  if view_config.weight_dtype != config.weight_dtype:
+    state = jax.tree.map(lambda x: x.astype(config.compute_dtype) if x.dtype == config.weight_dtype else x, state)
+  view = nnx.merge(graphdef, state)
+  # The config is a static attribute of the modules that read it at call time.
+  for _, node in nnx.iter_graph(view):
+    if isinstance(node, nnx.Module) and getattr(node, "config", None) == config:
+      node.config = view_config
+  return view
+
+
+def inference_config(config: ModelConfig) -> ModelConfig:
+  """The config of `inference_view`: remat off, and weights wider than the compute dtype stored in it.
+
+  Weights narrower than the compute dtype stay as they are (casting them up
+  once would only take more memory).
+  """
+  narrower = jnp.dtype(config.compute_dtype).itemsize < jnp.dtype(config.weight_dtype).itemsize
+  return config.replace(remat=False, param_dtype=config.dtype if narrower else config.param_dtype)

@@ -1,8 +1,9 @@
 """Device mesh and the one table that maps logical axis names to mesh axes.
 
 Every parameter carries logical axis names (`embed`, `heads`, `kv_heads`,
-`head_dim`, `mlp`, `vocab`, `layers`; see `refusion_jax.model.transformer`), and batches use
-`batch` and `length`. `LOGICAL_AXIS_RULES` maps each name to a mesh axis (or
+`head_dim`, `mlp`, `vocab`, `layers`; see `refusion_jax.model.transformer`), batches use
+`batch` and `length`, and the forward's activations `activation_*` names
+(`refusion_jax.parallel.activations`). `LOGICAL_AXIS_RULES` maps each name to a mesh axis (or
 several, or None for "replicated"); the config may replace the table. The
 mesh has three axes:
 
@@ -40,6 +41,15 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
   ("head_dim", None),
   ("mlp", "tensor"),
   ("layers", None),
+  # Activations (refusion_jax.parallel.activations): split like the batch, heads / MLP / vocab over `tensor`.
+  ("activation_batch", ("data", "fsdp")),
+  ("activation_length", None),
+  ("activation_embed", None),
+  ("activation_heads", "tensor"),
+  ("activation_kv_heads", "tensor"),
+  ("activation_head_dim", None),
+  ("activation_mlp", "tensor"),
+  ("activation_vocab", "tensor"),
 )
 
 Rules = Sequence[tuple[str, Any]]

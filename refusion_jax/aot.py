@@ -1,0 +1,282 @@
+"""Compile a training config ahead of time for a TPU topology (or the local devices) and report what fits.
+
+    python -m refusion_jax.aot --config configs/refusion_qwen3_8b.py --topology v5p:4x4x4
+    python -m refusion_jax.aot --config configs/refusion_qwen3_8b.py --topology v5p:2x2x1 \\
+        --config.grad_accum_steps=4 --decode_batch=1,32 --decode_mesh=tensor=4
+    python -m refusion_jax.aot --config configs/demo.py:smoke      # the local devices
+
+Compiles (a) the training step at the config's batch, sequence length,
+gradient accumulation and mesh, and (b) the ReFusion decode loop (prefill +
+plan-and-infill while_loop) per `--decode_batch`, at `--decode_prompt_length`
++ `config.eval.gen_length` on `--decode_mesh`. Nothing is allocated and no
+TPU is needed: a topology is described by libtpu (`pip install
+"jax[tpu]==<your jax version>"`). For each program it prints the per-device
+memory (arguments, outputs, temporaries, total) against the chip's HBM, the
+compiled FLOPs and bytes, and a roofline *estimate* of its time; it exits with
+status 1, saying what to change, when something does not fit.
+
+Shapes come from `config.model` (preset + overrides), not from
+`init_from_hf`; special token ids the config leaves unset get placeholders
+(they do not change the compiled program).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from absl import app, flags
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+from ml_collections import config_flags
+
+from refusion_jax.checkpoints.orbax import abstract_model
+from refusion_jax.decoding.refusion import DecodeKnobs, DecodeSettings, decode_loop
+from refusion_jax.model.config import ModelConfig, preset
+from refusion_jax.model.transformer import inference_config, init_model
+from refusion_jax.parallel import aot, sharding
+from refusion_jax.parallel.activations import activation_sharding, normalize_rules, sharded_activations
+
+# The training step's builders, in one place (training/ is being split into modules).
+from refusion_jax.training.loop import (
+  init_state_fn,
+  make_optimizer,
+  make_placement,
+  make_train_step,
+  objective_config_from,
+)
+
+
+def model_config_of(config: ml_collections.ConfigDict) -> ModelConfig:
+  """`config.model` (preset + overrides) with placeholder special ids where the config has none."""
+  fields = dict(config.model)
+  model_config = preset(fields.pop("preset"), **fields)
+  last = model_config.vocab_size - 1
+  return model_config.replace(
+    mask_token_id=model_config.mask_token_id if model_config.mask_token_id is not None else last,
+    pad_token_id=model_config.pad_token_id if model_config.pad_token_id is not None else last,
+    eos_token_id=model_config.eos_token_id if model_config.eos_token_id is not None else last,
+  )
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+  """ "data=2,tensor=4" -> {"data": 2, "tensor": 4}."""
+  try:
+    return {name.strip(): int(size) for name, size in (item.split("=") for item in text.split(",") if item)}
+  except ValueError:
+    raise ValueError(
+      f"--decode_mesh={text!r}; write it as axis=size pairs, e.g. tensor=4 or data=2,tensor=2."
+    ) from None
+
+
+def mesh_devices(mesh_shape: dict[str, int], devices: Sequence[jax.Device]) -> list[jax.Device]:
+  """The first devices a mesh needs (all of them when an axis is -1)."""
+  if -1 in mesh_shape.values():
+    return list(devices)
+  needed = math.prod(mesh_shape.values())
+  if needed > len(devices):
+    raise ValueError(f"The mesh {mesh_shape} needs {needed} devices; the topology has {len(devices)}.")
+  return list(devices[:needed])
+
+
+def _abstract(tree, shardings):
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
+def batch_parallel_ways(mesh: jax.sharding.Mesh, rules) -> int:
+  """Devices the batch is split over (the mesh axes the `batch` rule names)."""
+  axes = dict(rules).get("batch")
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def check_microbatches(batch_size: int, grad_accum: int, ways: int) -> None:
+  """Each microbatch must still split over the batch-parallel devices (each device splits its own rows)."""
+  if batch_size % (grad_accum * ways):
+    raise ValueError(
+      f"batch_size={batch_size} is not a multiple of grad_accum_steps={grad_accum} x {ways} batch-parallel "
+      f"devices: each device's rows must split into {grad_accum} microbatches. Pick a grad_accum_steps that "
+      f"divides batch_size / {ways}, or change batch_size."
+    )
+
+
+def train_report(config: ml_collections.ConfigDict, devices: Sequence[jax.Device], chip: aot.Chip | None):
+  """Compile the training step as `refusion_jax.train` would run it, with the activations sharded like the batch."""
+  model_config = model_config_of(config)
+  rules = normalize_rules(config.sharding_rules)
+  mesh = sharding.make_mesh(dict(config.mesh), mesh_devices(dict(config.mesh), devices))
+  sharding.check_batch_divisible(config.batch_size, mesh, rules)
+  ways, accum = batch_parallel_ways(mesh, rules), config.grad_accum_steps
+  check_microbatches(config.batch_size, accum, ways)
+  tx, schedule = make_optimizer(config.optimizer, total_steps=max(config.num_train_steps, 1))
+  placement = make_placement(init_state_fn(model_config, tx, config.seed), mesh, rules)
+  graphdef, _ = abstract_model(model_config)
+  objective = objective_config_from(config, model_config)
+  step_fn = sharded_activations(make_train_step(graphdef, tx, schedule, objective, accum), mesh, rules)
+  step = placement.jit_step(step_fn)
+  shapes = {"tokens": (config.batch_size, config.data.seq_len), "prompt_len": (config.batch_size,)}
+  shapes["answer_len"] = shapes["prompt_len"]
+  batch = {
+    key: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding.batch_sharding(mesh, len(shape), rules))
+    for key, shape in shapes.items()
+  }
+  name = f"train step, batch {config.batch_size} x {config.data.seq_len}, grad_accum {accum}, mesh {_mesh_text(mesh)}"
+  report = aot.compile_report(
+    name, lambda: step.lower(placement.abstract_state, batch), list(mesh.devices.flat), chip, loop_count=accum
+  )
+  report.advice = train_advice(report, config, model_config, ways)
+  return report
+
+
+def decode_report(
+  config: ml_collections.ConfigDict,
+  devices: Sequence[jax.Device],
+  chip: aot.Chip | None,
+  batch: int,
+  prompt_length: int,
+  mesh_shape: dict[str, int],
+):
+  """Compile the ReFusion decode loop on the inference view of the model (no remat, weights in compute dtype)."""
+  model_config = inference_config(model_config_of(config))
+  rules = normalize_rules(config.sharding_rules)
+  mesh = sharding.make_mesh(mesh_shape, mesh_devices(mesh_shape, devices))
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: init_model(model_config)))
+  params = _abstract(abstract, sharding.state_shardings(abstract, mesh, rules))
+  replicated = NamedSharding(mesh, PartitionSpec())
+  knobs = DecodeKnobs(
+    slot_threshold=jnp.float32(0.9),
+    token_threshold=jnp.float32(0.9),
+    temperature=jnp.float32(0.0),
+    key=jax.random.key(0),
+    mask_id=jnp.int32(model_config.mask_token_id),
+    eos_id=jnp.int32(model_config.eos_token_id),
+  )
+  knobs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), knobs)
+  prompt = jax.ShapeDtypeStruct((batch, prompt_length), jnp.int32, sharding=replicated)
+  lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=replicated)
+  ev = config.eval
+  settings = DecodeSettings(ev.gen_length, ev.slot_size, ev.serial_blocks, sample=False)
+
+  def lower():
+    with activation_sharding(mesh, rules):  # the loop is traced here, so its forwards carry the constraints
+      return decode_loop.lower(graphdef, params, prompt, lengths, knobs, settings=settings)
+
+  name = (
+    f"decode (prefill + 1 loop iteration), batch {batch}, prompt {prompt_length} + {ev.gen_length} "
+    f"(S={ev.slot_size}, {ev.serial_blocks} blocks), {model_config.param_dtype} weights, mesh {_mesh_text(mesh)}"
+  )
+  report = aot.compile_report(name, lower, list(mesh.devices.flat), chip)
+  if report.fits is False:
+    report.advice = [
+      f"decode batch {batch} does not fit: lower --decode_batch, or split the weights over more chips "
+      f"with a tensor-parallel mesh (--decode_mesh=tensor=N, N dividing {model_config.num_kv_heads} KV heads)."
+    ]
+  return report
+
+
+def train_advice(report: aot.Report, config, model_config: ModelConfig, ways: int) -> list[str]:
+  """What to change when the training step does not fit (empty when it fits or the HBM is unknown)."""
+  if report.fits is not False:
+    return []
+  hbm = report.chip.hbm_bytes
+  advice = []
+  if report.arguments is not None and report.arguments > 0.8 * hbm:
+    advice.append(
+      f"parameters + optimizer state alone take {report.arguments / 1e9:.1f} GB per chip: shard them over "
+      f"more chips (a larger topology with config.mesh.fsdp=-1)."
+    )
+  if not model_config.remat:
+    advice.append("set --config.model.remat=True (recompute each layer in the backward pass).")
+  if model_config.attention_impl != "chunked" and config.data.seq_len > model_config.attention_chunk:
+    advice.append("set --config.model.attention_impl=chunked (scores of one query chunk at a time).")
+  accum = config.grad_accum_steps
+  # Activations scale with the microbatch; the state does not (an estimate from this compile).
+  state = report.arguments or 0
+  needed = (report.total - state) * accum / max(0.9 * hbm - state, 1.0)
+  per_device = config.batch_size // ways
+  choices = [k for k in range(accum + 1, per_device + 1) if per_device % k == 0 and k >= needed]
+  if choices:
+    advice.append(
+      f"raise --config.grad_accum_steps to {choices[0]} (estimated from this compile; "
+      f"it must divide the {per_device} rows per batch-parallel device)."
+    )
+  else:
+    advice.append(f"lower --config.batch_size (now {config.batch_size}) or add chips.")
+  return advice
+
+
+def _mesh_text(mesh: jax.sharding.Mesh) -> str:
+  return "x".join(f"{name}={size}" for name, size in mesh.shape.items() if size > 1) or "1 device"
+
+
+def run(
+  config: ml_collections.ConfigDict,
+  devices: Sequence[jax.Device],
+  chip: aot.Chip | None,
+  *,
+  programs: Sequence[str],
+  decode_batches: Sequence[int],
+  decode_prompt_length: int,
+  decode_mesh: dict[str, int],
+) -> list[aot.Report]:
+  """Compile the requested programs one at a time (big compiles are CPU-heavy) and return their reports."""
+  reports = []
+  if "train" in programs:
+    reports.append(train_report(config, devices, chip))
+    print(aot.format_table(reports[-1:]), flush=True)
+  if "decode" in programs:
+    for batch in decode_batches:
+      reports.append(decode_report(config, devices, chip, batch, decode_prompt_length, decode_mesh))
+      print(aot.format_table(reports[-1:]), flush=True)
+  return reports
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  f = flags.FLAGS
+  try:
+    devices = aot.topology_devices(f.topology) if f.topology else jax.devices()
+    chip = aot.chip_of(devices[0], f.hbm_gib)
+    decode_mesh = parse_mesh(f.decode_mesh) if f.decode_mesh else dict(f.config.mesh)
+    print(f"{len(devices)} devices ({devices[0].device_kind}){'' if chip else ', HBM unknown (pass --hbm_gib)'}")
+    reports = run(
+      f.config,
+      devices,
+      chip,
+      programs=f.programs,
+      decode_batches=[int(b) for b in f.decode_batch],
+      decode_prompt_length=f.decode_prompt_length,
+      decode_mesh=decode_mesh,
+    )
+  except ValueError as error:
+    raise SystemExit(f"error: {error}") from None
+  print("\n" + aot.format_table(reports))
+  print(
+    "Per device; GB = 1e9 bytes. TFLOP and GB accessed are the compiler's counts (a loop body counted once, "
+    "times grad_accum for the training step); 'estimated s' is a roofline estimate (max of compute at peak "
+    "FLOP/s and memory traffic at peak bandwidth, no communication), not a measurement."
+  )
+  advice = [f"- {r.name}: {tip}" for r in reports for tip in r.advice]
+  failed = [r for r in reports if r.fits is False]
+  for r in failed:
+    print(f"DOES NOT FIT: {r.name}" + (f" ({r.error})" if r.error else ""))
+  if advice:
+    print("What to change:\n" + "\n".join(advice))
+  if failed:
+    raise SystemExit(1)
+
+
+if __name__ == "__main__":
+  config_flags.DEFINE_config_file("config", None, "Training config file (see configs/).", lock_config=True)
+  flags.DEFINE_string("topology", "", 'TPU topology to compile for, e.g. "v5p:4x4x4"; "" = the local devices.')
+  flags.DEFINE_list("programs", ["train", "decode"], "Which programs to compile: train, decode.")
+  flags.DEFINE_list("decode_batch", ["1", "32"], "Decode batch sizes to compile.")
+  flags.DEFINE_integer("decode_prompt_length", 512, "Prompt bucket of the decode programs.")
+  flags.DEFINE_string("decode_mesh", "", 'Decode mesh, e.g. "tensor=4" or "data=1" (one chip); "" = config.mesh.')
+  flags.DEFINE_float("hbm_gib", None, "Per-device memory in GiB (overrides the chip table; needed on CPU/GPU).")
+  flags.mark_flags_as_required(["config"])
+  app.run(main)

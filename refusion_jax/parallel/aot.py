@@ -1,0 +1,180 @@
+"""Ahead-of-time compilation reports: per-device memory, compiled cost and a roofline estimate (docs/method.md §5).
+
+A jitted function lowered with abstract arguments (`jax.ShapeDtypeStruct`s
+carrying `NamedSharding`s) compiles for whatever devices the mesh holds: the
+local ones, fake CPU devices, or the devices of a TPU topology that libtpu
+describes from a machine without a TPU (`topology_devices("v5p:4x4x4")`). The
+compiled program then states what each device will hold, which is how a pod
+configuration is checked before a pod is rented.
+
+`compile_report` turns one such compile into a `Report`; a compile the
+compiler itself rejects for lack of memory becomes a report that does not fit
+(with the compiler's own numbers when its message has them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+GIB = 1024**3
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """What one device offers; spec-sheet peak numbers except where the compiler states its own limit."""
+
+  name: str
+  hbm_bytes: float
+  peak_flops: float  # bf16 dense FLOP/s
+  hbm_bandwidth: float  # bytes/s
+
+
+# By `device.device_kind`. v5p's HBM is the limit the compiler reports for it (95.74 GiB), not the 95 GB on the sheet.
+CHIPS = {
+  "TPU v4": Chip("TPU v4", 32 * GIB, 275e12, 1.2e12),
+  "TPU v5": Chip("TPU v5p", 95.74 * GIB, 459e12, 2.765e12),
+  "TPU v5 lite": Chip("TPU v5e", 16 * GIB, 197e12, 8.19e11),
+  "TPU v6 lite": Chip("TPU v6e", 32 * GIB, 918e12, 1.64e12),
+}
+
+
+def chip_of(device: jax.Device, hbm_gib: float | None = None) -> Chip | None:
+  """The `Chip` of `device` (None when unknown: CPU, GPU); `hbm_gib` overrides or supplies its memory."""
+  chip = CHIPS.get(device.device_kind)
+  if hbm_gib is None:
+    return chip
+  if chip is None:
+    return Chip(device.device_kind, hbm_gib * GIB, 0.0, 0.0)
+  return dataclasses.replace(chip, hbm_bytes=hbm_gib * GIB)
+
+
+def topology_devices(topology: str) -> list[jax.Device]:
+  """The devices of a TPU topology such as "v5p:2x2x2" (chips along x, y, z), compilable from any host.
+
+  Needs libtpu (`pip install "jax[tpu]==<your jax version>"`); no TPU is needed.
+  """
+  from jax.experimental import topologies
+
+  # Only compiling: other processes that loaded libtpu (and hold its lock file) do not matter.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  try:
+    return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+  except Exception as error:  # libtpu absent, or a topology name it does not know
+    raise ValueError(
+      f"Cannot describe TPU topology {topology!r}: {error}. It needs libtpu "
+      f'(pip install "jax[tpu]=={jax.__version__}") and a name like "v5p:2x2x1" (chips per axis).'
+    ) from None
+
+
+@dataclasses.dataclass
+class Report:
+  """One compiled program, per device. Sizes in bytes; None where the compile failed.
+
+  loop_count: how many times the compiled cost must be counted for one run
+    of what the report names (XLA's cost analysis counts a loop body once).
+  """
+
+  name: str
+  devices: int
+  chip: Chip | None
+  loop_count: int = 1
+  arguments: int | None = None
+  outputs: int | None = None
+  aliased: int | None = None
+  temporaries: int | None = None
+  flops: float | None = None
+  bytes_accessed: float | None = None
+  needed: int | None = None  # from an out-of-memory message, when the compile failed
+  error: str = ""
+  advice: list[str] = dataclasses.field(default_factory=list)
+
+  @property
+  def total(self) -> int | None:
+    """Peak per-device bytes: arguments + outputs not aliased to (donated) arguments + temporaries."""
+    if self.arguments is None:
+      return self.needed
+    return self.arguments + self.outputs - self.aliased + self.temporaries
+
+  @property
+  def fits(self) -> bool | None:
+    """Whether it fits the chip's HBM; None when the chip's memory is unknown."""
+    if self.error:
+      return False
+    if self.chip is None:
+      return None
+    return self.total <= self.chip.hbm_bytes
+
+  @property
+  def estimated_seconds(self) -> float | None:
+    """Roofline estimate: the slower of compute at peak FLOP/s and memory traffic at peak bandwidth.
+
+    An estimate only: it ignores communication between devices and overlap.
+    """
+    if self.flops is None or self.chip is None or not self.chip.peak_flops:
+      return None
+    compute = self.flops / self.chip.peak_flops
+    memory = self.bytes_accessed / self.chip.hbm_bandwidth
+    return self.loop_count * max(compute, memory)
+
+
+_OOM = re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm")
+_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": GIB, "T": 1024 * GIB}
+
+
+def compile_report(
+  name: str, lower: Callable[[], Any], devices: Sequence[jax.Device], chip: Chip | None, loop_count: int = 1
+) -> Report:
+  """Lower and compile (`lower()` returns a `jax.stages.Lowered`) and read the per-device numbers off the result."""
+  report = Report(name=name, devices=len(devices), chip=chip, loop_count=loop_count)
+  try:
+    compiled = lower().compile()
+  except Exception as error:  # the compiler's RESOURCE_EXHAUSTED is an XlaRuntimeError
+    message = str(error)
+    if "RESOURCE_EXHAUSTED" not in message and "Ran out of memory" not in message:
+      raise
+    report.error = message.splitlines()[0][:300]
+    used = _OOM.search(message)
+    if used:
+      report.needed = int(float(used.group(1)) * _UNITS[used.group(2)])
+    return report
+  memory = compiled.memory_analysis()
+  report.arguments = memory.argument_size_in_bytes
+  report.outputs = memory.output_size_in_bytes
+  report.aliased = memory.alias_size_in_bytes
+  report.temporaries = memory.temp_size_in_bytes
+  cost = compiled.cost_analysis() or {}
+  cost = cost[0] if isinstance(cost, list) else cost
+  report.flops = cost.get("flops")
+  report.bytes_accessed = cost.get("bytes accessed")
+  return report
+
+
+def format_table(reports: Sequence[Report]) -> str:
+  """A markdown table of the reports (GB = 1e9 bytes)."""
+
+  def gb(value) -> str:
+    return "–" if value is None else f"{value / 1e9:.3g}"
+
+  rows = [
+    "| program | devices | arguments GB | outputs GB | temporaries GB | total GB | HBM GB | fits | "
+    "TFLOP | GB accessed | estimated s |",
+    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
+  ]
+  for r in reports:
+    fits = {True: "yes", False: "NO", None: "?"}[r.fits]
+    flops = "–" if r.flops is None else f"{r.flops * r.loop_count / 1e12:.3g}"
+    accessed = "–" if r.bytes_accessed is None else gb(r.bytes_accessed * r.loop_count)
+    estimate = "–" if r.estimated_seconds is None else f"{r.estimated_seconds:.3g}"
+    hbm = "–" if r.chip is None else gb(r.chip.hbm_bytes)
+    total = gb(r.total) + (" (needed)" if r.error and r.needed else "")
+    rows.append(
+      f"| {r.name} | {r.devices} | {gb(r.arguments)} | {gb(r.outputs)} | {gb(r.temporaries)} | {total} | "
+      f"{hbm} | {fits} | {flops} | {accessed} | {estimate} |"
+    )
+  return "\n".join(rows)

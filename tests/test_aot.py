@@ -1,0 +1,149 @@
+"""Activation sharding and the ahead-of-time report, on 8 fake CPU devices (and a TPU topology when libtpu is here)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+from refusion_jax.aot import check_microbatches, train_advice
+from refusion_jax.model.config import tiny
+from refusion_jax.parallel import aot
+from refusion_jax.parallel.activations import activation_sharding, constrain
+from refusion_jax.parallel.sharding import make_mesh
+from refusion_jax.training.config_file import load_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOKE = ["--config", "configs/demo.py:smoke", "--config.model.num_kv_heads=2"]
+
+
+def run_python(args, devices: int = 8, timeout: int = 600) -> subprocess.CompletedProcess:
+  env = dict(
+    os.environ,
+    PYTHONPATH=REPO,
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+  )
+  return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
+
+
+# Per-device memory of the same global step as chips are added, and the step's numbers with the constraints on.
+_SCALING = textwrap.dedent("""
+    import json, sys
+    import jax
+    jax.config.update("jax_default_matmul_precision", "highest")
+    import numpy as np
+    from refusion_jax import aot as entry
+    from refusion_jax.parallel import aot, sharding
+    from refusion_jax.parallel.activations import sharded_activations
+    from refusion_jax.training import loop as train
+    from refusion_jax.training.config_file import load_config
+    from refusion_jax.checkpoints.orbax import abstract_model
+
+    config = load_config("configs/demo.py", "smoke")
+    config.model.update(vocab_size=1024, num_kv_heads=2, remat=True)
+    config.data.seq_len, config.batch_size = 128, 16
+    temporaries = {}
+    for ways in (2, 8):
+      config.mesh.update(data=1, fsdp=ways, tensor=1)
+      temporaries[ways] = entry.train_report(config, jax.devices()[:ways], None).temporaries
+
+    config.data.seq_len, config.batch_size, config.grad_accum_steps = 32, 8, 2
+    model_config = entry.model_config_of(config)
+    tx, schedule = train.make_optimizer(config.optimizer, total_steps=10)
+    objective = train.objective_config_from(config, model_config)
+    graphdef, _ = abstract_model(model_config)
+    rng = np.random.default_rng(int(sys.argv[1]))
+    prompt_len = rng.integers(1, 10, 8)
+    answer_len = rng.integers(1, 32 - prompt_len + 1)
+    batch = dict(tokens=rng.integers(0, 256, (8, 32)).astype(np.int32), prompt_len=prompt_len.astype(np.int32),
+                 answer_len=answer_len.astype(np.int32))
+
+    def losses(mesh_shape, devices):
+      mesh = sharding.make_mesh(mesh_shape, devices)
+      init = train.init_state_fn(model_config, tx, seed=0)
+      placement = train.make_placement(init, mesh, sharding.LOGICAL_AXIS_RULES)
+      state = jax.jit(init, out_shardings=placement.state_shardings)()
+      fn = train.make_train_step(graphdef, tx, schedule, objective, config.grad_accum_steps)
+      step = placement.jit_step(sharded_activations(fn, mesh))
+      out = []
+      for _ in range(2):
+        state, metrics = step(state, placement.batch(batch))
+        out.append(float(metrics["loss"]))
+      return out
+
+    print(json.dumps(dict(
+      temporaries=temporaries,
+      single=losses({"data": 1}, jax.devices()[:1]),
+      sharded=losses({"data": 2, "fsdp": 2, "tensor": 2}, jax.devices()),
+    )))
+""")
+
+
+def test_memory_per_device_falls_as_devices_are_added_and_losses_stay():
+  seed = int(np.random.default_rng().integers(1 << 16))
+  out = run_python(["-c", _SCALING, str(seed)])
+  assert out.returncode == 0, out.stderr[-3000:]
+  report = json.loads(out.stdout.strip().splitlines()[-1])
+  temporaries = {int(k): v for k, v in report["temporaries"].items()}
+  # 4x the devices for the same global batch: activations split 4x finer (without the
+  # constraints the step kept ~70% of its temporaries per device).
+  assert temporaries[8] < 0.4 * temporaries[2], temporaries
+  np.testing.assert_allclose(report["sharded"], report["single"], rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
+
+
+def test_aot_cli_reports_memory_and_exits_1_saying_what_does_not_fit():
+  # 3 MB per device: the smoke training step fits, the decode batch of 8 does not.
+  mesh = ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]
+  out = run_python(["-m", "refusion_jax.aot", *SMOKE, *mesh, "--decode_batch=8", "--hbm_gib=0.003"])
+  assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+  lines = out.stdout.splitlines()
+  train_row = next(line for line in lines if line.startswith("| train step, batch 8 x 64, grad_accum 1"))
+  assert "mesh data=2xfsdp=2xtensor=2 | 8 |" in train_row and "| yes |" in train_row
+  cells = [cell.strip() for cell in train_row.split("|")[3:7]]
+  assert all(float(cell) > 0 for cell in cells), train_row  # arguments, outputs, temporaries, total
+  assert any(line.startswith("| decode (prefill + 1 loop iteration), batch 8") and "| NO |" in line for line in lines)
+  assert "DOES NOT FIT: decode" in out.stdout and "--decode_mesh=tensor=N" in out.stdout
+
+
+def test_train_advice_names_the_knobs():
+  config = load_config(os.path.join(REPO, "configs/demo.py"))
+  config.batch_size, config.grad_accum_steps, config.data.seq_len = 64, 1, 4096
+  chip = aot.Chip("test", 10e9, 1e12, 1e11)
+  report = aot.Report("train", 8, chip, arguments=2e9, outputs=2e9, aliased=2e9, temporaries=30e9)
+  advice = " ".join(train_advice(report, config, tiny(), ways=8))
+  assert "remat=True" in advice and "attention_impl=chunked" in advice
+  # 30 GB of activations into the 7 GB left after the state: 5 microbatches, rounded to a divisor of 8 rows.
+  assert "grad_accum_steps to 8" in advice
+  assert (
+    train_advice(aot.Report("train", 8, chip, arguments=1, outputs=1, aliased=1, temporaries=1), config, tiny(), 8)
+    == []
+  )
+  with pytest.raises(ValueError, match="grad_accum_steps=3"):
+    check_microbatches(64, 3, 8)
+
+
+def test_constraints_are_the_identity_without_a_mesh_and_skip_axes_that_do_not_divide():
+  x = np.arange(6.0).reshape(1, 6)
+  assert constrain(x, ("activation_batch", "activation_vocab")) is x
+  mesh = make_mesh({"data": 1}, jax.devices()[:1])
+  with activation_sharding(mesh):
+    y = jax.jit(lambda x: constrain(x, ("activation_batch", "activation_vocab")))(x)
+    with pytest.raises(ValueError, match="2 logical axes"):
+      constrain(x[0], ("activation_batch", "activation_vocab"))
+  np.testing.assert_array_equal(y, x)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason='needs libtpu: pip install "jax[tpu]"')
+def test_compiles_for_a_tpu_topology():
+  out = run_python(["-m", "refusion_jax.aot", *SMOKE, "--topology=v5p:2x2x1", "--decode_batch=4"], devices=1)
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+  assert "4 devices (TPU v5)" in out.stdout
+  rows = [line for line in out.stdout.splitlines() if line.startswith(("| train step", "| decode"))]
+  # v5p's 95.74 GiB = 103 GB; on a TPU the roofline estimate (last column) is filled in.
+  assert len(rows) >= 2 and all("| 103 | yes |" in row and not row.endswith("| – |") for row in rows), rows

@@ -1,0 +1,80 @@
+"""Decoding a model built for training: remat on, float32 master weights with bfloat16 compute."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from refusion_jax.decoding import baselines
+from refusion_jax.decoding.reference import decode_reference
+from refusion_jax.decoding.refusion import generate
+from refusion_jax.decoding.sampler import Sampler
+from refusion_jax.model.config import tiny
+from refusion_jax.model.transformer import inference_view, init_model
+from tests.decode_cases import random_weights
+
+VOCAB, MASK, EOS = 64, 63, 5
+KNOBS = dict(gen_length=16, slot_size=4, serial_blocks=2, slot_threshold=0.3, token_threshold=0.2)
+
+
+def with_remat(model, remat: bool):
+  """The same parameter arrays under a config whose only change is `remat`."""
+  twin = nnx.eval_shape(lambda: init_model(model.config.replace(remat=remat)))
+  graphdef, _ = nnx.split(twin)
+  return nnx.merge(graphdef, nnx.state(model))
+
+
+@pytest.fixture(scope="module")
+def models():
+  rng = np.random.default_rng(0)
+  template = init_model(tiny(vocab_size=VOCAB, mask_token_id=MASK, eos_token_id=EOS))
+  plain = random_weights(template, seed=int(rng.integers(1 << 30)), weight_std=0.3, head_std=0.8)
+  prompts = [rng.integers(0, VOCAB - 1, int(n)).tolist() for n in (3, 9, 14)]
+  return plain, with_remat(plain, True), prompts
+
+
+def test_remat_model_decodes_to_the_tokens_of_the_remat_free_one(models):
+  plain, remat, prompts = models
+  assert remat.config.remat and not plain.config.remat
+  decoders = {
+    "refusion": lambda m: generate(m, prompts, **KNOBS).tokens,
+    "ar": lambda m: baselines.ar_generate(m, prompts, gen_length=12).tokens,
+    "mdm": lambda m: baselines.mdm_generate(m, prompts, gen_length=8, block_length=4, steps=4).tokens,
+    "reference": lambda m: decode_reference(m, prompts[1], mask_id=MASK, eos_id=EOS, **KNOBS).tokens,
+    "sampler": lambda m: Sampler(m, "bytes", mask_id=MASK, eos_id=EOS, pad_id=0, **KNOBS).decode_ids(prompts).tokens,
+  }
+  for name, decode in decoders.items():
+    expected = decode(plain)
+    assert decode(remat) == expected, name
+    assert any(len(row) > 1 for row in expected), f"{name}: degenerate decode"
+
+
+def test_view_shares_the_arrays_when_nothing_is_cast(models):
+  _, remat, _ = models
+  view = inference_view(remat)
+  assert not view.config.remat and view.config.param_dtype == remat.config.param_dtype
+  assert view.lm_head.get_value() is remat.lm_head.get_value()
+  assert view.layers[1].self_attn.q_proj.get_value() is remat.layers[1].self_attn.q_proj.get_value()
+  assert view.layers[0].self_attn.config == view.config  # the attention reads the view's config too
+  assert inference_view(view) is view
+  assert remat.config.remat  # the training model is left as it was
+
+
+def test_wide_weights_are_cast_once_to_the_compute_dtype(models):
+  plain, _, prompts = models
+  mixed = with_remat(plain, True)
+  graphdef, state = nnx.split(mixed)
+  mixed = nnx.merge(graphdef, state)
+  for module in (mixed, *(layer.self_attn for layer in mixed.layers)):
+    module.config = mixed.config.replace(dtype="bfloat16")
+  view = inference_view(mixed)
+  dtypes = {leaf.dtype for leaf in jax.tree.leaves(nnx.state(view))}
+  assert dtypes == {jnp.dtype(jnp.bfloat16)} and view.config.param_dtype == "bfloat16"
+  assert {leaf.dtype for leaf in jax.tree.leaves(nnx.state(mixed))} == {jnp.dtype(jnp.float32)}
+  assert inference_view(view) is view  # nothing left to cast: decoders reuse it as it is
+  # Casting once outside the decoder gives the tokens of casting at every use inside it.
+  assert generate(view, prompts, **KNOBS).tokens == generate(mixed, prompts, **KNOBS).tokens
+  np.testing.assert_array_equal(
+    np.asarray(view.lm_head.get_value()), np.asarray(plain.lm_head.get_value().astype(jnp.bfloat16))
+  )

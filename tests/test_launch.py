@@ -1,0 +1,97 @@
+"""The pod and SLURM launchers' --dry_run: every command, printed so that a shell reads it back unchanged."""
+
+import os
+import shlex
+import stat
+import subprocess
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OVERRIDE = "--config.data.train_files=/mnt/it's here.json"  # a quote and a space to survive two shells
+
+
+@pytest.fixture
+def no_cloud_tools(tmp_path):
+  """A PATH whose gcloud / sbatch / srun / scancel / tail record that they were called (a dry run calls none)."""
+  calls = tmp_path / "calls"
+  for tool in ("gcloud", "sbatch", "srun", "scancel", "tail", "python3", "mkdir"):
+    script = tmp_path / tool
+    script.write_text(f"#!/bin/sh\necho {tool} >> {calls}\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+  env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}")
+  return env, calls
+
+
+def dry_run(script: str, args: list[str], env: dict) -> list[str]:
+  out = subprocess.run(
+    ["bash", os.path.join(REPO, "launch", script), "--dry_run", *args],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=60,
+  )
+  assert out.returncode == 0, out.stderr
+  return out.stdout.splitlines()
+
+
+def command(lines: list[str], *words: str) -> list[str]:
+  """The one printed command containing every word, as the shell would split it."""
+  found = [shlex.split(line) for line in lines if not line.startswith("#") and all(w in line for w in words)]
+  assert len(found) == 1, (words, lines)
+  return found[0]
+
+
+def test_tpu_pod_dry_run_prints_the_whole_lifecycle(no_cloud_tools):
+  env, calls = no_cloud_tools
+  args = ["--accelerator=v5p-128", "--spot", "pod", "us-east5-a", "configs/refusion_qwen3_8b.py", "/mnt/work", OVERRIDE]
+  lines = dry_run("tpu_pod.sh", args, env)
+  create = command(lines, "queued-resources create")
+  assert create[create.index("--accelerator-type") + 1] == "v5p-128" and "--spot" in create
+  assert create[create.index("--runtime-version") + 1] == "v2-alpha-tpuv5"
+  assert command(lines, "queued-resources describe")[-1] == "value(state.state)"
+  assert command(lines, "tpu-vm scp")[-1] == "pod:~/refusion_jax"
+  assert "pip install -q -e '.[tpu]'" in command(lines, "pip install")[-1]
+  remote = command(lines, "nohup")
+  assert "--worker=all" in remote
+  train = shlex.split(remote[-1].split("&&", 1)[1])  # what runs on each worker
+  assert train[:4] == ["REFUSION_DISTRIBUTED=1", "nohup", "python3", "-m"]
+  assert train[train.index("--workdir") + 1] == "/mnt/work" and OVERRIDE in train
+  assert command(lines, "tail -f")[-1] == "tail -f ~/refusion_train.log"
+  assert command(lines, "pkill")[-1] == 'pkill -TERM -f "refusion_jax.train --config"'
+  assert [line for line in lines if line.startswith("#")][:4] == [
+    "# create",
+    "# wait until the queued resource is ACTIVE:",
+    "# set up",
+    "# run",
+  ]
+  assert not calls.exists()
+
+
+def test_tpu_pod_steps_and_usage(no_cloud_tools):
+  env, calls = no_cloud_tools
+  assert command(dry_run("tpu_pod.sh", ["delete", "pod", "zone-a"], env), "delete")[-2:] == ["--force", "--quiet"]
+  assert "--worker=0" in command(dry_run("tpu_pod.sh", ["logs", "pod", "zone-a"], env), "tail")
+  usage = subprocess.run(["bash", os.path.join(REPO, "launch", "tpu_pod.sh")], capture_output=True, text=True, env=env)
+  assert usage.returncode == 2 and "--dry_run" in usage.stdout
+  assert not calls.exists()
+
+
+def test_slurm_dry_run_prints_setup_job_logs_and_stop(no_cloud_tools):
+  env, calls = no_cloud_tools
+  args = ["--nodes=2", "--gpus_per_node=4", "--partition=gpu", "configs/refusion_qwen3_8b.py", "/shared/run", OVERRIDE]
+  lines = dry_run("slurm_gpu.sh", args, env)
+  install = command(lines, "pip install")
+  assert install[0] == "/shared/run/venv/bin/pip" and install[-1].startswith("jax[cuda12]==0.10")
+  sbatch = command(lines, "sbatch")[:-1]  # the last word is the here-document marker
+  for flag, value in (("--nodes", "2"), ("--ntasks-per-node", "4"), ("--gpus-per-node", "4"), ("--signal", "TERM@120")):
+    assert sbatch[sbatch.index(flag) + 1] == value, flag
+  assert "--requeue" in sbatch and sbatch[sbatch.index("--partition") + 1] == "gpu"
+  job = lines[lines.index(next(line for line in lines if line.startswith("sbatch"))) + 1 : lines.index("JOB")]
+  srun = shlex.split(job[-1])
+  assert srun[:4] == ["srun", "--kill-on-bad-exit=1", "env", "REFUSION_DISTRIBUTED=1"]
+  assert srun[srun.index("--workdir") + 1] == "/shared/run" and OVERRIDE in srun
+  assert command(lines, "tail -f") == ["tail", "-f", "/shared/run/slurm-JOB_ID.out"]
+  assert command(lines, "scancel") == ["scancel", "--signal=TERM", "JOB_ID"]
+  assert command(dry_run("slurm_gpu.sh", ["stop", "123", "/shared/run"], env), "scancel")[-1] == "123"
+  assert not calls.exists()
