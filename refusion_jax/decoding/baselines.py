@@ -31,8 +31,7 @@ from refusion_jax.decoding.common import (
   check_prompts,
   check_special_id,
   check_temperature,
-  default_pad_id,
-  first_given,
+  decoder_special_tokens,
   pad_prompts,
   row_gumbel_noise,
 )
@@ -46,9 +45,9 @@ _NO_TOKEN = -1
 
 def _eos_and_pad(eos_id: int | None, pad_id: int | None, config: ModelConfig) -> tuple[int, int]:
   """Checked EOS and pad ids; the baselines run without an EOS (then `_NO_TOKEN`)."""
-  eos_id = first_given(eos_id, config.eos_token_id)
-  eos = _NO_TOKEN if eos_id is None else check_special_id("eos_id", eos_id, config)
-  return eos, check_special_id("pad_id", default_pad_id(pad_id, config), config)
+  ids = decoder_special_tokens(config, eos_id=eos_id, pad_id=pad_id)
+  eos = _NO_TOKEN if ids.eos is None else check_special_id("eos_id", ids.eos, config)
+  return eos, check_special_id("pad_id", ids.pad, config)
 
 
 def pick_tokens(
@@ -311,7 +310,7 @@ def mdm_generate(
   check_prompts(prompt_ids, config, gen_length)
   check_mdm_schedule(gen_length, block_length, steps)
   temperature = check_temperature(temperature)
-  mask = check_special_id("mask_id", first_given(mask_id, config.mask_token_id), config)
+  mask = check_special_id("mask_id", decoder_special_tokens(config, mask_id=mask_id).mask, config)
   eos, pad = _eos_and_pad(eos_id, pad_id, config)
 
   start = time.perf_counter()

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from refusion_jax.data.special_tokens import SpecialTokens, resolve_special_tokens
 from refusion_jax.model.config import ModelConfig
 
 # Prompt lengths are padded up to the smallest bucket that holds them.
@@ -162,14 +163,15 @@ def answer_tokens(out: np.ndarray, eos_id: int) -> list[list[int]]:
   return rows
 
 
-def first_given(*ids: int | None) -> int | None:
-  """The first id that is not None (an explicit argument, then the defaults in order)."""
-  return next((i for i in ids if i is not None), None)
+def decoder_special_tokens(
+  config: ModelConfig, *, mask_id: int | None = None, eos_id: int | None = None, pad_id: int | None = None
+) -> SpecialTokens:
+  """The ids a decoder uses: the given ones, else the model config's (`resolve_special_tokens`).
 
-
-def default_pad_id(pad_id: int | None, config: ModelConfig) -> int:
-  """The prompt padding id: given, else the config's pad, else its EOS, else 0 (padding is never attended)."""
-  return first_given(pad_id, config.pad_token_id, config.eos_token_id, 0)
+  The pad id falls back to the EOS, then to 0: padding is never attended.
+  """
+  ids = resolve_special_tokens(SpecialTokens(mask=mask_id, eos=eos_id, pad=pad_id), config=config)
+  return dataclasses.replace(ids, pad=0 if ids.padding is None else ids.padding)
 
 
 def row_gumbel_noise(key: jax.Array, steps: jax.Array, shape: tuple[int, ...]) -> jax.Array:

@@ -46,8 +46,7 @@ from refusion_jax.decoding.common import (
   check_special_id,
   check_temperature,
   check_threshold,
-  default_pad_id,
-  first_given,
+  decoder_special_tokens,
   pad_prompts,
   row_gumbel_noise,
 )
@@ -457,15 +456,16 @@ def generate(
   check_slot_layout(gen_length, slot_size, serial_blocks)
   check_prompts(prompt_ids, config, gen_length)
   temperature = check_temperature(temperature)
+  ids = decoder_special_tokens(config, mask_id=mask_id, eos_id=eos_id, pad_id=pad_id)
   knobs = DecodeKnobs(
     slot_threshold=jnp.float32(check_threshold("slot_threshold", slot_threshold)),
     token_threshold=jnp.float32(check_threshold("token_threshold", token_threshold)),
     temperature=jnp.float32(temperature),
     key=jax.random.key(seed),
-    mask_id=jnp.int32(check_special_id("mask_id", first_given(mask_id, config.mask_token_id), config)),
-    eos_id=jnp.int32(check_special_id("eos_id", first_given(eos_id, config.eos_token_id), config)),
+    mask_id=jnp.int32(check_special_id("mask_id", ids.mask, config)),
+    eos_id=jnp.int32(check_special_id("eos_id", ids.eos, config)),
   )
-  pad = check_special_id("pad_id", default_pad_id(pad_id, config), config)
+  pad = check_special_id("pad_id", ids.pad, config)
   settings = DecodeSettings(gen_length, slot_size, serial_blocks, sample=temperature > 0)
 
   start = time.perf_counter()
