@@ -23,7 +23,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.seed = 0  # parameter init, data shuffling and objective randomness
   config.tokenizer = "bytes"  # "bytes" (pad 256, bos 257, eos 258, mask 259) or a HF tokenizer directory
-  config.init_from_hf = ""  # HF checkpoint directory to fine-tune from (overrides config.model)
+  config.init_from_hf = ""  # HF checkpoint to fine-tune from; config.model must describe it (preset "": any)
   config.init_from_checkpoint = ""  # workdir of another run to take parameters from
   config.vocab_multiple = 128  # a vocabulary grown for a new mask token is rounded up to this
 

@@ -36,6 +36,8 @@ from flax import nnx
 
 from refusion_jax import sample
 from refusion_jax.checkpoints.load import load
+from refusion_jax.data.special_tokens import SpecialTokens, resolve_special_tokens
+from refusion_jax.data.tokenizer import format_prompt
 from refusion_jax.decoding import defaults
 from refusion_jax.decoding.ar import ar_generate
 from refusion_jax.decoding.common import DecodeResult, bucket_length, check_slot_layout
@@ -109,18 +111,17 @@ def random_bench_model(size: str, batch: int, scale: float, seed: int) -> BenchM
 def trained_bench_model(args: argparse.Namespace) -> BenchModel:
   """The --hf_checkpoint / --checkpoint model; prompts from --prompt (cycled to fill the batch) or random."""
   model, tokenizer = load(**sample.model_request(args))
-  # As the Sampler does: the tokenizer's ids (those seen in training), then the config's.
-  mask_id = next((i for i in (args.mask_id, tokenizer.mask_id, model.config.mask_token_id) if i is not None), None)
-  if mask_id is None:
+  special = resolve_special_tokens(SpecialTokens(mask=args.mask_id), tokenizer=tokenizer, config=model.config)
+  if special.mask is None:
     raise ValueError("Neither the tokenizer nor the model config names a mask token; pass --mask_id.")
   if args.prompt:
-    encoded = [tokenizer.encode(tokenizer.apply_chat_template(p) if args.chat_template else p) for p in args.prompt]
+    encoded = [tokenizer.encode(format_prompt(tokenizer, p, args.chat_template)) for p in args.prompt]
     prompts = [encoded[i % len(encoded)] for i in range(args.batch)]
   else:
     vocab = min(model.config.vocab_size, tokenizer.vocab_size)
     prompts = random_prompts(np.random.default_rng(args.seed), args.batch, vocab)
   name = args.hf_checkpoint or args.checkpoint
-  return BenchModel(name, model, prompts, mask_id, tokenizer.eos_id, tokenizer.pad_id)
+  return BenchModel(name, model, prompts, special.mask, special.eos, special.padding)
 
 
 def _log(message: str) -> None:

@@ -10,6 +10,7 @@ module only parses flags and joins a multi-process job.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import jax
 from absl import app, flags, logging
@@ -28,7 +29,7 @@ def initialize_distributed() -> None:
   )
 
 
-def main(argv) -> None:
+def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from collections.abc import Sequence
 
 import jax
 import ml_collections
@@ -25,7 +26,8 @@ from ml_collections import config_flags
 from refusion_jax.checkpoints.orbax import abstract_model
 from refusion_jax.data.tokenizer import load_tokenizer
 from refusion_jax.parallel import sharding
-from refusion_jax.training import loop as train
+from refusion_jax.training import state as train_state
+from refusion_jax.training.loop import model_config_from, objective_config_from
 
 
 def synthetic_batch(batch_size: int, seq_len: int, pad_id: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -49,18 +51,18 @@ def time_objectives(config: ml_collections.ConfigDict, objectives: list[str], st
   The objectives take turns, one step each per round, so that a shared
   machine's slow spells fall on all of them alike.
   """
-  model_config = train.model_config_from(config, load_tokenizer(config.tokenizer))
-  tx, schedule = train.make_optimizer(config.optimizer, total_steps=1000)
+  model_config = model_config_from(config, load_tokenizer(config.tokenizer))
+  tx, schedule = train_state.make_optimizer(config.optimizer, total_steps=1000)
   mesh = sharding.make_mesh(dict(config.mesh))
-  init = train.init_state_fn(model_config, tx, config.seed)
-  placement = train.make_placement(init, mesh, config.sharding_rules)
+  init = train_state.init_state_fn(model_config, tx, config.seed)
+  placement = train_state.make_placement(init, mesh, config.sharding_rules)
   graphdef, _ = abstract_model(model_config)
   batch = placement.batch(synthetic_batch(config.batch_size, config.data.seq_len, model_config.pad_token_id))
   steps_of, states = {}, {}
   for kind in objectives:
-    objective = dataclasses.replace(train.objective_config_from(config, model_config), kind=kind)
+    objective = dataclasses.replace(objective_config_from(config, model_config), kind=kind)
     steps_of[kind] = placement.jit_step(
-      train.make_train_step(graphdef, tx, schedule, objective, config.grad_accum_steps)
+      train_state.make_train_step(graphdef, tx, schedule, objective, config.grad_accum_steps)
     )
     states[kind], metrics = steps_of[kind](jax.jit(init, out_shardings=placement.state_shardings)(), batch)  # compile
     jax.block_until_ready(metrics)
@@ -74,7 +76,7 @@ def time_objectives(config: ml_collections.ConfigDict, objectives: list[str], st
   return times
 
 
-def main(argv) -> None:
+def main(argv: Sequence[str]) -> None:
   del argv
   config, objectives, steps = flags.FLAGS.config, flags.FLAGS.objectives, flags.FLAGS.steps
   times = time_objectives(config, objectives, steps)

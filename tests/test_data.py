@@ -282,3 +282,13 @@ def test_iterator_state_round_trips_through_an_orbax_checkpoint(tmp_path):
   with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
     manager.restore(2, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(resumed)))
   _assert_same_batches(_take(resumed, 6), expected)
+
+
+def test_exhausted_task_reports_its_own_example_count(monkeypatch):
+  # A task with three train queries, interleaved with a task that never runs out.
+  queries = [q for q in (f"tiny {i}" for i in range(100)) if tasks.split_of(q) == "train"][:3]
+  tiny = tasks._Task(make_query=lambda rng: rng.choice(queries), solve=lambda query: query)
+  monkeypatch.setitem(tasks._TASKS, "tiny", tiny)
+  monkeypatch.setattr(tasks, "_MAX_DRAWS_PER_EXAMPLE", 50)
+  with pytest.raises(ValueError, match=r"'tiny' ran out of distinct train queries after 3 of its examples \(7 over"):
+    tasks.generate_examples("train", 20, seed=4, tasks=("copy", "tiny"))

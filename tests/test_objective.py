@@ -397,3 +397,17 @@ def test_missing_batch_field_is_rejected():
   del batch["answer_len"]
   with pytest.raises(ValueError, match="answer_len"):
     objective.reorganize(batch, jax.random.key(0), make_config("refusion"))
+
+
+@pytest.mark.parametrize(
+  "change, message",
+  [
+    (lambda b: dict(b, tokens=b["tokens"].astype(np.float32) + 0.5), "integer tokens"),
+    (lambda b: dict(b, prompt_len=b["prompt_len"][:1]), r"prompt_len \(1,\)"),
+    (lambda b: dict(b, tokens=b["tokens"][0]), "tokens \\[batch, length\\]"),
+  ],
+)
+def test_batch_of_wrong_type_or_shape_is_rejected_at_the_boundary(change, message):
+  batch = make_batch(np.random.default_rng(1), [3, 4], [5, 6], 16)
+  with pytest.raises(ValueError, match=message):
+    objective.reorganize(change(batch), jax.random.key(0), make_config("refusion"))

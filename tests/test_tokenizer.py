@@ -9,7 +9,20 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import models, pre_tokenizers
 
-from refusion_jax.data.tokenizer import MASK_GLYPH, ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from refusion_jax.checkpoints.hf import find_mask_token_id
+from refusion_jax.data import pipeline
+from refusion_jax.data.special_tokens import SpecialTokens, discover_special_tokens, resolve_special_tokens
+from refusion_jax.data.tokenizer import (
+  MASK_GLYPH,
+  ByteTokenizer,
+  HFTokenizer,
+  Tokenizer,
+  format_prompt,
+  load_tokenizer,
+)
+from refusion_jax.decoding.sampler import Sampler
+from refusion_jax.model.config import tiny
+from refusion_jax.model.transformer import init_model
 
 
 @settings(max_examples=200, deadline=None)
@@ -104,3 +117,63 @@ def test_hf_tokenizer_errors_are_actionable(tmp_path):
     HFTokenizer(str(tmp_path))
   with pytest.raises(ValueError, match="Unknown tokenizer"):
     load_tokenizer(str(tmp_path / "nope"))
+
+
+# Special tokens: one discovery rule, one precedence -------------------------
+
+
+@pytest.mark.parametrize("spelling", ["<|mdm_mask|>", "<|MASK|>", "[MASK]", "<mask>"])
+def test_mask_token_is_discovered_by_one_rule_everywhere(tmp_path, spelling):
+  words = _random_words(random.Random(2), 30)
+  raw = _save_word_level(tmp_path, words, ["</s>", spelling], {"tokenizer_config.json": {"eos_token": "</s>"}})
+  expected = raw.token_to_id(spelling)
+  assert HFTokenizer(str(tmp_path)).mask_id == expected
+  assert find_mask_token_id(tmp_path) == expected
+  assert discover_special_tokens(str(tmp_path)) == SpecialTokens(mask=expected, eos=raw.token_to_id("</s>"))
+
+
+def test_declared_mask_token_wins_over_one_that_looks_like_a_mask(tmp_path):
+  words = _random_words(random.Random(3), 30)
+  configs = {"tokenizer_config.json": {"eos_token": "</s>", "mask_token": "<blank>"}}
+  raw = _save_word_level(tmp_path, words, ["</s>", "<|mask|>", "<blank>"], configs)
+  assert HFTokenizer(str(tmp_path)).mask_id == raw.token_to_id("<blank>")
+  assert find_mask_token_id(tmp_path) == raw.token_to_id("<blank>")
+
+
+def test_special_ids_come_from_the_argument_then_the_tokenizer_then_the_model_config():
+  rng = random.Random(4)
+  explicit, config_ids = rng.sample(range(100, 200), 2), rng.sample(range(200, 250), 3)
+  config = tiny(vocab_size=260, mask_token_id=config_ids[0], eos_token_id=config_ids[1], pad_token_id=config_ids[2])
+  byte = ByteTokenizer()
+  ids = resolve_special_tokens(SpecialTokens(eos=explicit[0]), tokenizer=byte, config=config)
+  assert ids == SpecialTokens(mask=byte.mask_id, eos=explicit[0], pad=byte.pad_id, bos=byte.bos_id)
+  ids = resolve_special_tokens(SpecialTokens(pad=explicit[1]), config=config)
+  assert ids == SpecialTokens(mask=config_ids[0], eos=config_ids[1], pad=explicit[1])
+  assert SpecialTokens(eos=explicit[0]).padding == explicit[0]  # no pad: padding reuses EOS
+
+
+def test_sampler_takes_the_tokenizers_ids_over_the_model_configs():
+  config = tiny(vocab_size=260, mask_token_id=5, eos_token_id=6, pad_token_id=7)
+  sampler = Sampler(init_model(config, seed=0), "bytes", eos_id=9)
+  byte = ByteTokenizer()
+  assert (sampler.decode_kwargs["mask_id"], sampler.decode_kwargs["pad_id"]) == (byte.mask_id, byte.pad_id)
+  assert sampler.decode_kwargs["eos_id"] == 9  # an explicit argument wins
+
+
+def test_pipeline_sampler_and_evaluation_build_the_same_prompt(tmp_path):
+  words = _random_words(random.Random(5), 20)
+  _save_word_level(
+    tmp_path, words, ["<|im_start|>", "<|im_end|>"], {"tokenizer_config.json": {"eos_token": "<|im_end|>"}}
+  )
+  tok = HFTokenizer(str(tmp_path))
+  query = " ".join(random.Random(6).choices(words, k=5))
+  expected = tok.encode("<|im_start|>user\n" + query + "<|im_end|>\n<|im_start|>assistant\n")
+  model = init_model(tiny(vocab_size=tok.vocab_size), seed=0)
+  assert tok.encode(format_prompt(tok, query, chat_template=True)) == expected
+  assert Sampler(model, tok, chat_template=True).encode(query) == expected
+  dataset = pipeline.make_dataset(
+    [{"query": query, "response": words[0]}], tok, seq_len=64, batch_size=1, seed=0, num_epochs=1, chat_template=True
+  )
+  prompts, _ = pipeline.batch_prompts_and_answers(next(iter(dataset)))
+  assert prompts == [expected]
+  assert format_prompt(tok, query, chat_template=False) == query

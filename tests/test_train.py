@@ -5,19 +5,22 @@ import os
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
+import optax
 import pytest
-import tokenizers
 from flax import nnx
-from train_utils import load_config, smoke_config
+from train_utils import load_config, smoke_config, write_hf_checkpoint
 
 from refusion_jax.checkpoints import hf as hf_io
 from refusion_jax.checkpoints.orbax import Checkpoints, abstract_model, load_model_from_checkpoint
+from refusion_jax.checkpoints.vocab import resize_vocab
 from refusion_jax.data.tokenizer import load_tokenizer
-from refusion_jax.model.config import tiny
+from refusion_jax.model.config import preset, tiny
 from refusion_jax.model.transformer import init_model
-from refusion_jax.parallel.sharding import make_mesh
+from refusion_jax.parallel.sharding import LOGICAL_AXIS_RULES, make_mesh
 from refusion_jax.training import loop as train
+from refusion_jax.training import state as train_state
 from refusion_jax.training.objective import ObjectiveConfig
 
 pytestmark = pytest.mark.usefixtures("compilation_cache")
@@ -79,7 +82,7 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, dat
 def test_schedule_warms_up_then_decays_to_the_final_ratio():
   opt = load_config("demo", "").optimizer
   opt.update(lr=1e-3, warmup_steps=10, final_lr_ratio=0.1)
-  _, schedule = train.make_optimizer(opt, total_steps=110)
+  _, schedule = train_state.make_optimizer(opt, total_steps=110)
   assert float(schedule(0)) == 0.0
   assert float(schedule(5)) == pytest.approx(5e-4)
   assert float(schedule(10)) == pytest.approx(1e-3)
@@ -89,7 +92,7 @@ def test_schedule_warms_up_then_decays_to_the_final_ratio():
 
 def test_gradient_accumulation_equals_the_full_batch():
   """AR objective, every row the same answer length: microbatch means average to the full-batch mean."""
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(12)
   model_config = tiny(vocab_size=260, mask_token_id=259, pad_token_id=256)
   batch_size, length = 8, 24
   tokens = rng.integers(0, 256, (batch_size, length)).astype(np.int32)
@@ -101,14 +104,14 @@ def test_gradient_accumulation_equals_the_full_batch():
   objective = ObjectiveConfig(kind="ar", mask_id=259, pad_id=256)
   # Plain SGD: the parameter change is the gradient itself (Adam's first step is ~sign(g),
   # which would turn rounding noise in near-zero gradients into lr-sized differences).
-  tx, schedule = train.optax.sgd(1.0), lambda step: 1.0
+  tx, schedule = optax.sgd(1.0), lambda step: 1.0
   graphdef, _ = abstract_model(model_config)
   mesh = make_mesh({"data": 1}, jax.devices()[:1])
-  init = train.init_state_fn(model_config, tx, seed=int(rng.integers(1000)))
-  placement = train.make_placement(init, mesh, train.sharding.LOGICAL_AXIS_RULES)
+  init = train_state.init_state_fn(model_config, tx, seed=int(rng.integers(1000)))
+  placement = train_state.make_placement(init, mesh, LOGICAL_AXIS_RULES)
   outputs = []
   for accum in (1, 4):
-    step = placement.jit_step(train.make_train_step(graphdef, tx, schedule, objective, accum))
+    step = placement.jit_step(train_state.make_train_step(graphdef, tx, schedule, objective, accum))
     state, metrics = step(jax.jit(init)(), placement.batch(batch))
     outputs.append((float(metrics["loss"]), float(metrics["grad_norm"]), jax.device_get(state.params)))
   (loss1, norm1, params1), (loss4, norm4, params4) = outputs
@@ -119,9 +122,9 @@ def test_gradient_accumulation_equals_the_full_batch():
 
 
 def test_resize_vocab_keeps_old_rows_and_starts_new_rows_near_the_mean():
-  model = init_model(tiny(vocab_size=50, tie_embeddings=False), seed=int(np.random.default_rng().integers(1000)))
+  model = init_model(tiny(vocab_size=50, tie_embeddings=False), seed=int(np.random.default_rng(13).integers(1000)))
   params = nnx.state(model)
-  resized = train.resize_vocab(params, 64, jax.random.PRNGKey(0))
+  resized = resize_vocab(params, 64, jax.random.PRNGKey(0))
   embed, head = resized["embed_tokens"].get_value(), resized["lm_head"].get_value()
   assert embed.shape == (64, 64) and head.shape == (64, 64)
   old = params["embed_tokens"].get_value()
@@ -131,28 +134,14 @@ def test_resize_vocab_keeps_old_rows_and_starts_new_rows_near_the_mean():
   assert float(jnp.std(embed[50:] - old.mean(0))) > 0  # the new rows are not identical
 
 
-def _write_hf_checkpoint(path) -> int:
-  """A tiny Qwen3 checkpoint with a character tokenizer that has no mask token; returns its vocab size."""
-  chars = [chr(c) for c in range(32, 127)]
-  vocab = {c: i for i, c in enumerate(chars + ["<unk>", "<|endoftext|>"])}
-  tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-  tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex("."), behavior="isolated")
-  tokenizer.decoder = tokenizers.decoders.Fuse()
-  tokenizer.add_special_tokens([tokenizers.AddedToken("<|endoftext|>", special=True)])
-  os.makedirs(path, exist_ok=True)
-  tokenizer.save(os.path.join(path, "tokenizer.json"))
-  with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-    json.dump({"eos_token": "<|endoftext|>"}, f)
-  model_config = tiny(vocab_size=len(vocab), tie_embeddings=False, eos_token_id=vocab["<|endoftext|>"])
-  hf_io.save_hf(init_model(model_config, seed=3), path)
-  return len(vocab)
-
-
 def test_init_from_hf_adds_a_mask_token_and_resizes_the_embeddings(tmp_path, data_dir):
   hf_dir = str(tmp_path / "hf")
-  vocab = _write_hf_checkpoint(hf_dir)
+  vocab = write_hf_checkpoint(hf_dir)
   hf_embed = np.asarray(hf_io.load_hf(hf_dir).embed_tokens.get_value())
   config = smoke_config(data_dir, num_train_steps=1, eval_every=0, init_from_hf=hf_dir, vocab_multiple=8)
+  config.model = ml_collections.ConfigDict(
+    dict(preset="tiny", vocab_size=vocab, tie_embeddings=False)
+  )  # the checkpoint
   config.optimizer.lr = 1e-6  # one near-zero step: the loaded rows must still be the HF ones
   result = train.train_and_evaluate(config, str(tmp_path / "run"))
   assert result.step == 1
@@ -166,3 +155,74 @@ def test_init_from_hf_adds_a_mask_token_and_resizes_the_embeddings(tmp_path, dat
   tokenizer = load_tokenizer(tokenizer_path)
   assert tokenizer.mask_id == vocab
   assert tokenizer.encode("add: 1+2") == load_tokenizer(hf_dir).encode("add: 1+2")
+
+
+def test_weight_decay_spares_biases_and_norm_scales_whatever_their_rank():
+  """Qwen2's q/k/v biases are [heads, head_dim]: decay follows the parameter's role, not its rank."""
+  rng = np.random.default_rng(14)
+  params = nnx.state(init_model(tiny(architecture="qwen2"), seed=0))
+  params = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params)  # no zero biases
+  opt = load_config("demo", "").optimizer
+  opt.update(lr=0.1, weight_decay=0.5, warmup_steps=0, decay="constant")
+  tx, _ = train_state.make_optimizer(opt, total_steps=10)
+  # Zero gradients: Adam moves nothing, so any change is weight decay.
+  updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+  after = optax.apply_updates(params, updates)
+  decayed = set()
+  for (path, before), (_, new) in zip(nnx.to_flat_state(params), nnx.to_flat_state(after)):
+    name = ".".join(map(str, path))
+    if np.array_equal(new.get_value(), before.get_value()):
+      continue
+    np.testing.assert_allclose(new.get_value(), before.get_value() * (1 - 0.1 * 0.5), rtol=1e-6, err_msg=name)
+    decayed.add(name)
+  flat_names = {".".join(map(str, path)) for path, _ in nnx.to_flat_state(params)}
+  kernels = {n for n in flat_names if n.endswith("_proj") or n in ("embed_tokens", "lm_head")}
+  assert decayed == kernels
+  assert any(n.endswith("q_bias") for n in flat_names - decayed)
+
+
+def test_parameter_without_a_decay_role_is_named():
+  with pytest.raises(ValueError, match="'layers.0.mystery'.*decays"):
+    train_state.decays((jax.tree_util.DictKey("layers"), jax.tree_util.DictKey(0), jax.tree_util.DictKey("mystery")))
+
+
+def test_recipe_config_names_its_missing_fields(tmp_path):
+  config = load_config("refusion_qwen3_8b", "")
+  with pytest.raises(ValueError, match=r"config.init_from_hf .*; config.data.train_files") as error:
+    train.train_and_evaluate(config, str(tmp_path))
+  assert "Unknown tokenizer" not in str(error.value)
+
+
+def test_hf_checkpoint_must_match_the_preset_naming_the_field():
+  model_fields = load_config("refusion_qwen3_8b", "").model
+  checkpoint = tiny()  # not a Qwen3-8B
+  with pytest.raises(ValueError, match=r"hidden_size=64, config.model hidden_size=4096"):
+    train.check_hf_architecture(model_fields, checkpoint, "/models/x")
+  for field, value in (("num_layers", 35), ("tie_embeddings", True), ("head_dim", 64)):
+    with pytest.raises(ValueError, match=rf"gives {field}="):
+      train.check_hf_architecture(model_fields, preset("qwen3_8b").replace(**{field: value}), "/models/x")
+  # The vocabulary may differ (it follows the tokenizer); an empty preset accepts anything.
+  train.check_hf_architecture(model_fields, preset("qwen3_8b").replace(vocab_size=151_671), "/models/x")
+  model_fields.preset = ""
+  train.check_hf_architecture(model_fields, checkpoint, "/models/x")
+
+
+def test_recipe_smoke_variant_fine_tunes_a_small_checkpoint_on_json_data(tmp_path):
+  hf_dir = str(tmp_path / "hf")
+  write_hf_checkpoint(hf_dir)
+  rng = np.random.default_rng(15)
+  records = [{"query": f"add: {a}+{b}", "response": str(a + b)} for a, b in rng.integers(0, 50, (24, 2)).tolist()]
+  for split, chunk in (("train", records[:16]), ("validation", records[16:])):
+    (tmp_path / f"{split}.json").write_text(json.dumps(chunk))
+  config = load_config("refusion_qwen3_8b")  # :smoke
+  config.init_from_hf = hf_dir
+  config.data.update(
+    data_dir=str(tmp_path / "data"),
+    train_files=str(tmp_path / "train.json"),
+    validation_files=str(tmp_path / "validation.json"),
+  )
+  result = train.train_and_evaluate(config, str(tmp_path / "run"))
+  assert result.step == config.num_train_steps and result.stopped_by == "finished"
+  assert all(np.isfinite(loss) for loss in result.losses.values())
+  assert [step for step, _ in result.evals] == [2, 4]
+  assert len(result.samples) == config.eval.num_examples

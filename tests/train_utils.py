@@ -1,9 +1,14 @@
-"""Helpers for tests that run the trainer: the repo root and the smoke configs."""
+"""Helpers for tests that run the trainer: the repo root, the smoke configs and a tiny HF checkpoint."""
 
+import json
 import os
 
 import ml_collections
+import tokenizers
 
+from refusion_jax.checkpoints import hf as hf_io
+from refusion_jax.model.config import tiny
+from refusion_jax.model.transformer import init_model
 from refusion_jax.training import config_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,3 +24,23 @@ def smoke_config(data_dir: str, name: str = "demo", **overrides) -> ml_collectio
   config.data.data_dir = data_dir
   config.update(overrides)
   return config
+
+
+def write_hf_checkpoint(path, tokenizer_config: dict | None = None) -> int:
+  """A tiny Qwen3 checkpoint with a character tokenizer that has no mask token; returns its vocab size.
+
+  The model is `tiny(vocab_size=<returned size>, tie_embeddings=False)`.
+  """
+  chars = [chr(c) for c in range(32, 127)]
+  vocab = {c: i for i, c in enumerate(chars + ["<unk>", "<|endoftext|>"])}
+  tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+  tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex("."), behavior="isolated")
+  tokenizer.decoder = tokenizers.decoders.Fuse()
+  tokenizer.add_special_tokens([tokenizers.AddedToken("<|endoftext|>", special=True)])
+  os.makedirs(path, exist_ok=True)
+  tokenizer.save(os.path.join(path, "tokenizer.json"))
+  with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+    json.dump({"eos_token": "<|endoftext|>", **(tokenizer_config or {})}, f)
+  model_config = tiny(vocab_size=len(vocab), tie_embeddings=False, eos_token_id=vocab["<|endoftext|>"])
+  hf_io.save_hf(init_model(model_config, seed=3), path)
+  return len(vocab)

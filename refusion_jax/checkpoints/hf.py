@@ -29,6 +29,7 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from refusion_jax.data.special_tokens import discover_special_tokens
 from refusion_jax.model.config import ModelConfig, family_switches
 from refusion_jax.model.transformer import Transformer, abstract_model
 
@@ -37,11 +38,6 @@ _HF_CLASSES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama"
 
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
-
-# Added tokens that are taken for the mask token when the tokenizer does not
-# declare one: "<|mask|>", "<mask>", "[MASK]", "<|mdm_mask|>" (LLaDA), any case.
-_MASK_TOKEN = re.compile(r"[<\[]\|?(mdm_)?mask\|?[>\]]", re.IGNORECASE)
-
 
 # --------------------------------------------------------------------------
 # The name and layout table.
@@ -296,31 +292,9 @@ def config_to_hf(config: ModelConfig) -> dict:
   return hf_config
 
 
-def _read_json(file: pathlib.Path) -> dict:
-  return json.loads(file.read_text()) if file.exists() else {}
-
-
 def find_mask_token_id(path: str | pathlib.Path) -> int | None:
-  """The mask token id the tokenizer files in `path` define, if any.
-
-  A declared `mask_token` (tokenizer_config.json or special_tokens_map.json)
-  wins; otherwise the added token with the lowest id whose text looks like a
-  mask token ("<|mask|>", "<mask>", "[MASK]", "<|mdm_mask|>").
-  """
-  path = pathlib.Path(path)
-  tokenizer_config = _read_json(path / "tokenizer_config.json")
-  tokenizer = _read_json(path / "tokenizer.json")
-  ids = dict((tokenizer.get("model") or {}).get("vocab") or {})
-  added = {int(i): token["content"] for i, token in (tokenizer_config.get("added_tokens_decoder") or {}).items()}
-  added.update({token["id"]: token["content"] for token in tokenizer.get("added_tokens") or []})
-  ids.update({content: i for i, content in sorted(added.items(), reverse=True)})
-  declared = tokenizer_config.get("mask_token") or _read_json(path / "special_tokens_map.json").get("mask_token")
-  if isinstance(declared, dict):
-    declared = declared.get("content")
-  if declared in ids:
-    return ids[declared]
-  candidates = [i for i, content in sorted(added.items()) if _MASK_TOKEN.fullmatch(content)]
-  return candidates[0] if candidates else None
+  """The mask token id the tokenizer files in `path` define, if any (see `discover_special_tokens`)."""
+  return discover_special_tokens(str(path)).mask
 
 
 def load_hf_config(path: str | pathlib.Path, **overrides) -> ModelConfig:

@@ -39,7 +39,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from refusion_jax.data.tokenizer import Tokenizer
+from refusion_jax.data.tokenizer import Tokenizer, format_prompt
 
 Batch = dict[str, np.ndarray]
 
@@ -60,9 +60,9 @@ class _Tokenize(grain.transforms.Map):
     self._tokenizer = tokenizer
     self._chat_template = chat_template
 
-  def map(self, record):
+  def map(self, record: Mapping[str, Any]) -> dict[str, np.ndarray]:
     record = decode_record(record)
-    query = self._tokenizer.apply_chat_template(record["query"]) if self._chat_template else record["query"]
+    query = format_prompt(self._tokenizer, record["query"], self._chat_template)
     answer = self._tokenizer.encode(record["response"]) + [self._tokenizer.eos_id]
     return {
       "prompt": np.asarray(self._tokenizer.encode(query), np.int32),
@@ -77,7 +77,7 @@ class _DropTooLong(grain.transforms.Filter):
     self._seq_len = seq_len
     self._dropped = itertools.count(1)  # next() is atomic under the GIL: safe across reader threads
 
-  def filter(self, example) -> bool:
+  def filter(self, example: Mapping[str, np.ndarray]) -> bool:
     length = len(example["prompt"]) + len(example["answer"])
     if length <= self._seq_len:
       return True
@@ -100,7 +100,7 @@ class _PadToLength(grain.transforms.Map):
     self._seq_len = seq_len
     self._pad_id = pad_id
 
-  def map(self, example):
+  def map(self, example: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     tokens = np.full(self._seq_len, self._pad_id, np.int32)
     prompt, answer = example["prompt"], example["answer"]
     tokens[: len(prompt)] = prompt

@@ -237,9 +237,10 @@ def generate_examples(
       if query not in seen and split_of(query) == split:
         break
     else:
+      # Round robin: this task made every len(specs)-th example so far.
       raise ValueError(
-        f"Task {name!r} ran out of distinct {split} queries after {index} examples;"
-        " ask for fewer examples or add tasks."
+        f"Task {name!r} ran out of distinct {split} queries after {index // len(specs)} of its examples"
+        f" ({index} over all {len(specs)} tasks); ask for fewer examples or add tasks."
       )
     seen.add(query)
     examples.append({"query": query, "response": spec.solve(query), "task": name})

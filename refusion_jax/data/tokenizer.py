@@ -10,12 +10,13 @@ input pipeline appends EOS to every response).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import tokenizers
+
+from refusion_jax.data.special_tokens import Vocabulary, discover_special_tokens
 
 
 @runtime_checkable
@@ -93,41 +94,16 @@ class ByteTokenizer:
     return query
 
 
-# Contents a mask token is known to have in Hugging Face vocabularies, most specific first.
-_MASK_TOKEN_CANDIDATES = ("<|mask|>", "<|MASK|>", "<mask>", "[MASK]")
 _CHAT_TEMPLATE = "<|im_start|>user\n{query}<|im_end|>\n<|im_start|>assistant\n"
-
-
-def _read_json(path: str) -> dict:
-  if not os.path.exists(path):
-    return {}
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
-
-
-def _token_content(entry) -> str | None:
-  """A special-token entry is either the token string or {"content": ...}."""
-  if isinstance(entry, dict):
-    return entry.get("content")
-  return entry
-
-
-def _first_id(value) -> int | None:
-  """`eos_token_id` in model configs is an int or a list of ints."""
-  if isinstance(value, list):
-    return int(value[0]) if value else None
-  return None if value is None else int(value)
 
 
 class HFTokenizer:
   """A Hugging Face fast tokenizer (`tokenizer.json`) with its special tokens.
 
-  Special tokens come from `tokenizer_config.json`, then `special_tokens_map.json`
-  (`eos_token`, `pad_token`, `bos_token`, `mask_token`); when the EOS is not named
-  there, `generation_config.json` / `config.json` `eos_token_id` is used. A mask
-  token not named in the configs is looked up by its usual spellings
-  (`<|mask|>`, `<mask>`, `[MASK]`). Without a pad token, padding uses the EOS id:
-  padded positions carry no label, so any id is correct there.
+  Special ids follow `refusion_jax.data.special_tokens.discover_special_tokens`
+  (the configs' named tokens, the model configs' EOS id, a mask token found by
+  its usual spellings). Without a pad token, padding uses the EOS id: padded
+  positions carry no label, so any id is correct there.
   """
 
   def __init__(self, path: str):
@@ -139,42 +115,21 @@ class HFTokenizer:
         " tokenizer.json (save one with `tokenizer.save_pretrained(dir)`), or 'bytes' for the byte tokenizer."
       )
     self._tokenizer = tokenizers.Tokenizer.from_file(tokenizer_file)
-    named = {}
-    for config_name in ("special_tokens_map.json", "tokenizer_config.json"):  # later files win
-      config = _read_json(os.path.join(path, config_name))
-      for key in ("eos_token", "pad_token", "bos_token", "mask_token"):
-        content = _token_content(config.get(key))
-        if content:
-          named[key] = content
-    model_configs = [_read_json(os.path.join(path, name)) for name in ("generation_config.json", "config.json")]
-
-    eos_id = self._id_of(named.get("eos_token"))
-    if eos_id is None:
-      eos_id = next((_first_id(c["eos_token_id"]) for c in model_configs if c.get("eos_token_id") is not None), None)
-    if eos_id is None:
+    vocabulary = Vocabulary(
+      ids=self._tokenizer.get_vocab(with_added_tokens=True),
+      added={i: token.content for i, token in self._tokenizer.get_added_tokens_decoder().items()},
+      complete=True,
+    )
+    special = discover_special_tokens(path, vocabulary)
+    if special.eos is None:
       raise ValueError(
         f"Could not find the EOS token of the tokenizer in {path!r}: set `eos_token` in"
         " tokenizer_config.json (or `eos_token_id` in generation_config.json)."
       )
-    self._eos_id = eos_id
-    pad_id = self._id_of(named.get("pad_token"))
-    self._pad_id = eos_id if pad_id is None else pad_id
-    self._bos_id = self._id_of(named.get("bos_token"))
-    self._mask_id = self._id_of(named.get("mask_token"))
-    if self._mask_id is None:
-      known = [self._tokenizer.token_to_id(token) for token in _MASK_TOKEN_CANDIDATES]
-      self._mask_id = next((token_id for token_id in known if token_id is not None), None)
+    self._special = special
     self._has_chat_tokens = all(
       self._tokenizer.token_to_id(token) is not None for token in ("<|im_start|>", "<|im_end|>")
     )
-
-  def _id_of(self, token: str | None) -> int | None:
-    if token is None:
-      return None
-    token_id = self._tokenizer.token_to_id(token)
-    if token_id is None:
-      raise ValueError(f"Special token {token!r} named in the tokenizer configs is not in tokenizer.json's vocabulary.")
-    return token_id
 
   @property
   def vocab_size(self) -> int:
@@ -182,19 +137,19 @@ class HFTokenizer:
 
   @property
   def pad_id(self) -> int:
-    return self._pad_id
+    return self._special.padding
 
   @property
   def eos_id(self) -> int:
-    return self._eos_id
+    return self._special.eos
 
   @property
   def mask_id(self) -> int | None:
-    return self._mask_id
+    return self._special.mask
 
   @property
   def bos_id(self) -> int | None:
-    return self._bos_id
+    return self._special.bos
 
   def encode(self, text: str) -> list[int]:
     return self._tokenizer.encode(text, add_special_tokens=False).ids
@@ -205,6 +160,15 @@ class HFTokenizer:
   def apply_chat_template(self, query: str) -> str:
     """Qwen's ChatML user turn when the vocabulary has its tokens, else the query unchanged."""
     return _CHAT_TEMPLATE.format(query=query) if self._has_chat_tokens else query
+
+
+def format_prompt(tokenizer: Tokenizer, query: str, chat_template: bool) -> str:
+  """The prompt text of a query: wrapped in the tokenizer's chat template when `chat_template` is on.
+
+  The one place that decides it, so that training data, evaluation, the sampler
+  and the benchmarks all show the model the prompts it was trained on.
+  """
+  return tokenizer.apply_chat_template(query) if chat_template else query
 
 
 def load_tokenizer(path_or_name: str) -> Tokenizer:

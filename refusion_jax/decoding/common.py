@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from refusion_jax.data.special_tokens import SpecialTokens, resolve_special_tokens
 from refusion_jax.model import cache as kv_cache
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer, inference_view
@@ -206,14 +207,15 @@ def answer_tokens(out: np.ndarray, eos_id: int) -> list[list[int]]:
   return rows
 
 
-def first_given(*ids: int | None) -> int | None:
-  """The first id that is not None (an explicit argument, then the defaults in order)."""
-  return next((i for i in ids if i is not None), None)
+def decoder_special_tokens(
+  config: ModelConfig, *, mask_id: int | None = None, eos_id: int | None = None, pad_id: int | None = None
+) -> SpecialTokens:
+  """The ids a decoder uses: the given ones, else the model config's (`resolve_special_tokens`).
 
-
-def default_pad_id(pad_id: int | None, config: ModelConfig) -> int:
-  """The prompt padding id: given, else the config's pad, else its EOS, else 0 (padding is never attended)."""
-  return first_given(pad_id, config.pad_token_id, config.eos_token_id, 0)
+  The pad id falls back to the EOS, then to 0: padding is never attended.
+  """
+  ids = resolve_special_tokens(SpecialTokens(mask=mask_id, eos=eos_id, pad=pad_id), config=config)
+  return dataclasses.replace(ids, pad=0 if ids.padding is None else ids.padding)
 
 
 def row_gumbel_noise(key: jax.Array, steps: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -239,7 +241,7 @@ NO_TOKEN = -1
 
 def optional_eos_id(eos_id: int | None, config: ModelConfig) -> int:
   """The checked EOS id (given, else the config's), or `NO_TOKEN` when neither names one."""
-  eos_id = first_given(eos_id, config.eos_token_id)
+  eos_id = decoder_special_tokens(config, eos_id=eos_id).eos
   return NO_TOKEN if eos_id is None else check_special_id("eos_id", eos_id, config)
 
 
@@ -270,12 +272,13 @@ def check_refusion_knobs(
   The arguments are `generate`'s keyword arguments of the same names, in its order.
   """
   check_slot_layout(gen_length, slot_size, serial_blocks)
+  ids = decoder_special_tokens(config, mask_id=mask_id, eos_id=eos_id)
   return RefusionKnobs(
     slot_threshold=check_threshold("slot_threshold", slot_threshold),
     token_threshold=check_threshold("token_threshold", token_threshold),
     temperature=check_temperature(temperature),
-    mask_id=check_special_id("mask_id", first_given(mask_id, config.mask_token_id), config),
-    eos_id=check_special_id("eos_id", first_given(eos_id, config.eos_token_id), config),
+    mask_id=check_special_id("mask_id", ids.mask, config),
+    eos_id=check_special_id("eos_id", ids.eos, config),
   )
 
 
@@ -400,7 +403,7 @@ def run_decoder(
   """
   config = model.config
   check_prompts(prompt_ids, config, gen_length)
-  pad = check_special_id("pad_id", default_pad_id(pad_id, config), config)
+  pad = check_special_id("pad_id", decoder_special_tokens(config, pad_id=pad_id).pad, config)
   model = inference_view(model)  # every decoder runs without remat, on weights cast once (docs/method.md §5)
   start = time.perf_counter()
   prompt, lengths = pad_prompts(prompt_ids, pad)

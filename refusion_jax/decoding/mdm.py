@@ -25,7 +25,7 @@ from refusion_jax.decoding.common import (
   check_special_id,
   check_temperature,
   counts_compilations,
-  first_given,
+  decoder_special_tokens,
   optional_eos_id,
   pick_tokens,
   run_decoder,
@@ -167,7 +167,7 @@ def mdm_generate(
   config = model.config
   check_mdm_schedule(gen_length, block_length, steps)
   temperature = check_temperature(temperature)
-  mask = check_special_id("mask_id", first_given(mask_id, config.mask_token_id), config)
+  mask = check_special_id("mask_id", decoder_special_tokens(config, mask_id=mask_id).mask, config)
   eos = optional_eos_id(eos_id, config)
   loop = functools.partial(
     mdm_loop,

@@ -16,7 +16,8 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Sequence
 
-from refusion_jax.data.tokenizer import Tokenizer, load_tokenizer
+from refusion_jax.data.special_tokens import resolve_special_tokens
+from refusion_jax.data.tokenizer import Tokenizer, format_prompt, load_tokenizer
 from refusion_jax.decoding import defaults
 from refusion_jax.decoding.ar import ar_generate
 from refusion_jax.decoding.common import DecodeResult
@@ -71,16 +72,15 @@ class Sampler:
     self.method = method
     self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     self.chat_template = chat_template
-    special = dict(mask_id=self.tokenizer.mask_id, eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
+    special = resolve_special_tokens(tokenizer=self.tokenizer, config=model.config)
+    special = dict(mask_id=special.mask, eos_id=special.eos, pad_id=special.pad)
     self.decode_kwargs = {k: v for k, v in special.items() if k in options and v is not None}
     self.decode_kwargs.update(defaults.method_defaults(method, decode_kwargs.get("gen_length", defaults.GEN_LENGTH)))
     self.decode_kwargs.update(decode_kwargs)
 
   def encode(self, text: str) -> list[int]:
     """Prompt ids of one text (after the chat template when it is on)."""
-    if self.chat_template:
-      text = self.tokenizer.apply_chat_template(text)
-    ids = self.tokenizer.encode(text)
+    ids = self.tokenizer.encode(format_prompt(self.tokenizer, text, self.chat_template))
     if not ids:
       raise ValueError("The prompt is empty after tokenisation; give at least one character.")
     return ids

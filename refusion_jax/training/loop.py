@@ -7,10 +7,11 @@
 The loop:
 
 1. Build (once) and open the data: the built-in tasks or query/response JSON.
-2. Build the train state where it lives: parameters and optimizer state are
-   created by a jitted init whose outputs carry the mesh shardings.
-   Precedence: resume from `workdir/checkpoints`, else `init_from_hf`, else
-   `init_from_checkpoint` (parameters of another run), else a fresh init.
+2. Build the train state where it lives (`refusion_jax.training.state`):
+   parameters and optimizer state are created by a jitted init whose outputs
+   carry the mesh shardings. Precedence: resume from `workdir/checkpoints`,
+   else `init_from_hf`, else `init_from_checkpoint` (parameters of another
+   run), else a fresh init.
 3. Step: one jitted function `state, batch -> state, metrics` with in/out
    shardings; gradient accumulation is a `lax.scan` over microbatches inside
    it (one optimizer update per step, so the step count, schedule and
@@ -19,33 +20,31 @@ The loop:
    non-finite value stops the run before anything is saved for that step.
    SIGTERM (preemption) sets a flag; the loop saves and returns cleanly.
 5. Periodically: TensorBoard / console metrics, validation loss, exact match
-   and tokens-per-forward of decoding (ReFusion's `decode.generate`, or the
-   baselines' decoders), and checkpoints.
+   and tokens-per-forward of decoding (`refusion_jax.training.evaluate`), and
+   checkpoints.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Sequence
+from types import FrameType
 from typing import Any
 
-import flax.struct
+import grain
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 from absl import logging
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from refusion_jax.checkpoints.hf import load_hf_config
 from refusion_jax.checkpoints.orbax import (
   CHECKPOINT_SUBDIR,
   Checkpoints,
@@ -54,39 +53,29 @@ from refusion_jax.checkpoints.orbax import (
   local_path,
   model_meta,
 )
+from refusion_jax.checkpoints.vocab import MASK_TOKEN, load_hf_for_training
 from refusion_jax.data import pipeline
-from refusion_jax.data.tasks import check_answer
+from refusion_jax.data.special_tokens import SpecialTokens, resolve_special_tokens, with_special_tokens
 from refusion_jax.data.tokenizer import Tokenizer, load_tokenizer
 from refusion_jax.model.config import ModelConfig, preset
-from refusion_jax.model.transformer import Transformer
 from refusion_jax.parallel import sharding
+from refusion_jax.training.evaluate import evaluate_decoding, evaluate_loss, format_report, format_samples
 from refusion_jax.training.metrics import MetricsLogger, console
-from refusion_jax.training.objective import ObjectiveConfig, loss_fn
+from refusion_jax.training.objective import ObjectiveConfig
+from refusion_jax.training.state import (
+  Placement,
+  TrainState,
+  init_state_fn,
+  make_eval_step,
+  make_optimizer,
+  make_placement,
+  make_train_step,
+  state_with_params,
+)
 
 
 class NonFiniteLossError(RuntimeError):
   """The loss or gradient norm became NaN/Inf; the run stopped without saving that step."""
-
-
-@flax.struct.dataclass
-class TrainState:
-  """Everything that moves through the jitted step.
-
-  step:      [] int32, optimizer updates applied so far.
-  params:    the model's `nnx.State` (`nnx.Param` leaves with logical axes).
-  opt_state: the optax state (its moments mirror `params`, axes included).
-  rng:       [2] uint32 base key; step k draws from fold_in(rng, k), so a resumed
-             run draws exactly what an uninterrupted one would.
-  """
-
-  step: jax.Array
-  params: nnx.State
-  opt_state: optax.OptState
-  rng: jax.Array
-
-  def train_part(self) -> dict:
-    """What the `train` checkpoint item holds (all but the parameters)."""
-    return dict(step=self.step, opt_state=self.opt_state, rng=self.rng)
 
 
 @dataclasses.dataclass
@@ -108,21 +97,76 @@ class TrainResult:
 
 # ----------------------------------------------------------------- configuration
 
+# The `config.model` fields that configure how a model runs, not what it is.
+_RUNTIME_FIELDS = ("preset", "dtype", "param_dtype", "remat")
+# The fields an `init_from_hf` checkpoint must share with `config.model.preset` (the vocabulary may differ:
+# it follows the tokenizer, and grows for an added mask token).
+_ARCHITECTURE_FIELDS = (
+  "architecture",
+  "hidden_size",
+  "intermediate_size",
+  "num_layers",
+  "num_heads",
+  "num_kv_heads",
+  "head_dim",
+  "qk_norm",
+  "qkv_bias",
+  "tie_embeddings",
+  "rope_theta",
+)
+_SPECIAL_ID_FIELDS = {"mask": "mask_token_id", "eos": "eos_token_id", "pad": "pad_token_id"}
+
 
 def model_config_from(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> ModelConfig:
   """`config.model.preset` with every other `config.model` field as an override.
 
-  Special token ids the config leaves unset come from the tokenizer, so that a
-  checkpoint's model config is enough to decode.
+  Special token ids follow `resolve_special_tokens`: ids set in `config.model`,
+  then the tokenizer's, then the preset's; the model config records them, so
+  that a checkpoint's model config is enough to decode.
   """
   fields = dict(config.model)
   model_config = preset(fields.pop("preset"), **fields)
-  return _with_tokenizer_ids(model_config, tokenizer)
+  explicit = SpecialTokens(**{name: fields.get(field) for name, field in _SPECIAL_ID_FIELDS.items()})
+  return with_special_tokens(model_config, resolve_special_tokens(explicit, tokenizer=tokenizer, config=model_config))
 
 
-def _with_tokenizer_ids(model_config: ModelConfig, tokenizer: Tokenizer) -> ModelConfig:
-  ids = dict(mask_token_id=tokenizer.mask_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
-  return model_config.replace(**{k: v for k, v in ids.items() if getattr(model_config, k) is None and v is not None})
+def check_hf_architecture(model_fields: ml_collections.ConfigDict, hf_config: ModelConfig, path: str) -> None:
+  """An `init_from_hf` checkpoint must have the architecture `config.model` describes (unless its preset is "").
+
+  Raises:
+    ValueError: naming the first field where the checkpoint's config.json and
+      `config.model` differ.
+  """
+  name = model_fields.get("preset", "")
+  if not name:
+    return
+  overrides = {k: v for k, v in dict(model_fields).items() if k not in _RUNTIME_FIELDS}
+  expected = preset(name, **overrides)
+  for field in _ARCHITECTURE_FIELDS:
+    want, got = getattr(expected, field), getattr(hf_config, field)
+    if want != got:
+      raise ValueError(
+        f"config.init_from_hf={path!r} is not the architecture config.model describes (preset {name!r}): "
+        f"its config.json gives {field}={got!r}, config.model {field}={want!r}. Point config.init_from_hf at a "
+        f"{name} checkpoint, or set --config.model.preset='' to fine-tune any architecture."
+      )
+
+
+def check_required_fields(config: ml_collections.ConfigDict, resuming: bool) -> None:
+  """Fields a run cannot start without, all named at once before anything is built."""
+  missing = []
+  if not (resuming or config.init_from_hf or config.init_from_checkpoint or config.tokenizer):
+    missing.append(
+      "config.init_from_hf (a Hugging Face checkpoint directory to fine-tune) or config.tokenizer "
+      "('bytes' or a tokenizer directory, to train from scratch)"
+    )
+  if config.data.dataset == "json" and not config.data.get("train_files"):
+    missing.append("config.data.train_files (comma-separated query/response JSON files)")
+  if missing:
+    raise ValueError(
+      "The config leaves required fields empty: " + "; ".join(missing) + ". Set them on the command line, "
+      "e.g. --config.init_from_hf=/path/to/Qwen3-8B --config.data.train_files=train.json."
+    )
 
 
 def objective_config_from(config: ml_collections.ConfigDict, model_config: ModelConfig) -> ObjectiveConfig:
@@ -139,272 +183,6 @@ def objective_config_from(config: ml_collections.ConfigDict, model_config: Model
     mask_id=mask_id,
     pad_id=model_config.pad_token_id,
   )
-
-
-def make_optimizer(
-  opt: ml_collections.ConfigDict, total_steps: int
-) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """AdamW after global-norm clipping, with linear warmup then `opt.decay` ("cosine", "linear", "constant").
-
-  Weight decay applies to matrices only (not to norm scales).
-  """
-  decay_steps = max(total_steps - opt.warmup_steps, 1)
-  end_lr = opt.lr * opt.final_lr_ratio
-  decays = {
-    "cosine": optax.cosine_decay_schedule(opt.lr, decay_steps, alpha=opt.final_lr_ratio),
-    "linear": optax.linear_schedule(opt.lr, end_lr, decay_steps),
-    "constant": optax.constant_schedule(opt.lr),
-  }
-  if opt.decay not in decays:
-    raise ValueError(f"optimizer.decay={opt.decay!r}; choose one of {sorted(decays)}.")
-  warmup = optax.linear_schedule(0.0, opt.lr, opt.warmup_steps)
-  schedule = optax.join_schedules([warmup, decays[opt.decay]], [opt.warmup_steps])
-  tx = optax.chain(
-    optax.clip_by_global_norm(opt.grad_clip),
-    optax.adamw(
-      schedule,
-      b1=opt.b1,
-      b2=opt.b2,
-      eps=opt.eps,
-      weight_decay=opt.weight_decay,
-      mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
-    ),
-  )
-  return tx, schedule
-
-
-# ------------------------------------------------------------------ the step
-
-
-def _microbatches(x: jax.Array, count: int) -> jax.Array:
-  """[batch, ...] -> [count, batch / count, ...], microbatch i = rows i, i + count, ...
-
-  Strided rather than contiguous so that every device keeps its own rows in
-  every microbatch (the batch axis is sharded over devices).
-  """
-  return jnp.swapaxes(x.reshape(x.shape[0] // count, count, *x.shape[1:]), 0, 1)
-
-
-def make_train_step(
-  graphdef: nnx.GraphDef,
-  tx: optax.GradientTransformation,
-  schedule: optax.Schedule,
-  objective: ObjectiveConfig,
-  grad_accum_steps: int,
-) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-  """The (un-jitted) step: average gradients over `grad_accum_steps` microbatches, one AdamW update.
-
-  Batch: tokens [batch, length], prompt_len [batch], answer_len [batch].
-  Metrics: loss, ar_loss, mdm_loss, num_ar_tokens, num_mdm_tokens (microbatch
-  means), grad_norm (before clipping), learning_rate (of this update).
-  """
-
-  def loss_of(params, batch, key):
-    return loss_fn(nnx.merge(graphdef, params), batch, key, objective)
-
-  grad_fn = jax.value_and_grad(loss_of, has_aux=True)
-
-  def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-    key = jax.random.fold_in(state.rng, state.step)
-    micro = jax.tree.map(lambda x: _microbatches(x, grad_accum_steps), batch)
-
-    def accumulate(carry, inputs):
-      index, microbatch = inputs
-      (_, metrics), grads = grad_fn(state.params, microbatch, jax.random.fold_in(key, index))
-      return jax.tree.map(jnp.add, carry, (grads, metrics)), None
-
-    (_, metrics_shape), grads_shape = jax.eval_shape(grad_fn, state.params, jax.tree.map(lambda x: x[0], micro), key)
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (grads_shape, metrics_shape))
-    (grads, metrics), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(grad_accum_steps), micro))
-    grads, metrics = jax.tree.map(lambda x: x / grad_accum_steps, (grads, metrics))
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics = dict(metrics, grad_norm=optax.global_norm(grads), learning_rate=schedule(state.step))
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
-
-  return step
-
-
-def make_eval_step(graphdef: nnx.GraphDef, objective: ObjectiveConfig) -> Callable:
-  """(params, batch, key) -> metrics of the training loss, without gradients."""
-
-  def eval_step(params, batch, key):
-    return loss_fn(nnx.merge(graphdef, params), batch, key, objective)[1]
-
-  return eval_step
-
-
-# ------------------------------------------------------------------ state placement
-
-
-@dataclasses.dataclass
-class Placement:
-  """The mesh, the shardings of the train state, and the jitted functions that use them."""
-
-  mesh: jax.sharding.Mesh
-  rules: tuple
-  state_shardings: TrainState
-  abstract_state: TrainState  # ShapeDtypeStructs carrying `state_shardings`
-
-  def batch(self, batch: Mapping[str, np.ndarray]) -> dict:
-    """This process's rows of a batch -> global arrays sharded over the mesh."""
-    return sharding.shard_batch(batch, self.mesh, self.rules)
-
-  def _batch_shardings(self) -> dict:
-    return sharding.batch_shardings(_BATCH_EXAMPLE, self.mesh, self.rules)
-
-  def _replicated(self) -> jax.sharding.NamedSharding:
-    return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-
-  def jit_step(self, step_fn: Callable) -> Callable:
-    """`step_fn(state, batch)` jitted with the state donated and kept in place."""
-    return jax.jit(
-      step_fn,
-      in_shardings=(self.state_shardings, self._batch_shardings()),
-      out_shardings=(self.state_shardings, self._replicated()),
-      donate_argnums=0,
-    )
-
-  def jit_eval(self, eval_fn: Callable) -> Callable:
-    """`eval_fn(params, batch, key)` jitted."""
-    return jax.jit(
-      eval_fn,
-      in_shardings=(self.state_shardings.params, self._batch_shardings(), self._replicated()),
-      out_shardings=self._replicated(),
-    )
-
-
-# Only the ranks matter for the shardings: tokens [batch, length], the rest [batch].
-_BATCH_EXAMPLE = {
-  "tokens": np.zeros((1, 1), np.int32),
-  "prompt_len": np.zeros(1, np.int32),
-  "answer_len": np.zeros(1, np.int32),
-}
-
-
-def make_placement(init_fn: Callable[[], TrainState], mesh: jax.sharding.Mesh, rules) -> Placement:
-  """Shardings of the state `init_fn` would build (nothing is allocated)."""
-  rules = tuple(tuple(rule) for rule in rules)
-  abstract = jax.eval_shape(init_fn)
-  shardings = sharding.state_shardings(abstract, mesh, rules)
-  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-  return Placement(mesh=mesh, rules=rules, state_shardings=shardings, abstract_state=abstract)
-
-
-def init_state_fn(model_config: ModelConfig, tx: optax.GradientTransformation, seed: int) -> Callable[[], TrainState]:
-  """A function building a fresh TrainState (random parameters); jit it with the placement's out_shardings."""
-
-  def init() -> TrainState:
-    _, params = nnx.split(Transformer(model_config, rngs=nnx.Rngs(params=seed)))
-    return _state_from_params(params, tx, seed)
-
-  return init
-
-
-def _state_from_params(params: nnx.State, tx: optax.GradientTransformation, seed: int) -> TrainState:
-  return TrainState(
-    step=jnp.zeros((), jnp.int32),
-    params=params,
-    opt_state=tx.init(params),
-    rng=jax.random.PRNGKey(seed + 1),  # seed itself initialised the parameters
-  )
-
-
-def state_with_params(params: nnx.State, tx, seed: int, placement: Placement) -> TrainState:
-  """A step-0 TrainState around given parameters, placed with the placement's shardings."""
-  params = jax.device_put(params, placement.state_shardings.params)
-  init = jax.jit(
-    lambda p: _state_from_params(p, tx, seed),
-    in_shardings=(placement.state_shardings.params,),
-    out_shardings=placement.state_shardings,
-  )
-  return init(params)
-
-
-# ------------------------------------------------------------------ Hugging Face init
-
-
-MASK_TOKEN = "<|mask|>"
-
-
-def add_mask_token(tokenizer_dir: str, out_dir: str) -> None:
-  """Copy a Hugging Face tokenizer to `out_dir` with `MASK_TOKEN` added (the next free id) as its mask token."""
-  import tokenizers  # only needed for HF checkpoints
-
-  os.makedirs(out_dir, exist_ok=True)
-  for name in ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "config.json"):
-    if os.path.exists(os.path.join(tokenizer_dir, name)):
-      shutil.copy(os.path.join(tokenizer_dir, name), out_dir)
-  tokenizer = tokenizers.Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
-  tokenizer.add_special_tokens([tokenizers.AddedToken(MASK_TOKEN, special=True)])
-  tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
-  config_file = os.path.join(out_dir, "tokenizer_config.json")
-  tokenizer_config = {}
-  if os.path.exists(config_file):
-    with open(config_file, encoding="utf-8") as f:
-      tokenizer_config = json.load(f)
-  tokenizer_config["mask_token"] = MASK_TOKEN
-  with open(config_file, "w", encoding="utf-8") as f:
-    json.dump(tokenizer_config, f, indent=2)
-
-
-def resize_vocab(params: nnx.State, new_vocab: int, key: jax.Array, noise_scale: float = 1e-3) -> nnx.State:
-  """Grow the embedding (and untied LM head) to `new_vocab` rows.
-
-  New rows are the mean of the existing ones plus small Gaussian noise (scaled
-  by their standard deviation): a new token then starts as an "average" token
-  instead of an outlier the softmax would have to unlearn.
-  """
-
-  def grow(table: jax.Array, key: jax.Array) -> jax.Array:  # [vocab, embed]
-    extra = new_vocab - table.shape[0]
-    mean = table.astype(jnp.float32).mean(0)
-    std = table.astype(jnp.float32).std(0)
-    rows = mean + noise_scale * std * jax.random.normal(key, (extra, table.shape[1]))
-    return jnp.concatenate([table, rows.astype(table.dtype)])
-
-  embed_key, head_key = jax.random.split(key)
-  params = jax.tree.map(lambda x: x, params)  # a copy whose variables we may replace
-  params["embed_tokens"] = params["embed_tokens"].replace(grow(params["embed_tokens"].get_value(), embed_key))
-  if "lm_head" in params:
-    params["lm_head"] = params["lm_head"].replace(grow(params["lm_head"].get_value().T, head_key).T)
-  return params
-
-
-def load_hf_params(config: ml_collections.ConfigDict, tokens_dir: str) -> tuple[nnx.State, ModelConfig, str]:
-  """Parameters, model config and tokenizer path from `config.init_from_hf`.
-
-  If the tokenizer has no mask token, one is added (the extended tokenizer is
-  written to `tokens_dir`) and the embeddings are resized to hold it, rounded
-  up to a multiple of `config.vocab_multiple` so the vocabulary still shards.
-  """
-  from refusion_jax.checkpoints import hf as hf_io  # safetensors reading only matters for HF inits
-
-  path = config.init_from_hf
-  model = hf_io.load_hf(
-    path,
-    dtype=config.model.get("dtype", "float32"),
-    param_dtype=config.model.get("param_dtype", None),
-    config_overrides=dict(remat=config.model.get("remat", False)),
-  )
-  model_config = model.config
-  params = nnx.state(model)
-  tokenizer_path = path
-  mask_id = model_config.mask_token_id
-  if mask_id is None:
-    if jax.process_index() == 0:  # one writer; the others read it after the barrier
-      add_mask_token(path, tokens_dir)
-    multihost_utils.sync_global_devices("refusion_jax: tokenizer with a mask token written")
-    mask_id = load_tokenizer(tokens_dir).mask_id
-    tokenizer_path = tokens_dir
-    console(f"Added {MASK_TOKEN} to the tokenizer as id {mask_id} (written to {tokens_dir}).")
-  if mask_id >= model_config.vocab_size:
-    new_vocab = -(-(mask_id + 1) // config.vocab_multiple) * config.vocab_multiple
-    params = resize_vocab(params, new_vocab, jax.random.PRNGKey(config.seed))
-    console(f"Resized the vocabulary from {model_config.vocab_size} to {new_vocab} rows.")
-    model_config = model_config.replace(vocab_size=new_vocab)
-  model_config = _with_tokenizer_ids(model_config.replace(mask_token_id=mask_id), load_tokenizer(tokenizer_path))
-  return params, model_config, tokenizer_path
 
 
 # ------------------------------------------------------------------ data
@@ -434,13 +212,13 @@ def _open_splits(config: ml_collections.ConfigDict, workdir: str) -> dict[str, A
     )
   if data.dataset == "json":
     files = {split: [f for f in data.get(f"{split}_files", "").split(",") if f] for split in ("train", "validation")}
-    if not files["train"]:
-      raise ValueError("config.data.dataset='json' needs config.data.train_files (comma-separated JSON files).")
     return builders.build_query_response_json(data_dir, {k: v for k, v in files.items() if v})
   raise ValueError(f"config.data.dataset={data.dataset!r}; choose 'tasks' or 'json'.")
 
 
-def batches(source, tokenizer: Tokenizer, config: ml_collections.ConfigDict, *, train: bool):
+def batches(
+  source: Sequence, tokenizer: Tokenizer, config: ml_collections.ConfigDict, *, train: bool
+) -> grain.IterDataset:
   """The grain dataset of this process's rows: endless and shuffled for training, one ordered pass for eval."""
   return pipeline.make_dataset(
     source,
@@ -452,102 +230,6 @@ def batches(source, tokenizer: Tokenizer, config: ml_collections.ConfigDict, *, 
     num_epochs=None if train else 1,
     chat_template=config.data.chat_template,
   )
-
-
-# ------------------------------------------------------------------ evaluation
-
-
-def decode_answers(model: Transformer, prompts: list[list[int]], config: ml_collections.ConfigDict):
-  """Decode with the method matching the objective: ReFusion, AR or MDM."""
-  ev = config.eval
-  kind = config.objective.kind
-  if kind == "refusion":
-    from refusion_jax.decoding.refusion import generate
-
-    return generate(
-      model,
-      prompts,
-      gen_length=ev.gen_length,
-      slot_size=ev.slot_size,
-      serial_blocks=ev.serial_blocks,
-      slot_threshold=ev.slot_threshold,
-      token_threshold=ev.token_threshold,
-    )
-  if kind == "ar":
-    from refusion_jax.decoding.ar import ar_generate
-
-    return ar_generate(model, prompts, gen_length=ev.gen_length)
-  from refusion_jax.decoding.mdm import mdm_generate
-
-  return mdm_generate(model, prompts, gen_length=ev.gen_length, block_length=ev.mdm_block_length, steps=ev.mdm_steps)
-
-
-def evaluate_decoding(model: Transformer, records, tokenizer: Tokenizer, config: ml_collections.ConfigDict):
-  """Exact match and tokens per forward over the first `config.eval.num_examples` records.
-
-  Returns:
-    ({exact_match, tpf, mean_forwards, exact_match_<task> per built-in task},
-     [{task, query, answer, reference, correct}]).
-  """
-  count = min(config.eval.num_examples, len(records))
-  examples = [pipeline.decode_record(records[i]) for i in range(count)]
-  samples, answer_tokens, forwards = [], 0, 0
-  for start in range(0, count, config.eval.batch_size):
-    chunk = examples[start : start + config.eval.batch_size]
-    prompts = [tokenizer.encode(_prompt_text(ex["query"], tokenizer, config)) for ex in chunk]
-    result = decode_answers(model, prompts, config)
-    answer_tokens += sum(len(t) for t in result.tokens)
-    forwards += int(np.sum(result.num_forwards))
-    for ex, tokens in zip(chunk, result.tokens):
-      answer = tokenizer.decode(tokens)
-      correct = _is_correct(ex, answer)
-      samples.append(
-        dict(task=ex.get("task", ""), query=ex["query"], answer=answer, reference=ex["response"], correct=correct)
-      )
-  metrics = dict(
-    exact_match=float(np.mean([s["correct"] for s in samples])) if samples else 0.0,
-    tpf=answer_tokens / max(forwards, 1),
-    mean_forwards=forwards / max(count, 1),
-  )
-  by_task = {}
-  for sample in samples:
-    if sample["task"]:
-      by_task.setdefault(sample["task"], []).append(sample["correct"])
-  metrics.update({f"exact_match_{task}": float(np.mean(correct)) for task, correct in sorted(by_task.items())})
-  return metrics, samples
-
-
-def _prompt_text(query: str, tokenizer: Tokenizer, config) -> str:
-  # Must match the pipeline's prompt (pipeline._Tokenize).
-  return tokenizer.apply_chat_template(query) if config.data.chat_template else query
-
-
-def _is_correct(example: dict, answer: str) -> bool:
-  """Built-in tasks are checked by re-solving the query; other data by exact match with the reference."""
-  if example.get("task"):
-    try:
-      return check_answer(example["task"], example["query"], answer)
-    except ValueError:  # a task the checker does not know (user data tagged with a task name)
-      pass
-  return " ".join(answer.split()) == " ".join(example["response"].split())
-
-
-def evaluate_loss(eval_fn: Callable, state: TrainState, records, tokenizer, config, placement: Placement) -> dict:
-  """Mean training-objective metrics over the first `config.eval.num_loss_batches` validation batches.
-
-  The objective's randomness uses a fixed key per batch, so the number is
-  comparable across evaluations.
-  """
-  totals, count = {}, 0
-  key = jax.random.PRNGKey(config.seed + 2)
-  for index, batch in enumerate(batches(records, tokenizer, config, train=False)):
-    if index >= config.eval.num_loss_batches:
-      break
-    metrics = jax.device_get(eval_fn(state.params, placement.batch(batch), jax.random.fold_in(key, index)))
-    for name in ("loss", "ar_loss", "mdm_loss"):
-      totals[name] = totals.get(name, 0.0) + float(metrics[name])
-    count += 1
-  return {name: value / max(count, 1) for name, value in totals.items()}
 
 
 # ------------------------------------------------------------------ preemption
@@ -568,28 +250,24 @@ class StopSignal:
     else:
       logging.warning("Not in the main thread: SIGTERM will not trigger a checkpoint.")
 
-  def _handle(self, signum, frame):
+  def _handle(self, signum: int, frame: FrameType | None) -> None:
     del signum, frame
     self.received = True
 
   def should_stop(self, checkpoints: Checkpoints, step: int) -> bool:
+    """Whether any process was signalled, or JAX's preemption notice asks to save at `step`."""
     flag = self.received
     if jax.process_count() > 1:
       flag = bool(np.max(multihost_utils.process_allgather(np.int32(flag))))
     return flag or checkpoints.reached_preemption(step)
 
   def restore(self) -> None:
+    """Reinstall the SIGTERM handler that was there before."""
     if self._previous is not None:
       signal.signal(signal.SIGTERM, self._previous)
 
 
-# ------------------------------------------------------------------ the loop
-
-
-def _total_steps(config, num_train_records: int) -> int:
-  if config.num_train_steps > 0:
-    return config.num_train_steps
-  return max(config.num_epochs * num_train_records // config.batch_size, 1)
+# ------------------------------------------------------------------ where the model comes from
 
 
 @dataclasses.dataclass
@@ -602,23 +280,49 @@ class _Start:
   params: nnx.State | None = None  # initial parameters (HF or another run); None = random
 
 
-def _find_start(config, checkpoints: Checkpoints) -> _Start:
+def _find_start(config: ml_collections.ConfigDict, checkpoints: Checkpoints) -> _Start:
   latest = checkpoints.latest_step()
   if latest is not None:
     meta = checkpoints.read_meta(latest)
     return _Start(ModelConfig(**meta["model_config"]), meta["tokenizer"], resume_step=latest)
   if config.init_from_hf:
-    params, model_config, tokenizer_path = load_hf_params(config, os.path.join(checkpoints.directory, "tokenizer"))
-    if tokenizer_path.startswith(checkpoints.directory):
-      tokenizer_path = os.path.relpath(tokenizer_path, checkpoints.directory)
-    return _Start(model_config, tokenizer_path, params=params)
+    return _start_from_hf(config, checkpoints.directory)
   if config.init_from_checkpoint:
     model, tokenizer_path = load_model_from_checkpoint(config.init_from_checkpoint)
     return _Start(model.config, tokenizer_path, params=nnx.state(model))
   return _Start(model_config_from(config, load_tokenizer(config.tokenizer)), config.tokenizer)
 
 
-def _initial_state(config, start: _Start, tx, placement: Placement, checkpoints: Checkpoints, train_iter) -> TrainState:
+def _start_from_hf(config: ml_collections.ConfigDict, checkpoint_dir: str) -> _Start:
+  # config.json alone says whether the architecture fits: check before reading the weights.
+  check_hf_architecture(config.model, load_hf_config(config.init_from_hf), config.init_from_hf)
+  start = load_hf_for_training(
+    config.init_from_hf,
+    os.path.join(checkpoint_dir, "tokenizer"),
+    dtype=config.model.get("dtype", "float32"),
+    param_dtype=config.model.get("param_dtype", None),
+    remat=config.model.get("remat", False),
+    vocab_multiple=config.vocab_multiple,
+    seed=config.seed,
+  )
+  if start.added_mask_id is not None:
+    console(f"Added {MASK_TOKEN} to the tokenizer as id {start.added_mask_id} (written to {start.tokenizer_path}).")
+  if start.resized_from is not None:
+    console(f"Resized the vocabulary from {start.resized_from} to {start.model_config.vocab_size} rows.")
+  tokenizer_path = start.tokenizer_path
+  if tokenizer_path.startswith(checkpoint_dir):
+    tokenizer_path = os.path.relpath(tokenizer_path, checkpoint_dir)
+  return _Start(start.model_config, tokenizer_path, params=start.params)
+
+
+def _initial_state(
+  config: ml_collections.ConfigDict,
+  start: _Start,
+  tx: Any,
+  placement: Placement,
+  checkpoints: Checkpoints,
+  train_iter: Any,
+) -> TrainState:
   if start.resume_step is not None:
     abstract = placement.abstract_state
     restored = checkpoints.restore(
@@ -633,6 +337,14 @@ def _initial_state(config, start: _Start, tx, placement: Placement, checkpoints:
     return state_with_params(start.params, tx, config.seed, placement)
   init = jax.jit(init_state_fn(start.model_config, tx, config.seed), out_shardings=placement.state_shardings)
   return init()
+
+
+def _resolve_tokenizer(name: str, checkpoint_dir: str) -> Tokenizer:
+  local = os.path.join(checkpoint_dir, name)
+  return load_tokenizer(local if os.path.isdir(local) else name)
+
+
+# ------------------------------------------------------------------ the loop
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
@@ -661,7 +373,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Train
     stop_signal.restore()
 
 
-def _check_batch_size(config, mesh) -> None:
+def _total_steps(config: ml_collections.ConfigDict, num_train_records: int) -> int:
+  if config.num_train_steps > 0:
+    return config.num_train_steps
+  return max(config.num_epochs * num_train_records // config.batch_size, 1)
+
+
+def _check_batch_size(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> None:
   sharding.check_batch_divisible(config.batch_size, mesh, config.sharding_rules)
   if config.batch_size % (config.grad_accum_steps * jax.process_count()):
     raise ValueError(
@@ -670,7 +388,10 @@ def _check_batch_size(config, mesh) -> None:
     )
 
 
-def _train_loop(config, workdir, checkpoints: Checkpoints, stop_signal: StopSignal) -> TrainResult:
+def _train_loop(
+  config: ml_collections.ConfigDict, workdir: str, checkpoints: Checkpoints, stop_signal: StopSignal
+) -> TrainResult:
+  check_required_fields(config, resuming=checkpoints.latest_step() is not None)
   splits = open_splits(config, workdir)
   validation = splits.get("validation")
   total_steps = _total_steps(config, len(splits["train"]))
@@ -688,23 +409,32 @@ def _train_loop(config, workdir, checkpoints: Checkpoints, stop_signal: StopSign
   graphdef, _ = abstract_model(start.model_config)
   step_fn = placement.jit_step(make_train_step(graphdef, tx, schedule, objective, config.grad_accum_steps))
   eval_fn = placement.jit_eval(make_eval_step(graphdef, objective))
+  # Rematerialisation only saves memory in a backward pass, and nnx.remat fails inside the decode loop's trace.
+  decode_graphdef, _ = abstract_model(start.model_config.replace(remat=False))
   meta = model_meta(start.model_config, start.tokenizer_name, objective=objective.kind)
   step = int(state.step)
   logger = MetricsLogger(workdir, total_steps=total_steps, initial_step=step)
   result = TrainResult(step=step, losses={}, evals=[], samples=[], stopped_by="finished")
   last_saved = start.resume_step
 
-  def save():
+  def save() -> None:
     nonlocal last_saved
     checkpoints.save(step, params=state.params, train=state.train_part(), data_iterator=train_iter, meta=meta)
     last_saved = step
 
-  def run_eval():
-    metrics = evaluate_loss(eval_fn, state, validation, tokenizer, config, placement)
-    decoded, result.samples = evaluate_decoding(nnx.merge(graphdef, state.params), validation, tokenizer, config)
+  def run_eval() -> None:
+    metrics = evaluate_loss(
+      eval_fn,
+      state.params,
+      batches(validation, tokenizer, config, train=False),
+      num_batches=config.eval.num_loss_batches,
+      seed=config.seed,
+      placement=placement,
+    )
+    decoded, result.samples = evaluate_decoding(nnx.merge(decode_graphdef, state.params), validation, tokenizer, config)
     metrics.update(decoded)
     logger.write(step, metrics, "eval")
-    logger.write_text(step, "eval/samples", _format_samples(result.samples[: config.num_samples_to_print]))
+    logger.write_text(step, "eval/samples", format_samples(result.samples[: config.num_samples_to_print]))
     result.evals.append((step, metrics))
 
   last_time, tokens_since = time.perf_counter(), 0
@@ -741,7 +471,8 @@ def _train_loop(config, workdir, checkpoints: Checkpoints, stop_signal: StopSign
     logger.close()
   result.step = step
   if result.samples:
-    _print_samples(result, config)
+    eval_step, metrics = result.evals[-1]
+    console(format_report(eval_step, metrics, result.samples, config.num_samples_to_print))
   return result
 
 
@@ -756,31 +487,3 @@ def _check_finite(metrics: dict, step: int, last_saved: int | None, checkpoints:
     f"Nothing was saved for this step: the last good checkpoint is step {last_saved} in "
     f"{checkpoints.directory}. Lower optimizer.lr or check the data, then rerun to resume from it."
   )
-
-
-def _resolve_tokenizer(name: str, checkpoint_dir: str) -> Tokenizer:
-  local = os.path.join(checkpoint_dir, name)
-  return load_tokenizer(local if os.path.isdir(local) else name)
-
-
-def _format_samples(samples: list[dict]) -> str:
-  return "\n".join(
-    f"[{'ok' if s['correct'] else 'wrong'}] {s['query']!r} -> {s['answer']!r} (reference {s['reference']!r})"
-    for s in samples
-  )
-
-
-def _print_samples(result: TrainResult, config) -> None:
-  step, metrics = result.evals[-1]
-  lines = [f"Samples at step {step}:", _format_samples(result.samples[: config.num_samples_to_print])]
-  by_task = ", ".join(
-    f"{key.removeprefix('exact_match_')} {value:.3f}"
-    for key, value in metrics.items()
-    if key.startswith("exact_match_")
-  )
-  lines.append(
-    f"Validation exact match {metrics['exact_match']:.3f} over {len(result.samples)} examples"
-    + (f" ({by_task})" if by_task else "")
-    + f", tokens per forward {metrics['tpf']:.2f}."
-  )
-  console("\n".join(lines))

@@ -30,6 +30,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Literal
 
+import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -147,11 +148,16 @@ def _check_batch(batch: Mapping[str, jax.Array]) -> None:
   if missing:
     raise ValueError(f"Batch lacks {sorted(missing)}; expected keys tokens, prompt_len, answer_len.")
   tokens, prompt_len, answer_len = batch["tokens"], batch["prompt_len"], batch["answer_len"]
-  if tokens.ndim != 2 or prompt_len.shape != tokens.shape[:1] or answer_len.shape != tokens.shape[:1]:
+  try:
+    chex.assert_rank(tokens, 2)
+    chex.assert_shape([prompt_len, answer_len], tokens.shape[:1])
+    chex.assert_type([tokens, prompt_len, answer_len], int)
+  except AssertionError as error:
     raise ValueError(
-      f"Batch shapes tokens={tokens.shape}, prompt_len={prompt_len.shape}, answer_len={answer_len.shape}; "
-      "expected tokens [batch, length] and prompt_len, answer_len [batch]."
-    )
+      f"Batch tokens {tokens.shape} {tokens.dtype}, prompt_len {prompt_len.shape} {prompt_len.dtype}, answer_len "
+      f"{answer_len.shape} {answer_len.dtype}: expected integer tokens [batch, length] and integer prompt_len, "
+      f"answer_len [batch] ({error})."
+    ) from None
   # Values can only be checked on concrete host arrays, not under a trace.
   if isinstance(prompt_len, np.ndarray) and isinstance(answer_len, np.ndarray):
     if (prompt_len < 0).any() or (answer_len < 0).any():

@@ -1,0 +1,152 @@
+"""Evaluation during training: validation loss, and exact match and tokens per forward of decoding.
+
+Decoding uses the method that matches the objective: ReFusion's plan-and-infill
+(`refusion_jax.decoding.refusion.generate`, docs/method.md §2) for "refusion",
+the AR or MDM baseline decoder otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from refusion_jax.data import pipeline
+from refusion_jax.data.tasks import check_answer
+from refusion_jax.data.tokenizer import Tokenizer, format_prompt
+from refusion_jax.decoding.common import DecodeResult
+from refusion_jax.model.transformer import Transformer
+from refusion_jax.training.state import Placement
+
+# The metrics of the training objective that the validation loss averages.
+LOSS_METRICS = ("loss", "ar_loss", "mdm_loss")
+
+
+def decode_answers(model: Transformer, prompts: list[list[int]], config: ml_collections.ConfigDict) -> DecodeResult:
+  """Decode with the method matching `config.objective.kind` and the knobs of `config.eval`."""
+  ev = config.eval
+  kind = config.objective.kind
+  if kind == "refusion":
+    from refusion_jax.decoding.refusion import generate
+
+    return generate(
+      model,
+      prompts,
+      gen_length=ev.gen_length,
+      slot_size=ev.slot_size,
+      serial_blocks=ev.serial_blocks,
+      slot_threshold=ev.slot_threshold,
+      token_threshold=ev.token_threshold,
+    )
+  if kind == "ar":
+    from refusion_jax.decoding.ar import ar_generate
+
+    return ar_generate(model, prompts, gen_length=ev.gen_length)
+  from refusion_jax.decoding.mdm import mdm_generate
+
+  return mdm_generate(model, prompts, gen_length=ev.gen_length, block_length=ev.mdm_block_length, steps=ev.mdm_steps)
+
+
+def is_correct(example: Mapping[str, str], answer: str) -> bool:
+  """Built-in tasks are checked by re-solving the query; other data by exact match with the reference."""
+  if example.get("task"):
+    try:
+      return check_answer(example["task"], example["query"], answer)
+    except ValueError:  # a task the checker does not know (user data tagged with a task name)
+      pass
+  return " ".join(answer.split()) == " ".join(example["response"].split())
+
+
+def evaluate_decoding(
+  model: Transformer, records: Sequence[Mapping[str, Any]], tokenizer: Tokenizer, config: ml_collections.ConfigDict
+) -> tuple[dict[str, float], list[dict[str, Any]]]:
+  """Exact match and tokens per forward over the first `config.eval.num_examples` records.
+
+  Prompts are built as the training data builds them (`format_prompt`).
+
+  Returns:
+    ({exact_match, tpf, mean_forwards, exact_match_<task> per built-in task},
+     [{task, query, answer, reference, correct}]).
+  """
+  count = min(config.eval.num_examples, len(records))
+  examples = [pipeline.decode_record(records[i]) for i in range(count)]
+  samples, answer_tokens, forwards = [], 0, 0
+  for start in range(0, count, config.eval.batch_size):
+    chunk = examples[start : start + config.eval.batch_size]
+    prompts = [tokenizer.encode(format_prompt(tokenizer, ex["query"], config.data.chat_template)) for ex in chunk]
+    result = decode_answers(model, prompts, config)
+    answer_tokens += sum(len(t) for t in result.tokens)
+    forwards += int(np.sum(result.num_forwards))
+    for ex, tokens in zip(chunk, result.tokens):
+      answer = tokenizer.decode(tokens)
+      correct = is_correct(ex, answer)
+      samples.append(
+        dict(task=ex.get("task", ""), query=ex["query"], answer=answer, reference=ex["response"], correct=correct)
+      )
+  metrics = dict(
+    exact_match=float(np.mean([s["correct"] for s in samples])) if samples else 0.0,
+    tpf=answer_tokens / max(forwards, 1),
+    mean_forwards=forwards / max(count, 1),
+  )
+  by_task: dict[str, list[bool]] = {}
+  for sample in samples:
+    if sample["task"]:
+      by_task.setdefault(sample["task"], []).append(sample["correct"])
+  metrics.update({f"exact_match_{task}": float(np.mean(correct)) for task, correct in sorted(by_task.items())})
+  return metrics, samples
+
+
+def evaluate_loss(
+  eval_fn: Callable[[nnx.State, dict, jax.Array], dict],
+  params: nnx.State,
+  batches: Iterable[Mapping[str, np.ndarray]],
+  *,
+  num_batches: int,
+  seed: int,
+  placement: Placement,
+) -> dict[str, float]:
+  """Mean training-objective metrics (`LOSS_METRICS`) over the first `num_batches` of `batches`.
+
+  The objective's randomness uses a fixed key per batch, so the number is
+  comparable across evaluations.
+  """
+  totals, count = dict.fromkeys(LOSS_METRICS, 0.0), 0
+  key = jax.random.PRNGKey(seed + 2)
+  for index, batch in enumerate(batches):
+    if index >= num_batches:
+      break
+    metrics = jax.device_get(eval_fn(params, placement.batch(batch), jax.random.fold_in(key, index)))
+    for name in LOSS_METRICS:
+      totals[name] += float(metrics[name])
+    count += 1
+  return {name: value / max(count, 1) for name, value in totals.items()} if count else {}
+
+
+def format_samples(samples: Sequence[Mapping[str, Any]]) -> str:
+  """One line per decoded sample: verdict, query, answer and reference."""
+  return "\n".join(
+    f"[{'ok' if s['correct'] else 'wrong'}] {s['query']!r} -> {s['answer']!r} (reference {s['reference']!r})"
+    for s in samples
+  )
+
+
+def format_report(step: int, metrics: Mapping[str, float], samples: Sequence[Mapping[str, Any]], shown: int) -> str:
+  """The end-of-training summary of an evaluation: `shown` samples, exact match (per task) and TPF."""
+  by_task = ", ".join(
+    f"{key.removeprefix('exact_match_')} {value:.3f}"
+    for key, value in metrics.items()
+    if key.startswith("exact_match_")
+  )
+  return "\n".join(
+    [
+      f"Samples at step {step}:",
+      format_samples(samples[:shown]),
+      f"Validation exact match {metrics['exact_match']:.3f} over {len(samples)} examples"
+      + (f" ({by_task})" if by_task else "")
+      + f", tokens per forward {metrics['tpf']:.2f}.",
+    ]
+  )
