@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from refusion_jax.decoding import baselines
+from refusion_jax.decoding.ar import ar_generate
+from refusion_jax.decoding.mdm import mdm_generate
 from refusion_jax.decoding.reference import decode_reference
 from refusion_jax.decoding.refusion import generate
 from refusion_jax.decoding.sampler import Sampler
@@ -39,8 +40,8 @@ def test_remat_model_decodes_to_the_tokens_of_the_remat_free_one(models):
   assert remat.config.remat and not plain.config.remat
   decoders = {
     "refusion": lambda m: generate(m, prompts, **KNOBS).tokens,
-    "ar": lambda m: baselines.ar_generate(m, prompts, gen_length=12).tokens,
-    "mdm": lambda m: baselines.mdm_generate(m, prompts, gen_length=8, block_length=4, steps=4).tokens,
+    "ar": lambda m: ar_generate(m, prompts, gen_length=12).tokens,
+    "mdm": lambda m: mdm_generate(m, prompts, gen_length=8, block_length=4, steps=4).tokens,
     "reference": lambda m: decode_reference(m, prompts[1], mask_id=MASK, eos_id=EOS, **KNOBS).tokens,
     "sampler": lambda m: Sampler(m, "bytes", mask_id=MASK, eos_id=EOS, pad_id=0, **KNOBS).decode_ids(prompts).tokens,
   }
