@@ -1,26 +1,32 @@
 """ReFusion in JAX: slot-parallel plan-and-infill decoding on a causal transformer.
 
 Public names are imported lazily so that `import refusion_jax` stays cheap and
-a notebook only pays for what it uses (torch-free, tfds-free sampling).
+a notebook only pays for what it uses (torch-free, tfds-free sampling). Everything
+else — the eager reference decoder, the KV cache, the training internals — is
+reached by its module path (see the module map in README.md).
 """
 
 import importlib
 
 _EXPORTS = {
+  # Models and their configs.
   "ModelConfig": "refusion_jax.model.config",
   "preset": "refusion_jax.model.config",
   "Transformer": "refusion_jax.model.transformer",
   "init_model": "refusion_jax.model.transformer",
-  "inference_view": "refusion_jax.model.transformer",
-  "KVCache": "refusion_jax.model.cache",
-  "BlockKV": "refusion_jax.model.cache",
+  # Checkpoints and tokenizers: `load` is the front door for every source.
+  "load": "refusion_jax.checkpoints.load",
   "load_hf": "refusion_jax.checkpoints.hf",
   "save_hf": "refusion_jax.checkpoints.hf",
+  "load_tokenizer": "refusion_jax.data.tokenizer",
+  # Decoding.
   "generate": "refusion_jax.decoding.refusion",
-  "DecodeResult": "refusion_jax.decoding.common",
   "ar_generate": "refusion_jax.decoding.ar",
   "mdm_generate": "refusion_jax.decoding.mdm",
+  "DecodeResult": "refusion_jax.decoding.common",
   "Sampler": "refusion_jax.decoding.sampler",
+  # Scale-out.
+  "make_mesh": "refusion_jax.parallel.sharding",
 }
 
 __all__ = sorted(_EXPORTS)
