@@ -2,7 +2,8 @@
 
     python -m refusion_jax.eval --checkpoint /tmp/refusion_demo --split test --method refusion --out r.json
     python -m refusion_jax.eval --checkpoint DIR --data results/test_set.json --method ar
-    python -m refusion_jax.eval --checkpoint DIR --method mdm --steps 24 --block_length 48
+    python -m refusion_jax.eval --checkpoint DIR --method mdm --steps 48,24,12 --block_length 16 --out_dir results/
+    python -m refusion_jax.eval --checkpoint DIR --slot_size 4,8 --slot_threshold 0.6,0.9 --out_dir results/
     python -m refusion_jax.eval report RESULTS_DIR     # table.md + speed_accuracy.png from the JSON results
 
 The built-in split is the one training builds from `--config` (its data
@@ -17,10 +18,11 @@ exit status 2.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import ml_collections
 
@@ -44,6 +46,18 @@ class UsageError(ValueError):
   """Bad command-line input, reported without a traceback."""
 
 
+def _values(kind: type) -> Callable[[str], list]:
+  """An argparse type: `4,8,16` -> [4, 8, 16]."""
+
+  def parse(text: str) -> list:
+    try:
+      return [kind(piece) for piece in text.split(",") if piece.strip()]
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__} values") from None
+
+  return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
     prog="python -m refusion_jax.eval",
@@ -63,23 +77,26 @@ def build_parser() -> argparse.ArgumentParser:
   data.add_argument("--data", metavar="JSON", help='a JSON file of {"query", "response"[, "task"]} records instead.')
   data.add_argument("--num_examples", type=int, help="evaluate only the first N examples (default: all).")
 
-  knobs = parser.add_argument_group("decoding (defaults: the config's eval section)")
+  knobs = parser.add_argument_group(
+    "decoding (defaults: the config's eval section; comma-separated values sweep every combination)"
+  )
   knobs.add_argument("--method", choices=adapters.METHODS, default="refusion")
   knobs.add_argument("--batch_size", type=int, help="prompts decoded together (default: config eval.batch_size).")
-  knobs.add_argument("--gen_length", type=int, help="G, answer tokens at most.")
-  knobs.add_argument("--slot_size", type=int, help="refusion: S, tokens per slot.")
-  knobs.add_argument("--serial_blocks", type=int, help="refusion: NB, blocks decoded left to right.")
-  knobs.add_argument("--slot_threshold", type=float, help="refusion: plan confidence to choose a slot.")
-  knobs.add_argument("--token_threshold", type=float, help="refusion: AR probability to accept a token.")
-  knobs.add_argument("--block_length", type=int, help="mdm: tokens per block.")
-  knobs.add_argument("--steps", type=int, help="mdm: total unmasking steps.")
+  knobs.add_argument("--gen_length", type=_values(int), help="G, answer tokens at most.")
+  knobs.add_argument("--slot_size", type=_values(int), help="refusion: S, tokens per slot.")
+  knobs.add_argument("--serial_blocks", type=_values(int), help="refusion: NB, blocks decoded left to right.")
+  knobs.add_argument("--slot_threshold", type=_values(float), help="refusion: plan confidence to choose a slot.")
+  knobs.add_argument("--token_threshold", type=_values(float), help="refusion: AR probability to accept a token.")
+  knobs.add_argument("--block_length", type=_values(int), help="mdm: tokens per block.")
+  knobs.add_argument("--steps", type=_values(int), help="mdm: total unmasking steps.")
   knobs.add_argument("--temperature", type=float, default=0.0)
   knobs.add_argument("--seed", type=int, default=0)
 
   output = parser.add_argument_group("output")
-  output.add_argument("--out", metavar="JSON", help="write metrics, settings and every answer here.")
+  output.add_argument("--out", metavar="JSON", help="write metrics, settings and every answer here (one setting).")
+  output.add_argument("--out_dir", metavar="DIR", help="write one such file per decode setting here (sweeps).")
   output.add_argument("--model_name", help="the model's name in reports (default: the checkpoint's directory name).")
-  output.add_argument("--label", help="the decode setting's name in reports (default: method and knobs).")
+  output.add_argument("--label", help="the decode setting's name in reports (one setting; default: from the knobs).")
   output.add_argument("--no_progress", action="store_true", help="no progress bar.")
   return parser
 
@@ -103,21 +120,23 @@ def read_config(spec: str) -> ml_collections.ConfigDict:
   return load_config(path, variant)
 
 
-def decode_knobs(args: argparse.Namespace, config: ml_collections.ConfigDict) -> dict:
-  """The chosen method's decoder arguments: the flags given, else the config's eval settings."""
+def decode_settings(args: argparse.Namespace, config: ml_collections.ConfigDict) -> list[dict]:
+  """Every combination of the chosen method's decoder arguments: the flags' values, else the config's eval settings."""
   options = adapters.decode_options(args.method)
-  knobs = {}
+  grid = {}
   for name in options:
-    value = getattr(args, name, None)
-    if value is None and name in _CONFIG_KNOBS:
-      value = config.eval.get(_CONFIG_KNOBS[name])
-    if value is not None:
-      knobs[name] = value
+    values = getattr(args, name, None)
+    if values is None and name in _CONFIG_KNOBS:
+      values = config.eval.get(_CONFIG_KNOBS[name])
+    if values is not None:
+      grid[name] = values if isinstance(values, list) else [values]
+  settings = [dict(zip(grid, combination)) for combination in itertools.product(*grid.values())]
   if args.method == "mdm":
-    # The config's MDM block may exceed a --gen_length given on the command line.
-    knobs["block_length"] = min(knobs["block_length"], knobs["gen_length"])
-    knobs["steps"] = min(knobs["steps"], knobs["gen_length"])
-  return knobs
+    for knobs in settings:
+      # The config's MDM block and steps may exceed a --gen_length given on the command line.
+      knobs["block_length"] = min(knobs["block_length"], knobs["gen_length"])
+      knobs["steps"] = min(knobs["steps"], knobs["gen_length"])
+  return settings
 
 
 def load_examples(args: argparse.Namespace, config: ml_collections.ConfigDict) -> tuple[list[dict], dict]:
@@ -141,48 +160,68 @@ def load_examples(args: argparse.Namespace, config: ml_collections.ConfigDict) -
 
 
 def default_label(method: str, knobs: dict) -> str:
-  """A short name for reports, e.g. `refusion S8 0.9/0.5` or `mdm 24 steps`."""
+  """A short name for reports, e.g. `refusion S8 0.9/0.5` or `mdm B16 24 steps`."""
   if method == "refusion":
     return f"refusion S{knobs['slot_size']} {knobs['slot_threshold']:g}/{knobs['token_threshold']:g}"
   if method == "mdm":
-    return f"mdm {knobs['steps']} steps"
+    return f"mdm B{knobs['block_length']} {knobs['steps']} steps"
   return method
 
 
-def evaluate(args: argparse.Namespace) -> dict:
-  """Run the evaluation the flags describe; returns the result record (also written to --out)."""
+def result_path(out_dir: str, label: str) -> str:
+  """`out_dir/<label>.json` with the label's spaces and slashes made file-name safe."""
+  return os.path.join(out_dir, label.replace("/", "-").replace(" ", "_") + ".json")
+
+
+def evaluate(args: argparse.Namespace) -> list[dict]:
+  """Run the evaluations the flags describe (one per decode setting); returns their result records.
+
+  Each record is also written to --out (one setting) or to --out_dir/<label>.json.
+  """
   config = read_config(args.config)
-  knobs = decode_knobs(args, config)
+  settings = decode_settings(args, config)
+  if len(settings) > 1 and (args.out or args.label):
+    raise UsageError(f"The flags sweep {len(settings)} decode settings: use --out_dir instead of --out / --label.")
   examples, source = load_examples(args, config)
   model, tokenizer = adapters.load_checkpoint(args.checkpoint, args.step, args.tokenizer)
   batch_size = args.batch_size or config.eval.batch_size
-  run = runner.run(
-    model,
-    tokenizer,
-    examples,
-    method=args.method,
-    knobs=knobs,
-    batch_size=batch_size,
-    chat_template=config.data.chat_template,
-    progress=not args.no_progress,
-  )
-  record = dict(
-    model=args.model_name or os.path.basename(os.path.abspath(args.checkpoint)),
-    label=args.label or default_label(args.method, knobs),
-    checkpoint=os.path.abspath(args.checkpoint),
-    step=args.step,
-    method=args.method,
-    knobs=knobs,
-    batch_size=batch_size,
-    data=source,
-    metrics=runner.summarize(run),
-    answers=[vars(answer) for answer in run.answers],
-  )
-  if args.out:
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-      json.dump(record, f, indent=1)
-  return record
+  records = []
+  for knobs in settings:
+    run = runner.run(
+      model,
+      tokenizer,
+      examples,
+      method=args.method,
+      knobs=knobs,
+      batch_size=batch_size,
+      chat_template=config.data.chat_template,
+      progress=not args.no_progress,
+    )
+    record = dict(
+      model=args.model_name or os.path.basename(os.path.abspath(args.checkpoint)),
+      label=args.label or default_label(args.method, knobs),
+      checkpoint=os.path.abspath(args.checkpoint),
+      step=args.step,
+      method=args.method,
+      knobs=knobs,
+      batch_size=batch_size,
+      data=source,
+      metrics=runner.summarize(run),
+      answers=[vars(answer) for answer in run.answers],
+    )
+    paths = [args.out] if args.out else []
+    paths += [result_path(args.out_dir, record["label"])] if args.out_dir else []
+    for path in paths:
+      _write_json(record, path)
+    print(format_summary(record) + "".join(f"\nwrote {path}" for path in paths), flush=True)
+    records.append(record)
+  return records
+
+
+def _write_json(record: dict, path: str) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(record, f, indent=1)
 
 
 def format_summary(record: dict) -> str:
@@ -204,18 +243,11 @@ def run_report(args: argparse.Namespace) -> None:
   print("\n".join(f"wrote {path}" for path in paths))
 
 
-def run_eval(args: argparse.Namespace) -> None:
-  record = evaluate(args)
-  print(format_summary(record))
-  if args.out:
-    print(f"wrote {args.out}")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
   """Entry point (`report DIR` as the first arguments selects the report); returns the exit status, 2 on bad input."""
   argv = list(sys.argv[1:] if argv is None else argv)
   is_report = argv[:1] == ["report"]
-  parser, action = (build_report_parser(), run_report) if is_report else (build_parser(), run_eval)
+  parser, action = (build_report_parser(), run_report) if is_report else (build_parser(), evaluate)
   try:
     action(parser.parse_args(argv[1:] if is_report else argv))
   except SystemExit as exit_:  # argparse has printed its message

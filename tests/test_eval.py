@@ -162,15 +162,25 @@ def test_cli_json_test_set_exact_match_and_batches(capsys, tmp_path, hf_model):
   assert record["model"] == "tiny" and record["data"]["file"].endswith("test.json")
 
 
-def test_cli_mdm_and_bad_input(capsys, tmp_path, hf_model):
+def test_cli_sweeps_every_combination_and_rejects_bad_input(capsys, tmp_path, hf_model):
   hf_dir = hf_model[1]
   data = write_json(tmp_path / "t.json", [{"query": "abc", "response": "d"}])
+  sweep = tmp_path / "sweep"
   code, out, err = run_cli(
-    capsys, "--checkpoint", hf_dir, "--config", SMOKE, "--data", data, "--method", "mdm", "--steps", 4,
-    "--no_progress",
+    capsys, "--checkpoint", hf_dir, "--config", SMOKE, "--data", data, "--method", "mdm", "--steps", "4,2",
+    "--block_length", "8,16", "--out_dir", sweep, "--no_progress",
   )  # fmt: skip
   assert code == 0, err
-  assert "4.00 forwards/answer" in out
+  records = [json.loads(path.read_text()) for path in sorted(sweep.iterdir())]
+  settings = {(r["knobs"]["block_length"], r["knobs"]["steps"]) for r in records}
+  assert settings == {(8, 4), (8, 2), (16, 4), (16, 2)}
+  for r in records:
+    assert r["metrics"]["mean_forwards"] == r["knobs"]["steps"]
+    assert r["label"] == f"mdm B{r['knobs']['block_length']} {r['knobs']['steps']} steps"
+  code, _, err = run_cli(capsys, "--checkpoint", hf_dir, "--config", SMOKE, "--slot_size", "2,4", "--out", sweep / "x")
+  assert code == 2 and "--out_dir" in err
+  code, _, err = run_cli(capsys, "--checkpoint", hf_dir, "--config", SMOKE, "--slot_size", "4,x")
+  assert code == 2 and "comma-separated" in err
   code, _, err = run_cli(capsys, "--checkpoint", tmp_path / "missing", "--config", SMOKE)
   assert code == 2 and "does not exist" in err
   code, _, err = run_cli(capsys, "--checkpoint", hf_dir, "--config", SMOKE, "--data", tmp_path / "no.json")
