@@ -5,6 +5,7 @@
     python -m refusion_jax.eval --checkpoint DIR --method mdm --steps 48,24,12 --block_length 16 --out_dir results/
     python -m refusion_jax.eval --checkpoint DIR --slot_size 4,8 --slot_threshold 0.6,0.9 --out_dir results/
     python -m refusion_jax.eval report RESULTS_DIR     # table.md + speed_accuracy.png from the JSON results
+    python -m refusion_jax.eval curve WORKDIR          # a training run's validation exact match per task
 
 The built-in split is the one training builds from `--config` (its data
 section: tasks, seed, split size, chat template); decode flags default to the
@@ -26,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 import ml_collections
 
-from refusion_jax.evaluation import adapters, report, runner
+from refusion_jax.evaluation import adapters, curve, report, runner
 from refusion_jax.training.config_file import load_config
 
 SPLITS = ("train", "validation", "test")
@@ -109,6 +110,18 @@ def build_report_parser() -> argparse.ArgumentParser:
   parser.add_argument("results_dir", help="directory searched (recursively) for result files written by --out.")
   parser.add_argument("--out_dir", help="where the table and plot go (default: results_dir).")
   parser.add_argument("--title", default="", help="a line above the table.")
+  return parser
+
+
+def build_curve_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+    prog="python -m refusion_jax.eval curve",
+    description="Write learning_curve.md and learning_curve.png (validation exact match per task against step) "
+    "from a training workdir's TensorBoard events.",
+  )
+  parser.add_argument("workdir", help="the --workdir of a training run.")
+  parser.add_argument("--out_dir", help="where the table and plot go (default: workdir).")
+  parser.add_argument("--title", default="", help="a line above the table (and the plot's title).")
   return parser
 
 
@@ -243,13 +256,22 @@ def run_report(args: argparse.Namespace) -> None:
   print("\n".join(f"wrote {path}" for path in paths))
 
 
+def run_curve(args: argparse.Namespace) -> None:
+  paths = curve.write_curve(args.workdir, args.out_dir or args.workdir, title=args.title)
+  print("\n".join(f"wrote {path}" for path in paths))
+
+
+# First argument -> (parser, action) of a subcommand; anything else is an evaluation.
+_SUBCOMMANDS = {"report": (build_report_parser, run_report), "curve": (build_curve_parser, run_curve)}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-  """Entry point (`report DIR` as the first arguments selects the report); returns the exit status, 2 on bad input."""
+  """Entry point (`report DIR` / `curve WORKDIR` select the subcommands); returns the exit status, 2 on bad input."""
   argv = list(sys.argv[1:] if argv is None else argv)
-  is_report = argv[:1] == ["report"]
-  parser, action = (build_report_parser(), run_report) if is_report else (build_parser(), evaluate)
+  subcommand = _SUBCOMMANDS.get(argv[0]) if argv else None
+  build, action = subcommand or (build_parser, evaluate)
   try:
-    action(parser.parse_args(argv[1:] if is_report else argv))
+    action(build().parse_args(argv[1:] if subcommand else argv))
   except SystemExit as exit_:  # argparse has printed its message
     return int(exit_.code or 0)
   except (ValueError, FileNotFoundError) as error:

@@ -224,3 +224,28 @@ def test_report_writes_table_and_plot(capsys, tmp_path):
   assert (results / "speed_accuracy.png").read_bytes()[:4] == b"\x89PNG"
   code, _, err = run_cli(capsys, "report", tmp_path / "empty_missing")
   assert code == 2 and "result files" in err
+
+
+def test_curve_reads_the_trainers_event_files(capsys, tmp_path):
+  from tensorboardX import SummaryWriter
+
+  rng = np.random.default_rng(2)
+  values = {step: rng.uniform(size=3) for step in (250, 500, 750)}
+  writer = SummaryWriter(logdir=str(tmp_path / "tensorboard"))
+  for step, (lookup, sort, tpf) in values.items():
+    writer.add_scalar("eval/exact_match_lookup", lookup, step)
+    writer.add_scalar("eval/exact_match_sort", sort, step)
+    writer.add_scalar("eval/exact_match", (lookup + sort) / 2, step)
+    writer.add_scalar("eval/tpf", 4 * tpf, step)
+    writer.add_scalar("train/loss", 1.0, step)
+  writer.close()
+  code, out, err = run_cli(capsys, "curve", tmp_path, "--out_dir", tmp_path / "out")
+  assert code == 0, err
+  rows = (tmp_path / "out" / "learning_curve.md").read_text().splitlines()
+  assert rows[0] == "| step | lookup | sort | all | TPF |"
+  for row, (step, (lookup, sort, tpf)) in zip(rows[2:], values.items()):
+    expected = [step, 100 * lookup, 100 * sort, 50 * (lookup + sort), 4 * tpf]
+    assert [float(cell) for cell in row.strip("| ").split(" | ")] == pytest.approx(expected, abs=0.06)
+  assert (tmp_path / "out" / "learning_curve.png").read_bytes()[:4] == b"\x89PNG"
+  code, _, err = run_cli(capsys, "curve", tmp_path / "nothing")
+  assert code == 2 and "event files" in err
