@@ -7,8 +7,8 @@
 #
 #   bash launch/experiment.sh OUTDIR [STEPS] [EXAMPLES]
 #
-# STEPS: optimizer steps of each of (a), (b), (c) (default: configs/demo.py's); (d) spends the same budget
-#   as STEPS/2 AR steps followed by STEPS/2 ReFusion steps from them. EXAMPLES: test-split examples per
+# STEPS: optimizer steps of each of (a), (b), (c) (default: configs/demo.py's); (d) starts from (a)'s final
+#   parameters, as the paper starts from a released AR model, and trains ReFusion for STEPS/2. EXAMPLES: test-split examples per
 #   evaluation (default 150, the first ones: the tasks take turns; a multiple of 3). Runs that finished are not redone;
 #   rerunning resumes. Extra `--config.*` overrides for every training run go in $TRAIN_FLAGS;
 #   VARIANT=smoke runs the whole pipeline on the configs' seconds-long smoke variant (a plumbing check).
@@ -30,7 +30,7 @@ HALF=$((STEPS / 2))
 LOG="$OUT/experiment.log"
 echo "experiment: $STEPS steps per model, $EXAMPLES test examples, into $OUT (log: $LOG)"
 
-# train NAME CONFIG STEPS [FLAGS...]: one training run, evaluated only at its end (the sweep below is the evaluation).
+# train NAME CONFIG STEPS [FLAGS...]: one training run; its periodic validation gives the learning curve per task.
 train() {
   local name=$1 config=$2 steps=$3
   shift 3
@@ -38,8 +38,7 @@ train() {
   echo "[$(date +%T)] train $name ($steps steps)"
   local start=$SECONDS
   python -m refusion_jax.train --config "$config" --workdir "$OUT/$name" \
-    --config.num_train_steps="$steps" --config.eval_every="$steps" --config.data.data_dir="$OUT/data" \
-    --config.checkpoint.every="$steps" "${EXTRA[@]}" "$@" >>"$LOG" 2>&1
+    --config.num_train_steps="$steps" --config.data.data_dir="$OUT/data" "${EXTRA[@]}" "$@" >>"$LOG" 2>&1
   echo "$((SECONDS - start))" >"$OUT/$name.done"
 }
 
@@ -58,8 +57,7 @@ evaluate() {
 train ar "configs/ar_baseline.py$SUFFIX" "$STEPS"
 train mdm "configs/mdm_baseline.py$SUFFIX" "$STEPS"
 train refusion "$CONFIG" "$STEPS"
-train ar_half "configs/ar_baseline.py$SUFFIX" "$HALF"
-train refusion_from_ar "$CONFIG" "$HALF" --config.init_from_checkpoint="$OUT/ar_half"
+train refusion_from_ar "$CONFIG" "$HALF" --config.init_from_checkpoint="$OUT/ar"
 
 # A batch is one task's examples of the split (EXAMPLES / 3 of each) or the whole JSON set: few program shapes.
 SPLIT=(--split test --num_examples "$EXAMPLES" --batch_size $((EXAMPLES / 3)))
@@ -78,6 +76,6 @@ done
 
 python -m refusion_jax.eval report "$OUT/results" --out_dir "$RESULTS" \
   --title "# ReFusion vs AR vs MDM: $STEPS training steps per model, $EXAMPLES test-split examples" | tee -a "$LOG"
-for name in ar mdm refusion ar_half refusion_from_ar; do
+for name in ar mdm refusion refusion_from_ar; do
   echo "training wall-clock $name: $(cat "$OUT/$name.done") s" | tee -a "$LOG"
 done

@@ -245,7 +245,8 @@ def format_summary(record: dict) -> str:
     lines.append(
       f"  {name:>8}: accuracy {group['accuracy']:.3f} over {group['count']}, "
       f"{group['mean_forwards']:.2f} forwards/answer, TPF {group['tpf']:.2f}, "
-      f"{group['tokens_per_s']:.0f} tokens/s, latency {group['latency_s'] * 1e3:.1f} ms/batch"
+      f"{group['tokens_per_s']:.0f} tokens/s, latency {group['latency_s'] * 1e3:.1f} ms/batch, "
+      f"{group['seconds_per_forward'] * 1e3:.2f} ms/forward"
     )
   lines.append(f"  compilation {metrics['compile_s']:.1f}s (excluded from the speeds above)")
   return "\n".join(lines)

@@ -92,7 +92,8 @@ def test_summary_metrics_per_task():
           num_forwards=int(rng.integers(1, 10)),
         )
       )
-    batches.append(runner.BatchTiming(task=task, rows=1, seconds=float(rng.uniform(0.1, 1)), compile_seconds=2.0))
+    seconds, forwards = float(rng.uniform(0.1, 1)), int(rng.integers(5, 20))
+    batches.append(runner.BatchTiming(task=task, rows=1, seconds=seconds, forwards=forwards, compile_seconds=2.0))
   metrics = runner.summarize(runner.EvalRun(answers=answers, batches=batches))
   tokens = sum(a.num_tokens for a in answers)
   seconds = sum(b.seconds for b in batches)
@@ -100,6 +101,7 @@ def test_summary_metrics_per_task():
   assert metrics["tpf"] == pytest.approx(tokens / sum(a.num_forwards for a in answers))
   assert metrics["tokens_per_s"] == pytest.approx(tokens / seconds)
   assert metrics["compile_s"] == 4.0
+  assert metrics["seconds_per_forward"] == pytest.approx(seconds / sum(b.forwards for b in batches))
   for task, batch in zip(("sort", "lookup"), batches):
     mine = [a for a in answers if a.task == task]
     group = metrics["by_task"][task]
@@ -108,6 +110,7 @@ def test_summary_metrics_per_task():
     assert group["mean_forwards"] == pytest.approx(np.mean([a.num_forwards for a in mine]))
     assert group["tokens_per_s"] == pytest.approx(sum(a.num_tokens for a in mine) / batch.seconds)
     assert group["latency_s"] == pytest.approx(batch.seconds)
+    assert group["seconds_per_forward"] == pytest.approx(batch.seconds / batch.forwards)
 
 
 # ------------------------------------------------------------------ the command

@@ -69,9 +69,10 @@ def format_table(results: Sequence[dict]) -> str:
   for test_set in dict.fromkeys(test_set_name(r) for r in results):
     rows = [r for r in results if test_set_name(r) == test_set]
     tasks = sorted({task for r in rows for task in r["metrics"]["by_task"]})
-    header = ["model", "decoding", *tasks, "all", "forwards / answer"]
+    header = ["model", "decoding", *tasks, "all", "forwards / answer", "ms / forward"]
     lines = [
-      f"**{test_set}** — accuracy % / tokens per forward / tokens per second (compilation excluded)",
+      f"**{test_set}** — accuracy % / tokens per forward / tokens per second (compilation excluded); "
+      "ms / forward: decode time ÷ the forwards the batches ran",
       "",
       "| " + " | ".join(header) + " |",
       "|" + "---|" * len(header),
@@ -81,7 +82,8 @@ def format_table(results: Sequence[dict]) -> str:
       metrics = r["metrics"]
       label = r["label"] + (" ★" if id(r) in front else "")
       cells = [r["model"], label, *(_cell(metrics["by_task"].get(t)) for t in tasks), _cell(metrics)]
-      lines.append("| " + " | ".join([*cells, f"{metrics['mean_forwards']:.1f}"]) + " |")
+      cost = f"{1e3 * metrics['seconds_per_forward']:.2f}" if "seconds_per_forward" in metrics else "–"
+      lines.append("| " + " | ".join([*cells, f"{metrics['mean_forwards']:.1f}", cost]) + " |")
     sections.append("\n".join(lines))
   legend = "★ on the speed–accuracy Pareto front of its test set (no other row is both faster and more accurate)."
   return "\n\n".join(sections) + "\n\n" + legend + "\n"

@@ -39,11 +39,15 @@ class Answer:
 
 @dataclasses.dataclass
 class BatchTiming:
-  """Wall-clock of one batch's decode call (compilation excluded) and of its compilation, if it had one."""
+  """Wall-clock of one batch's decode call (compilation excluded) and of its compilation, if it had one.
+
+  forwards: forwards the batch ran, those of its slowest row (finished rows idle under a mask).
+  """
 
   task: str
   rows: int
   seconds: float
+  forwards: int
   compile_seconds: float = 0.0
 
 
@@ -112,7 +116,15 @@ def run(
     call = functools.partial(adapters.decode, model, tokenizer, prompts, method, knobs)
     result, seconds, compile_seconds = timed_decode(call)
     task = examples[rows[0]].get("task", "")
-    timings.append(BatchTiming(task=task, rows=len(rows), seconds=seconds, compile_seconds=compile_seconds))
+    timings.append(
+      BatchTiming(
+        task=task,
+        rows=len(rows),
+        seconds=seconds,
+        forwards=int(np.max(result.num_forwards)),
+        compile_seconds=compile_seconds,
+      )
+    )
     for row, index in enumerate(rows):
       example = examples[index]
       text = tokenizer.decode(result.tokens[row])
@@ -146,6 +158,7 @@ def _group_metrics(answers: Sequence[Answer], batches: Sequence[BatchTiming]) ->
     tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
     latency_s=seconds / len(batches),
     seconds_per_answer=seconds / len(answers),
+    seconds_per_forward=seconds / max(sum(b.forwards for b in batches), 1),
   )
 
 
@@ -156,7 +169,9 @@ def summarize(run_: EvalRun) -> dict:
   answer; tpf: answer tokens ÷ forwards; tokens_per_s: answer tokens ÷ decode
   seconds (compilation excluded); latency_s: mean wall-clock of a batch call,
   i.e. how long each of its answers waited; seconds_per_answer: decode seconds
-  ÷ answers; compile_s: seconds spent compiling (reported apart).
+  ÷ answers; seconds_per_forward: decode seconds ÷ the forwards the batches
+  ran (what one forward of this method's width costs at this batch size);
+  compile_s: seconds spent compiling (reported apart).
   """
   metrics = _group_metrics(run_.answers, run_.batches)
   metrics["compile_s"] = sum(b.compile_seconds for b in run_.batches)
