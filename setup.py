@@ -38,6 +38,10 @@ setup(
       "hypothesis>=6.100",
       "torch==2.13.0",
       "transformers>=5.24,<6",
+      # docs/sampling.ipynb is executed headlessly by tests/test_notebook.py
+      "nbclient>=0.10",
+      "nbformat>=5.10",
+      "ipykernel>=6.29",
     ],
     "tpu": ["jax[tpu]>=0.10.2,<0.11"],
   },

@@ -1,0 +1,285 @@
+"""Evaluate a checkpoint on a test set: accuracy per task, forwards, tokens per forward, speed.
+
+    python -m refusion_jax.eval --checkpoint /tmp/refusion_demo --split test --method refusion --out r.json
+    python -m refusion_jax.eval --checkpoint DIR --data results/test_set.json --method ar
+    python -m refusion_jax.eval --checkpoint DIR --method mdm --steps 48,24,12 --block_length 16 --out_dir results/
+    python -m refusion_jax.eval --checkpoint DIR --slot_size 4,8 --slot_threshold 0.6,0.9 --out_dir results/
+    python -m refusion_jax.eval report RESULTS_DIR     # table.md + speed_accuracy.png from the JSON results
+    python -m refusion_jax.eval curve WORKDIR          # a training run's validation exact match per task
+
+The built-in split is the one training builds from `--config` (its data
+section: tasks, seed, split size, chat template); decode flags default to the
+config's evaluation settings. Answers are checked like the training
+evaluation does: built-in tasks by re-solving the query, other records by exact
+match after whitespace normalisation. Compilation is timed apart from decoding
+(see `refusion_jax.evaluation.runner`). Bad input gives a one-line message and
+exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+import ml_collections
+
+from refusion_jax.evaluation import adapters, curve, report, runner
+from refusion_jax.training.config_file import load_config
+
+SPLITS = ("train", "validation", "test")
+# Decoder keyword -> the training config's `eval` field that gives its default.
+_CONFIG_KNOBS = dict(
+  gen_length="gen_length",
+  slot_size="slot_size",
+  serial_blocks="serial_blocks",
+  slot_threshold="slot_threshold",
+  token_threshold="token_threshold",
+  block_length="mdm_block_length",
+  steps="mdm_steps",
+)
+
+
+class UsageError(ValueError):
+  """Bad command-line input, reported without a traceback."""
+
+
+def _values(kind: type) -> Callable[[str], list]:
+  """An argparse type: `4,8,16` -> [4, 8, 16]."""
+
+  def parse(text: str) -> list:
+    try:
+      return [kind(piece) for piece in text.split(",") if piece.strip()]
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__} values") from None
+
+  return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+    prog="python -m refusion_jax.eval",
+    description=__doc__.split("\n\n")[0] + " (`report DIR` turns result files into a table and a plot).",
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  model = parser.add_argument_group("model")
+  model.add_argument("--checkpoint", required=True, help="a training workdir or a Hugging Face directory.")
+  model.add_argument("--step", type=int, help="training workdir: the step to load (default: the latest).")
+  model.add_argument("--tokenizer", help="'bytes' or a tokenizer directory (default: the checkpoint's).")
+
+  data = parser.add_argument_group("test set (a built-in split, or --data)")
+  data.add_argument(
+    "--config", default="configs/demo.py", help="training config (path[:variant]) whose data and eval settings apply."
+  )
+  data.add_argument("--split", choices=SPLITS, default="test", help="built-in task split, built as training does.")
+  data.add_argument("--data", metavar="JSON", help='a JSON file of {"query", "response"[, "task"]} records instead.')
+  data.add_argument("--num_examples", type=int, help="evaluate only the first N examples (default: all).")
+
+  knobs = parser.add_argument_group(
+    "decoding (defaults: the config's eval section; comma-separated values sweep every combination)"
+  )
+  knobs.add_argument("--method", choices=adapters.METHODS, default="refusion")
+  knobs.add_argument("--batch_size", type=int, help="prompts decoded together (default: config eval.batch_size).")
+  knobs.add_argument("--gen_length", type=_values(int), help="G, answer tokens at most.")
+  knobs.add_argument("--slot_size", type=_values(int), help="refusion: S, tokens per slot.")
+  knobs.add_argument("--serial_blocks", type=_values(int), help="refusion: NB, blocks decoded left to right.")
+  knobs.add_argument("--slot_threshold", type=_values(float), help="refusion: plan confidence to choose a slot.")
+  knobs.add_argument("--token_threshold", type=_values(float), help="refusion: AR probability to accept a token.")
+  knobs.add_argument("--block_length", type=_values(int), help="mdm: tokens per block.")
+  knobs.add_argument("--steps", type=_values(int), help="mdm: total unmasking steps.")
+  knobs.add_argument("--temperature", type=float, default=0.0)
+  knobs.add_argument("--seed", type=int, default=0)
+
+  output = parser.add_argument_group("output")
+  output.add_argument("--out", metavar="JSON", help="write metrics, settings and every answer here (one setting).")
+  output.add_argument("--out_dir", metavar="DIR", help="write one such file per decode setting here (sweeps).")
+  output.add_argument("--model_name", help="the model's name in reports (default: the checkpoint's directory name).")
+  output.add_argument("--label", help="the decode setting's name in reports (one setting; default: from the knobs).")
+  output.add_argument("--no_progress", action="store_true", help="no progress bar.")
+  return parser
+
+
+def build_report_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+    prog="python -m refusion_jax.eval report",
+    description="Write table.md and speed_accuracy.png from the result JSON files of a directory.",
+  )
+  parser.add_argument("results_dir", help="directory searched (recursively) for result files written by --out.")
+  parser.add_argument("--out_dir", help="where the table and plot go (default: results_dir).")
+  parser.add_argument("--title", default="", help="a line above the table.")
+  return parser
+
+
+def build_curve_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+    prog="python -m refusion_jax.eval curve",
+    description="Write learning_curve.md and learning_curve.png (validation exact match per task against step) "
+    "from a training workdir's TensorBoard events.",
+  )
+  parser.add_argument("workdir", help="the --workdir of a training run.")
+  parser.add_argument("--out_dir", help="where the table and plot go (default: workdir).")
+  parser.add_argument("--title", default="", help="a line above the table (and the plot's title).")
+  return parser
+
+
+def read_config(spec: str) -> ml_collections.ConfigDict:
+  """`path[:variant]` of a training config file, as `train --config` takes it."""
+  path, _, variant = spec.partition(":")
+  if not os.path.isfile(path):
+    raise UsageError(f"--config {path!r} is not a file; pass the training config, e.g. --config configs/demo.py.")
+  return load_config(path, variant)
+
+
+def decode_settings(args: argparse.Namespace, config: ml_collections.ConfigDict) -> list[dict]:
+  """Every combination of the chosen method's decoder arguments: the flags' values, else the config's eval settings."""
+  options = adapters.decode_options(args.method)
+  grid = {}
+  for name in options:
+    values = getattr(args, name, None)
+    if values is None and name in _CONFIG_KNOBS:
+      values = config.eval.get(_CONFIG_KNOBS[name])
+    if values is not None:
+      grid[name] = values if isinstance(values, list) else [values]
+  settings = [dict(zip(grid, combination)) for combination in itertools.product(*grid.values())]
+  if args.method == "mdm":
+    for knobs in settings:
+      # The config's MDM block and steps may exceed a --gen_length given on the command line.
+      knobs["block_length"] = min(knobs["block_length"], knobs["gen_length"])
+      knobs["steps"] = min(knobs["steps"], knobs["gen_length"])
+  return settings
+
+
+def load_examples(args: argparse.Namespace, config: ml_collections.ConfigDict) -> tuple[list[dict], dict]:
+  """The test examples and a description of where they came from."""
+  if args.data:
+    if not os.path.isfile(args.data):
+      raise UsageError(f"--data {args.data!r} is not a file; pass a JSON list of query/response records.")
+    examples, source = adapters.json_examples(args.data), dict(file=os.path.abspath(args.data))
+  else:
+    data = config.data
+    if data.dataset != "tasks":
+      raise UsageError(f"--config {args.config} trains on data.dataset={data.dataset!r}; pass its test file as --data.")
+    size = data.get(f"num_{args.split}")
+    examples = adapters.task_examples(args.split, size, seed=data.seed, task_names=data.tasks)
+    source = dict(split=args.split, tasks=sorted(set(data.tasks)), seed=data.seed, split_size=size)
+  if args.num_examples is not None:
+    if args.num_examples < 1:
+      raise UsageError(f"--num_examples={args.num_examples} must be at least 1.")
+    examples = examples[: args.num_examples]
+  return examples, source
+
+
+def default_label(method: str, knobs: dict) -> str:
+  """A short name for reports, e.g. `refusion S8 0.9/0.5` or `mdm B16 24 steps`."""
+  if method == "refusion":
+    return f"refusion S{knobs['slot_size']} {knobs['slot_threshold']:g}/{knobs['token_threshold']:g}"
+  if method == "mdm":
+    return f"mdm B{knobs['block_length']} {knobs['steps']} steps"
+  return method
+
+
+def result_path(out_dir: str, label: str) -> str:
+  """`out_dir/<label>.json` with the label's spaces and slashes made file-name safe."""
+  return os.path.join(out_dir, label.replace("/", "-").replace(" ", "_") + ".json")
+
+
+def evaluate(args: argparse.Namespace) -> list[dict]:
+  """Run the evaluations the flags describe (one per decode setting); returns their result records.
+
+  Each record is also written to --out (one setting) or to --out_dir/<label>.json.
+  """
+  config = read_config(args.config)
+  settings = decode_settings(args, config)
+  if len(settings) > 1 and (args.out or args.label):
+    raise UsageError(f"The flags sweep {len(settings)} decode settings: use --out_dir instead of --out / --label.")
+  examples, source = load_examples(args, config)
+  model, tokenizer = adapters.load_checkpoint(args.checkpoint, args.step, args.tokenizer)
+  batch_size = args.batch_size or config.eval.batch_size
+  records = []
+  for knobs in settings:
+    run = runner.run(
+      model,
+      tokenizer,
+      examples,
+      method=args.method,
+      knobs=knobs,
+      batch_size=batch_size,
+      chat_template=config.data.chat_template,
+      progress=not args.no_progress,
+    )
+    record = dict(
+      model=args.model_name or os.path.basename(os.path.abspath(args.checkpoint)),
+      label=args.label or default_label(args.method, knobs),
+      checkpoint=os.path.abspath(args.checkpoint),
+      step=args.step,
+      method=args.method,
+      knobs=knobs,
+      batch_size=batch_size,
+      data=source,
+      metrics=runner.summarize(run),
+      answers=[vars(answer) for answer in run.answers],
+    )
+    paths = [args.out] if args.out else []
+    paths += [result_path(args.out_dir, record["label"])] if args.out_dir else []
+    for path in paths:
+      _write_json(record, path)
+    print(format_summary(record) + "".join(f"\nwrote {path}" for path in paths), flush=True)
+    records.append(record)
+  return records
+
+
+def _write_json(record: dict, path: str) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(record, f, indent=1)
+
+
+def format_summary(record: dict) -> str:
+  """The overall and per-task lines printed after an evaluation."""
+  metrics = record["metrics"]
+  lines = [f"{record['model']}, {record['label']} ({record['method']}, batch {record['batch_size']}):"]
+  for name, group in [("all", metrics), *metrics["by_task"].items()]:
+    lines.append(
+      f"  {name:>8}: accuracy {group['accuracy']:.3f} over {group['count']}, "
+      f"{group['mean_forwards']:.2f} forwards/answer, TPF {group['tpf']:.2f}, "
+      f"{group['tokens_per_s']:.0f} tokens/s, latency {group['latency_s'] * 1e3:.1f} ms/batch, "
+      f"{group['seconds_per_forward'] * 1e3:.2f} ms/forward"
+    )
+  lines.append(f"  compilation {metrics['compile_s']:.1f}s (excluded from the speeds above)")
+  return "\n".join(lines)
+
+
+def run_report(args: argparse.Namespace) -> None:
+  paths = report.write_report(args.results_dir, args.out_dir or args.results_dir, title=args.title)
+  print("\n".join(f"wrote {path}" for path in paths))
+
+
+def run_curve(args: argparse.Namespace) -> None:
+  paths = curve.write_curve(args.workdir, args.out_dir or args.workdir, title=args.title)
+  print("\n".join(f"wrote {path}" for path in paths))
+
+
+# First argument -> (parser, action) of a subcommand; anything else is an evaluation.
+_SUBCOMMANDS = {"report": (build_report_parser, run_report), "curve": (build_curve_parser, run_curve)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Entry point (`report DIR` / `curve WORKDIR` select the subcommands); returns the exit status, 2 on bad input."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  subcommand = _SUBCOMMANDS.get(argv[0]) if argv else None
+  build, action = subcommand or (build_parser, evaluate)
+  try:
+    action(build().parse_args(argv[1:] if subcommand else argv))
+  except SystemExit as exit_:  # argparse has printed its message
+    return int(exit_.code or 0)
+  except (ValueError, FileNotFoundError) as error:
+    print(f"error: {error}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,183 @@
+"""Decode a test set in batches, check every answer, and time the decoding with compilation set apart.
+
+Examples are grouped by task before batching (a batch never mixes tasks), so
+each task's tokens per second is measured on batches of that task alone, as a
+benchmark is run on its own. The first call of every new program shape
+(rows × prompt bucket) compiles: that call is timed as compilation and the
+batch is decoded again for the measurement, so compilation never enters
+tokens per second or latency.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import tqdm
+
+from refusion_jax.data.tokenizer import Tokenizer
+from refusion_jax.decoding.common import DecodeResult
+from refusion_jax.evaluation import adapters
+from refusion_jax.model.transformer import Transformer
+
+
+@dataclasses.dataclass
+class Answer:
+  """One decoded example: what was asked, what came back, whether it is right and what it cost."""
+
+  task: str
+  query: str
+  reference: str
+  answer: str
+  correct: bool
+  num_tokens: int  # answer tokens, EOS included
+  num_forwards: int  # forwards this row took part in
+
+
+@dataclasses.dataclass
+class BatchTiming:
+  """Wall-clock of one batch's decode call (compilation excluded) and of its compilation, if it had one.
+
+  forwards: forwards the batch ran, those of its slowest row (finished rows idle under a mask).
+  """
+
+  task: str
+  rows: int
+  seconds: float
+  forwards: int
+  compile_seconds: float = 0.0
+
+
+@dataclasses.dataclass
+class EvalRun:
+  """Everything a pass over a test set measured."""
+
+  answers: list[Answer]
+  batches: list[BatchTiming]
+
+
+def task_batches(examples: Sequence[dict], batch_size: int) -> list[list[int]]:
+  """Indices of `examples` grouped by task (in order of first appearance), cut into batches of `batch_size`.
+
+  A batch never mixes tasks; each task's last batch may be shorter.
+  """
+  if batch_size < 1:
+    raise ValueError(f"batch_size={batch_size} must be at least 1.")
+  by_task: dict[str, list[int]] = {}
+  for index, example in enumerate(examples):
+    by_task.setdefault(example.get("task", ""), []).append(index)
+  return [rows[i : i + batch_size] for rows in by_task.values() for i in range(0, len(rows), batch_size)]
+
+
+def timed_decode(call: Callable[[], DecodeResult]) -> tuple[DecodeResult, float, float]:
+  """(result, run seconds, compile seconds) of `call()`, run twice when the first call compiled."""
+  before = adapters.compile_count()
+  start = time.perf_counter()
+  result = call()
+  first = time.perf_counter() - start
+  if adapters.compile_count() == before:
+    return result, first, 0.0
+  start = time.perf_counter()
+  result = call()
+  seconds = time.perf_counter() - start
+  return result, seconds, max(first - seconds, 0.0)
+
+
+def run(
+  model: Transformer,
+  tokenizer: Tokenizer,
+  examples: Sequence[dict],
+  *,
+  method: str,
+  knobs: dict,
+  batch_size: int,
+  chat_template: bool = False,
+  progress: bool = True,
+) -> EvalRun:
+  """Decode every example ({query, response[, task]}) with `method` and check its answer.
+
+  Args:
+    knobs: the decoder's keyword arguments (gen_length, slot_size, ...).
+    batch_size: prompts decoded together.
+    chat_template: wrap queries in the tokenizer's chat template, as training did.
+    progress: show a progress bar.
+  """
+  if not examples:
+    raise ValueError("The test set is empty; give a split with examples or a JSON file with records.")
+  answers: list[Answer | None] = [None] * len(examples)
+  timings = []
+  bar = tqdm.tqdm(total=len(examples), unit="answer", disable=not progress, dynamic_ncols=True)
+  done = correct = 0
+  for rows in task_batches(examples, batch_size):
+    prompts = [adapters.prompt_ids(tokenizer, examples[i]["query"], chat_template) for i in rows]
+    call = functools.partial(adapters.decode, model, tokenizer, prompts, method, knobs)
+    result, seconds, compile_seconds = timed_decode(call)
+    task = examples[rows[0]].get("task", "")
+    timings.append(
+      BatchTiming(
+        task=task,
+        rows=len(rows),
+        seconds=seconds,
+        forwards=int(np.max(result.num_forwards)),
+        compile_seconds=compile_seconds,
+      )
+    )
+    for row, index in enumerate(rows):
+      example = examples[index]
+      text = tokenizer.decode(result.tokens[row])
+      answers[index] = Answer(
+        task=example.get("task", ""),
+        query=example["query"],
+        reference=example["response"],
+        answer=text,
+        correct=adapters.is_correct(example, text),
+        num_tokens=len(result.tokens[row]),
+        num_forwards=int(result.num_forwards[row]),
+      )
+      correct += answers[index].correct
+    done += len(rows)
+    bar.update(len(rows))
+    bar.set_postfix(accuracy=f"{correct / done:.3f}", refresh=False)
+  bar.close()
+  return EvalRun(answers=answers, batches=timings)
+
+
+def _group_metrics(answers: Sequence[Answer], batches: Sequence[BatchTiming]) -> dict[str, float]:
+  tokens = sum(a.num_tokens for a in answers)
+  forwards = sum(a.num_forwards for a in answers)
+  seconds = sum(b.seconds for b in batches)
+  return dict(
+    count=len(answers),
+    accuracy=float(np.mean([a.correct for a in answers])),
+    mean_forwards=forwards / len(answers),
+    mean_tokens=tokens / len(answers),
+    tpf=tokens / max(forwards, 1),
+    tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
+    latency_s=seconds / len(batches),
+    seconds_per_answer=seconds / len(answers),
+    seconds_per_forward=seconds / max(sum(b.forwards for b in batches), 1),
+  )
+
+
+def summarize(run_: EvalRun) -> dict:
+  """Metrics overall and per task.
+
+  accuracy: share of answers judged correct; mean_forwards: forwards per
+  answer; tpf: answer tokens ÷ forwards; tokens_per_s: answer tokens ÷ decode
+  seconds (compilation excluded); latency_s: mean wall-clock of a batch call,
+  i.e. how long each of its answers waited; seconds_per_answer: decode seconds
+  ÷ answers; seconds_per_forward: decode seconds ÷ the forwards the batches
+  ran (what one forward of this method's width costs at this batch size);
+  compile_s: seconds spent compiling (reported apart).
+  """
+  metrics = _group_metrics(run_.answers, run_.batches)
+  metrics["compile_s"] = sum(b.compile_seconds for b in run_.batches)
+  tasks = sorted({a.task for a in run_.answers if a.task})
+  metrics["by_task"] = {
+    task: _group_metrics([a for a in run_.answers if a.task == task], [b for b in run_.batches if b.task == task])
+    for task in tasks
+  }
+  return metrics
