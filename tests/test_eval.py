@@ -11,8 +11,8 @@ from refusion_jax import eval as eval_cli
 from refusion_jax.checkpoints import hf as hf_io
 from refusion_jax.data.tasks import TASKS, check_answer, generate_examples
 from refusion_jax.data.tokenizer import ByteTokenizer
-from refusion_jax.decoding import baselines
 from refusion_jax.decoding import refusion as decode
+from refusion_jax.decoding.ar import ar_generate
 from refusion_jax.evaluation import report, runner
 from tests.test_sampler_cli import byte_model
 from tests.train_utils import REPO
@@ -144,7 +144,7 @@ def test_cli_json_test_set_exact_match_and_batches(capsys, tmp_path, hf_model):
   model, hf_dir = hf_model
   queries = ["ab c", "xyz", "hello", "q r"]
   prompts = [TOK.encode(q) for q in queries]
-  expected = baselines.ar_generate(model, prompts, gen_length=16)
+  expected = ar_generate(model, prompts, gen_length=16)
   answers = [TOK.decode(t) for t in expected.tokens]
   # the first two references are the model's own answers with extra whitespace: exact match after normalising
   records = [{"query": q, "response": "  " + a.replace(" ", "   ") + " "} for q, a in zip(queries[:2], answers)]

@@ -6,7 +6,7 @@ import pytest
 
 import refusion_jax as rj
 
-LIBRARY_PACKAGES = ("model", "checkpoints", "decoding", "training", "data", "parallel")
+LIBRARY_PACKAGES = ("model", "checkpoints", "decoding", "training", "evaluation", "data", "parallel")
 
 
 @pytest.mark.parametrize("name", rj.__all__)
@@ -30,6 +30,7 @@ ALLOWED_IMPORTS = {
   "checkpoints": {"checkpoints", "data", "model", "parallel"},
   "decoding": {"decoding", "data", "model", "parallel"},
   "training": {"training", "decoding", "checkpoints", "data", "model", "parallel"},
+  "evaluation": {"evaluation", "training", "decoding", "checkpoints", "data", "model", "parallel"},
 }
 
 

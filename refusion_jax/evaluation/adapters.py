@@ -11,15 +11,14 @@ import os
 import tempfile
 from collections.abc import Sequence
 
-from refusion_jax.checkpoints import hf as hf_io
-from refusion_jax.checkpoints import orbax as checkpoint
+from refusion_jax.checkpoints.load import load
 from refusion_jax.data import tasks
 from refusion_jax.data.pipeline import decode_record
-from refusion_jax.data.tokenizer import Tokenizer, load_tokenizer
-from refusion_jax.decoding import baselines, refusion, sampler
+from refusion_jax.data.tokenizer import Tokenizer, format_prompt
+from refusion_jax.decoding import common, sampler
 from refusion_jax.decoding.common import DecodeResult
 from refusion_jax.model.transformer import Transformer
-from refusion_jax.training.loop import _is_correct
+from refusion_jax.training.evaluate import is_correct as _is_correct
 
 METHODS = tuple(sorted(sampler.METHODS))
 
@@ -31,13 +30,7 @@ def load_checkpoint(path: str, step: int | None = None, tokenizer: str | None = 
   """
   if not os.path.exists(path):
     raise FileNotFoundError(f"--checkpoint {path!r} does not exist; pass a training workdir or a HF directory.")
-  if os.path.isfile(os.path.join(path, "config.json")):
-    if step is not None:
-      raise ValueError("--step only applies to training workdirs, not to a Hugging Face directory.")
-    has_tokenizer = os.path.isfile(os.path.join(path, "tokenizer.json"))
-    return hf_io.load_hf(path), load_tokenizer(tokenizer or (path if has_tokenizer else "bytes"))
-  model, stored_tokenizer = checkpoint.load_model_from_checkpoint(path, step)
-  return model, load_tokenizer(tokenizer or stored_tokenizer)
+  return load(path, step=step, tokenizer=tokenizer)
 
 
 def decode(
@@ -49,12 +42,12 @@ def decode(
 
 def decode_options(method: str) -> list[str]:
   """The keyword arguments `method`'s decoder takes."""
-  return sampler.decoder_options(sampler.METHODS[method][0])
+  return sampler.decoder_options(sampler.METHODS[method])
 
 
 def compile_count() -> int:
   """Decode programs compiled so far in this process (ReFusion and the baselines together)."""
-  return refusion.compile_count() + baselines.compile_count()
+  return common.compile_count()
 
 
 def is_correct(example: dict, answer: str) -> bool:
@@ -64,7 +57,7 @@ def is_correct(example: dict, answer: str) -> bool:
 
 def prompt_ids(tokenizer: Tokenizer, query: str, chat_template: bool) -> list[int]:
   """The prompt the training pipeline builds for `query` (chat template or the raw query)."""
-  return tokenizer.encode(tokenizer.apply_chat_template(query) if chat_template else query)
+  return tokenizer.encode(format_prompt(tokenizer, query, chat_template))
 
 
 def task_examples(split: str, count: int, *, seed: int, task_names: Sequence[str]) -> list[dict[str, str]]:
