@@ -1,26 +1,28 @@
 #!/usr/bin/env bash
 # Train on a Cloud TPU VM pod: one process per host, all started together (gcloud ... ssh --worker=all).
 #
-#   launch/tpu_pod.sh [--dry_run] [--accelerator=TYPE [--spot] [--runtime=VERSION]] \
+#   launch/tpu_pod.sh [--dry_run] [--accelerator=TYPE [--spot] [--runtime=VERSION]] [--setup=COMMAND] \
 #       TPU_NAME ZONE CONFIG WORKDIR [--config.field=value ...]
+#   launch/tpu_pod.sh [--dry_run] --accelerator=TYPE [--spot] [--runtime=VERSION] create TPU_NAME ZONE
 #   launch/tpu_pod.sh [--dry_run] logs|stop|delete TPU_NAME ZONE
 #
-#   e.g. launch/tpu_pod.sh --accelerator=v5p-128 --spot refusion-pod us-east5-a \
-#          configs/refusion_qwen3_8b.py /mnt/shared/refusion \
-#          --config.init_from_hf=/mnt/shared/Qwen3-8B --config.data.train_files=/mnt/shared/train.json
+#   e.g. launch/tpu_pod.sh --accelerator=v5p-128 --spot \
+#          --setup='sudo mkdir -p /mnt/b && sudo chmod 777 /mnt/b && gcsfuse --implicit-dirs my-bucket /mnt/b' \
+#          refusion-pod us-east5-a configs/refusion_qwen3_8b.py /mnt/b/refusion \
+#          --config.init_from_hf=/mnt/b/Qwen3-8B --config.data.train_files=/mnt/b/train.json
 #
 # Training (the first form):
 #   1. with --accelerator: creates the TPU as a queued resource (TYPE as gcloud names it: v5p-128 is 64
 #      chips) and waits until it is ACTIVE; without it the TPU must exist already;
-#   2. copies this checkout to ~/refusion_jax on every worker (skip with SYNC=0);
-#   3. installs it with the TPU extra (skip with INSTALL=0);
-#   4. starts training in the background with REFUSION_DISTRIBUTED=1 (jax.distributed auto-detects the pod),
+#   2. runs --setup's COMMAND on every worker (e.g. mounting the shared WORKDIR), copies this checkout to
+#      ~/refusion_jax on every worker (skip with SYNC=0) and installs it with the TPU extra (skip with INSTALL=0);
+#   3. starts training in the background with REFUSION_DISTRIBUTED=1 (jax.distributed auto-detects the pod),
 #      logging to ~/refusion_train.log on every worker, and prints how to follow it and stop it.
 # WORKDIR must be one directory every worker sees (NFS / Filestore, or a gcsfuse-mounted bucket): orbax
 # writes each checkpoint there from all hosts together. A preempted or stopped job resumes from its latest
-# checkpoint when the same command is run again (recreate the TPU first if it was preempted).
+# checkpoint when the same command is run again (after `delete` if the TPU was preempted).
 #
-#   logs    follow worker 0's log
+#   create  only step 1          logs    follow worker 0's log
 #   stop    SIGTERM on every worker: the run saves a checkpoint and exits
 #   delete  delete the queued resource and its TPU
 #
@@ -28,17 +30,18 @@
 set -euo pipefail
 
 usage() {
-  sed -n '2,27p' "$0"
+  sed -n '2,29p' "$0"
   exit 2
 }
 
-DRY_RUN=0 ACCELERATOR="" SPOT=0 RUNTIME=""
+DRY_RUN=0 ACCELERATOR="" SPOT=0 RUNTIME="" SETUP=""
 while [[ $# -gt 0 && $1 == --* ]]; do
   case $1 in
     --dry_run) DRY_RUN=1 ;;
     --accelerator=*) ACCELERATOR=${1#*=} ;;
     --spot) SPOT=1 ;;
     --runtime=*) RUNTIME=${1#*=} ;;
+    --setup=*) SETUP=${1#*=} ;;
     *) echo "Unknown option $1" >&2; usage ;;
   esac
   shift
@@ -78,6 +81,10 @@ runtime_for() {
 }
 
 create_tpu() {
+  if [[ -z $ACCELERATOR ]]; then
+    echo "Creating a TPU needs --accelerator=TYPE (e.g. v5p-128)." >&2
+    exit 2
+  fi
   local runtime=${RUNTIME:-$(runtime_for "$ACCELERATOR")}
   local spot=()
   if [[ $SPOT == 1 ]]; then spot=(--spot); fi
@@ -92,10 +99,11 @@ create_tpu() {
 }
 
 case ${1:-} in
-  logs | stop | delete)
+  create | logs | stop | delete)
     [[ $# -eq 3 ]] || usage
     STEP=$1 TPU_NAME=$2 ZONE=$3
     case $STEP in
+      create) create_tpu ;;
       logs) follow_logs ;;
       stop) stop_training ;;
       delete) run gcloud compute tpus queued-resources delete "$TPU_NAME" --zone "$ZONE" --force --quiet ;;
@@ -114,6 +122,9 @@ if [[ -n $ACCELERATOR ]]; then
   create_tpu
 fi
 echo "# set up"
+if [[ -n $SETUP ]]; then
+  ssh_workers all "$SETUP"
+fi
 if [[ "${SYNC:-1}" == 1 ]]; then
   repo_root=$(cd "$(dirname "$0")/.." && pwd)
   run gcloud compute tpus tpu-vm scp --zone "$ZONE" --worker=all --recurse "$repo_root" "$TPU_NAME:$REMOTE_DIR"

@@ -86,31 +86,14 @@ def _abstract(tree, shardings):
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
 
-def batch_parallel_ways(mesh: jax.sharding.Mesh, rules) -> int:
-  """Devices the batch is split over (the mesh axes the `batch` rule names)."""
-  axes = dict(rules).get("batch")
-  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-  return math.prod(mesh.shape[a] for a in axes)
-
-
-def check_microbatches(batch_size: int, grad_accum: int, ways: int) -> None:
-  """Each microbatch must still split over the batch-parallel devices (each device splits its own rows)."""
-  if batch_size % (grad_accum * ways):
-    raise ValueError(
-      f"batch_size={batch_size} is not a multiple of grad_accum_steps={grad_accum} x {ways} batch-parallel "
-      f"devices: each device's rows must split into {grad_accum} microbatches. Pick a grad_accum_steps that "
-      f"divides batch_size / {ways}, or change batch_size."
-    )
-
-
 def train_report(config: ml_collections.ConfigDict, devices: Sequence[jax.Device], chip: aot.Chip | None):
   """Compile the training step as `refusion_jax.train` would run it, with the activations sharded like the batch."""
   model_config = model_config_of(config)
   rules = normalize_rules(config.sharding_rules)
   mesh = sharding.make_mesh(dict(config.mesh), mesh_devices(dict(config.mesh), devices))
   sharding.check_batch_divisible(config.batch_size, mesh, rules)
-  ways, accum = batch_parallel_ways(mesh, rules), config.grad_accum_steps
-  check_microbatches(config.batch_size, accum, ways)
+  ways, accum = sharding.batch_parallel_ways(mesh, rules), config.grad_accum_steps
+  sharding.check_microbatches(config.batch_size, accum, mesh, rules)
   tx, schedule = make_optimizer(config.optimizer, total_steps=max(config.num_train_steps, 1))
   placement = make_placement(init_state_fn(model_config, tx, config.seed), mesh, rules)
   graphdef, _ = abstract_model(model_config)

@@ -11,11 +11,11 @@ import jax
 import numpy as np
 import pytest
 
-from refusion_jax.aot import check_microbatches, train_advice
+from refusion_jax.aot import train_advice
 from refusion_jax.model.config import tiny
 from refusion_jax.parallel import aot
 from refusion_jax.parallel.activations import activation_sharding, constrain
-from refusion_jax.parallel.sharding import make_mesh
+from refusion_jax.parallel.sharding import check_microbatches, make_mesh
 from refusion_jax.training.config_file import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -124,8 +124,9 @@ def test_train_advice_names_the_knobs():
     train_advice(aot.Report("train", 8, chip, arguments=1, outputs=1, aliased=1, temporaries=1), config, tiny(), 8)
     == []
   )
+  mesh = make_mesh({"data": 1}, jax.devices()[:1])
   with pytest.raises(ValueError, match="grad_accum_steps=3"):
-    check_microbatches(64, 3, 8)
+    check_microbatches(64, 3, mesh)
 
 
 def test_constraints_are_the_identity_without_a_mesh_and_skip_axes_that_do_not_divide():

@@ -44,12 +44,14 @@ def command(lines: list[str], *words: str) -> list[str]:
 
 def test_tpu_pod_dry_run_prints_the_whole_lifecycle(no_cloud_tools):
   env, calls = no_cloud_tools
-  args = ["--accelerator=v5p-128", "--spot", "pod", "us-east5-a", "configs/refusion_qwen3_8b.py", "/mnt/work", OVERRIDE]
-  lines = dry_run("tpu_pod.sh", args, env)
+  mount = "gcsfuse --implicit-dirs bucket /mnt/work"
+  args = ["--accelerator=v5p-128", "--spot", f"--setup={mount}", "pod", "us-east5-a", "configs/refusion_qwen3_8b.py"]
+  lines = dry_run("tpu_pod.sh", [*args, "/mnt/work", OVERRIDE], env)
   create = command(lines, "queued-resources create")
   assert create[create.index("--accelerator-type") + 1] == "v5p-128" and "--spot" in create
   assert create[create.index("--runtime-version") + 1] == "v2-alpha-tpuv5"
   assert command(lines, "queued-resources describe")[-1] == "value(state.state)"
+  assert command(lines, "gcsfuse")[-1] == mount
   assert command(lines, "tpu-vm scp")[-1] == "pod:~/refusion_jax"
   assert "pip install -q -e '.[tpu]'" in command(lines, "pip install")[-1]
   remote = command(lines, "nohup")
@@ -71,6 +73,8 @@ def test_tpu_pod_dry_run_prints_the_whole_lifecycle(no_cloud_tools):
 def test_tpu_pod_steps_and_usage(no_cloud_tools):
   env, calls = no_cloud_tools
   assert command(dry_run("tpu_pod.sh", ["delete", "pod", "zone-a"], env), "delete")[-2:] == ["--force", "--quiet"]
+  create = dry_run("tpu_pod.sh", ["--accelerator=v4-32", "create", "pod", "zone-a"], env)
+  assert command(create, "create")[-1] == "tpu-ubuntu2204-base" and not any("ssh" in line for line in create)
   assert "--worker=0" in command(dry_run("tpu_pod.sh", ["logs", "pod", "zone-a"], env), "tail")
   usage = subprocess.run(["bash", os.path.join(REPO, "launch", "tpu_pod.sh")], capture_output=True, text=True, env=env)
   assert usage.returncode == 2 and "--dry_run" in usage.stdout

@@ -135,11 +135,32 @@ def shard_batch(batch: Mapping[str, np.ndarray], mesh: Mesh, rules: Rules = LOGI
   }
 
 
+def batch_parallel_ways(mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES) -> int:
+  """How many ways the batch is split: the product of the mesh axes the `batch` rule names."""
+  axes = dict(rules).get("batch")
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def check_microbatches(global_batch: int, grad_accum_steps: int, mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES) -> None:
+  """Under gradient accumulation each device splits its own rows into microbatches, so they must divide.
+
+  A microbatch then still spans every batch-parallel device (activations stay
+  split like the batch) and no row moves between devices.
+  """
+  ways = batch_parallel_ways(mesh, rules)
+  if global_batch % (grad_accum_steps * ways):
+    raise ValueError(
+      f"batch_size={global_batch} is not a multiple of grad_accum_steps={grad_accum_steps} x {ways} "
+      f"batch-parallel devices: each device's rows must split into {grad_accum_steps} microbatches. Pick a "
+      f"grad_accum_steps that divides batch_size / {ways}, or change batch_size."
+    )
+
+
 def check_batch_divisible(global_batch: int, mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES) -> None:
   """The batch must split evenly over the mesh axes `batch` maps to, and over processes."""
   axes = dict(rules).get("batch")
-  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-  ways = math.prod(mesh.shape[a] for a in axes)
+  ways = batch_parallel_ways(mesh, rules)
   if global_batch % ways or global_batch % jax.process_count():
     raise ValueError(
       f"batch_size={global_batch} must be a multiple of the batch-parallel mesh size {ways} "
