@@ -307,8 +307,31 @@ def pick_tokens(
     steps = jnp.broadcast_to(step, logits.shape[:1])
     scores = logits + temperature * row_gumbel_noise(key, steps, logits.shape[1:])
   tokens = jnp.argmax(scores, axis=-1).astype(jnp.int32)
-  probs = jax.nn.softmax(logits, axis=-1)
-  return tokens, jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]
+  return tokens, token_probs(logits, log_partition(logits), tokens)
+
+
+def log_partition(logits: jax.Array) -> jax.Array:
+  """log Σ_v exp(logits[..., v]): [batch, length, vocab] -> [batch, length] float32.
+
+  With it the decoders read the probability of any token without the
+  [batch, length, vocab] softmax (2.5 GB per step at vocab 151,936, batch 32,
+  block 128): XLA fuses the exponentials into the reduction.
+  """
+  return jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+
+
+def token_probs(logits: jax.Array, log_z: jax.Array, tokens: jax.Array) -> jax.Array:
+  """Softmax probabilities of given tokens: exp(logits[b, t, tokens[b, t]] - log_z[b, t]).
+
+  Args:
+    logits: [batch, length, vocab]; log_z: [batch, length] from `log_partition`;
+    tokens: [batch, length] int ids.
+
+  Returns:
+    [batch, length] float32.
+  """
+  picked = jnp.take_along_axis(logits, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  return jnp.exp(picked.astype(jnp.float32) - log_z)
 
 
 def step_outputs(answer: jax.Array, commit_iteration: jax.Array, forwards: jax.Array) -> DecodeOutputs:
