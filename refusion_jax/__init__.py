@@ -21,6 +21,7 @@ _EXPORTS = {
   "ar_generate": "refusion_jax.decoding.ar",
   "mdm_generate": "refusion_jax.decoding.mdm",
   "Sampler": "refusion_jax.decoding.sampler",
+  "make_mesh": "refusion_jax.parallel.sharding",
 }
 
 __all__ = sorted(_EXPORTS)

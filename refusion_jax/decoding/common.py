@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from refusion_jax.data.special_tokens import SpecialTokens, resolve_special_tokens
+from refusion_jax.decoding.sharding import constrain_cache, sharded_loop
 from refusion_jax.model import cache as kv_cache
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer, inference_view
@@ -368,7 +369,7 @@ def prefill(
   valid = columns < lengths[:, None]
   causal = jnp.tril(jnp.ones((width, width), bool))[None] & valid[:, None, :]
   logits, kv = model(tokens, columns, causal)
-  cache = kv_cache.KVCache.create(model.config, batch, capacity)
+  cache = constrain_cache(kv_cache.KVCache.create(model.config, batch, capacity))
   return logits, kv_cache.append(cache, kv, columns, valid)
 
 
@@ -410,6 +411,7 @@ def run_decoder(
   gen_length: int,
   eos_id: int,
   pad_id: int | None,
+  mesh: jax.sharding.Mesh | None = None,
 ) -> DecodeResult:
   """The host side of every jitted decoder: check, pad, split, run the loop, read the answers back.
 
@@ -419,6 +421,7 @@ def run_decoder(
       graph and parameters, prompts [B, bucket] int32 and their lengths [B] int32.
     eos_id: the checked stop id the answers are cut after (`NO_TOKEN`: none).
     pad_id: prompt padding id (never attended); defaults to the config's pad, else its EOS, else 0.
+    mesh: decode on this mesh (`refusion_jax.decoding.sharding.sharded_loop`); None: the default device.
 
   Returns:
     A `DecodeResult` whose trace is blanked past each answer; seconds covers
@@ -431,7 +434,8 @@ def run_decoder(
   start = time.perf_counter()
   prompt, lengths = pad_prompts(prompt_ids, pad)
   graphdef, params = nnx.split(model)
-  out = jax.device_get(loop(graphdef, params, prompt, lengths))
+  call = loop if mesh is None else sharded_loop(loop, mesh)
+  out = jax.device_get(call(graphdef, params, prompt, lengths))
   seconds = time.perf_counter() - start
   answers = answer_tokens(out.answer, eos_id)
   iteration, phase = blank_after_answer(answers, np.asarray(out.commit_iteration), np.asarray(out.commit_phase))

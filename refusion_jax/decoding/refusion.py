@@ -47,6 +47,7 @@ from refusion_jax.decoding.common import (
   run_decoder,
   token_probs,
 )
+from refusion_jax.decoding.sharding import row_sharded_while_loop
 from refusion_jax.model import cache as kv_cache
 from refusion_jax.model.transformer import Transformer
 
@@ -368,7 +369,7 @@ def decode_loop(
       steps=jnp.zeros((batch,), jnp.int32),
     ),
   )
-  state = jax.lax.while_loop(
+  state = row_sharded_while_loop(
     lambda s: ~jnp.all(s.finished),
     lambda s: _step(model, s, prompt_lengths, knobs, settings),
     state,
@@ -390,6 +391,7 @@ def generate(
   mask_id: int | None = None,
   eos_id: int | None = None,
   pad_id: int | None = None,
+  mesh: jax.sharding.Mesh | None = None,
 ) -> DecodeResult:
   """Batched ReFusion plan-and-infill decoding (docs/method.md §2), one compiled loop.
 
@@ -408,6 +410,8 @@ def generate(
     token_threshold: a drafted token passes verification when its AR probability is > this.
     mask_id, eos_id: default to the model config's; pad_id defaults to the
       config's pad, else its EOS, else 0 (padding is never attended).
+    mesh: decode on this mesh (`refusion_jax.make_mesh`): rows split over its
+      batch-parallel axes, parameters and cache by their logical axes.
 
   Returns:
     A `DecodeResult`. num_forwards counts the prompt prefill and every plan,
@@ -429,4 +433,4 @@ def generate(
   )
   settings = DecodeSettings(gen_length, slot_size, serial_blocks, sample=checked.temperature > 0)
   loop = functools.partial(decode_loop, knobs=knobs, settings=settings)
-  return run_decoder(model, prompt_ids, loop, gen_length=gen_length, eos_id=checked.eos_id, pad_id=pad_id)
+  return run_decoder(model, prompt_ids, loop, gen_length=gen_length, eos_id=checked.eos_id, pad_id=pad_id, mesh=mesh)

@@ -41,6 +41,9 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
   ("head_dim", None),
   ("mlp", "tensor"),
   ("layers", None),
+  # The decode KV cache (refusion_jax.decoding.sharding): rows like the batch, entries whole on each device.
+  ("cache_batch", ("data", "fsdp")),
+  ("cache_length", None),
   # Activations (refusion_jax.parallel.activations): split like the batch, heads / MLP / vocab over `tensor`.
   ("activation_batch", ("data", "fsdp")),
   ("activation_length", None),
@@ -137,14 +140,19 @@ def shard_batch(batch: Mapping[str, np.ndarray], mesh: Mesh, rules: Rules = LOGI
 
 def check_batch_divisible(global_batch: int, mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES) -> None:
   """The batch must split evenly over the mesh axes `batch` maps to, and over processes."""
-  axes = dict(rules).get("batch")
-  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-  ways = math.prod(mesh.shape[a] for a in axes)
+  ways = batch_parallel_ways(mesh, rules)
   if global_batch % ways or global_batch % jax.process_count():
     raise ValueError(
       f"batch_size={global_batch} must be a multiple of the batch-parallel mesh size {ways} "
-      f"(axes {axes}) and of the process count {jax.process_count()}."
+      f"(axes {dict(rules).get('batch')}) and of the process count {jax.process_count()}."
     )
+
+
+def batch_parallel_ways(mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES) -> int:
+  """Devices the batch is split over: the product of the mesh axes the `batch` rule names."""
+  axes = dict(rules).get("batch")
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  return math.prod(mesh.shape[a] for a in axes)
 
 
 def _variables(tree: Any) -> list[nnx.Variable]:
