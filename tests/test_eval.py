@@ -120,7 +120,18 @@ def test_cli_builtin_split_matches_the_decoder_and_the_checker(capsys, tmp_path,
   model, hf_dir = hf_model
   out_file = tmp_path / "refusion.json"
   code, out, err = run_cli(
-    capsys, "--checkpoint", hf_dir, "--config", SMOKE, "--num_examples", 3, "--out", out_file, "--no_progress"
+    capsys,
+    "--checkpoint",
+    hf_dir,
+    "--tokenizer",
+    "bytes",
+    "--config",
+    SMOKE,
+    "--num_examples",
+    3,
+    "--out",
+    out_file,
+    "--no_progress",
   )
   assert code == 0, err
   record = json.loads(out_file.read_text())
@@ -152,8 +163,8 @@ def test_cli_json_test_set_exact_match_and_batches(capsys, tmp_path, hf_model):
   data = write_json(tmp_path / "test.json", records)
   out_file = tmp_path / "ar.json"
   code, _, err = run_cli(
-    capsys, "--checkpoint", hf_dir, "--config", SMOKE, "--data", data, "--method", "ar", "--batch_size", 4,
-    "--out", out_file, "--no_progress", "--model_name", "tiny",
+    capsys, "--checkpoint", hf_dir, "--tokenizer", "bytes", "--config", SMOKE, "--data", data,
+    "--method", "ar", "--batch_size", 4, "--out", out_file, "--no_progress", "--model_name", "tiny",
   )  # fmt: skip
   assert code == 0, err
   record = json.loads(out_file.read_text())
@@ -170,8 +181,8 @@ def test_cli_sweeps_every_combination_and_rejects_bad_input(capsys, tmp_path, hf
   data = write_json(tmp_path / "t.json", [{"query": "abc", "response": "d"}])
   sweep = tmp_path / "sweep"
   code, out, err = run_cli(
-    capsys, "--checkpoint", hf_dir, "--config", SMOKE, "--data", data, "--method", "mdm", "--steps", "4,2",
-    "--block_length", "8,16", "--out_dir", sweep, "--no_progress",
+    capsys, "--checkpoint", hf_dir, "--tokenizer", "bytes", "--config", SMOKE, "--data", data,
+    "--method", "mdm", "--steps", "4,2", "--block_length", "8,16", "--out_dir", sweep, "--no_progress",
   )  # fmt: skip
   assert code == 0, err
   records = [json.loads(path.read_text()) for path in sorted(sweep.iterdir())]
@@ -180,15 +191,31 @@ def test_cli_sweeps_every_combination_and_rejects_bad_input(capsys, tmp_path, hf
   for r in records:
     assert r["metrics"]["mean_forwards"] == r["knobs"]["steps"]
     assert r["label"] == f"mdm B{r['knobs']['block_length']} {r['knobs']['steps']} steps"
-  code, _, err = run_cli(capsys, "--checkpoint", hf_dir, "--config", SMOKE, "--slot_size", "2,4", "--out", sweep / "x")
+  code, _, err = run_cli(
+    capsys,
+    "--checkpoint",
+    hf_dir,
+    "--tokenizer",
+    "bytes",
+    "--config",
+    SMOKE,
+    "--slot_size",
+    "2,4",
+    "--out",
+    sweep / "x",
+  )
   assert code == 2 and "--out_dir" in err
-  code, _, err = run_cli(capsys, "--checkpoint", hf_dir, "--config", SMOKE, "--slot_size", "4,x")
+  code, _, err = run_cli(
+    capsys, "--checkpoint", hf_dir, "--tokenizer", "bytes", "--config", SMOKE, "--slot_size", "4,x"
+  )
   assert code == 2 and "comma-separated" in err
   code, _, err = run_cli(capsys, "--checkpoint", tmp_path / "missing", "--config", SMOKE)
   assert code == 2 and "does not exist" in err
-  code, _, err = run_cli(capsys, "--checkpoint", hf_dir, "--config", SMOKE, "--data", tmp_path / "no.json")
+  code, _, err = run_cli(
+    capsys, "--checkpoint", hf_dir, "--tokenizer", "bytes", "--config", SMOKE, "--data", tmp_path / "no.json"
+  )
   assert code == 2 and "--data" in err
-  code, _, err = run_cli(capsys, "--checkpoint", hf_dir, "--config", tmp_path / "nope.py")
+  code, _, err = run_cli(capsys, "--checkpoint", hf_dir, "--tokenizer", "bytes", "--config", tmp_path / "nope.py")
   assert code == 2 and "--config" in err
 
 

@@ -27,6 +27,7 @@ from refusion_jax.decoding.common import (
   run_decoder,
   step_outputs,
 )
+from refusion_jax.decoding.sharding import row_sharded_while_loop
 from refusion_jax.model import cache as kv_cache
 from refusion_jax.model.transformer import Transformer
 
@@ -85,7 +86,7 @@ def ar_loop(
     done = done | (token == eos_id)
     return step + 1, cache, out, forwards, done
 
-  _, _, out, forwards, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), cache, out, forwards, done))
+  _, _, out, forwards, _ = row_sharded_while_loop(cond, body, (jnp.int32(1), cache, out, forwards, done))
   return step_outputs(out, jnp.broadcast_to(jnp.arange(gen_length, dtype=jnp.int32), out.shape), forwards)
 
 
@@ -98,6 +99,7 @@ def ar_generate(
   seed: int = 0,
   eos_id: int | None = None,
   pad_id: int | None = None,
+  mesh: jax.sharding.Mesh | None = None,
 ) -> DecodeResult:
   """Batched autoregressive decoding with the KV cache.
 
@@ -111,6 +113,7 @@ def ar_generate(
     temperature: 0 for greedy, else Gumbel-max sampling at that temperature.
     eos_id: stop token; defaults to the model config's, none if that is unset.
     pad_id: prompt padding id (never attended); defaults to the config's pad, else its EOS, else 0.
+    mesh: decode on this mesh (`refusion_jax.make_mesh`); None: the default device.
 
   Returns:
     A `DecodeResult`: num_forwards = steps = answer tokens per row (prefill
@@ -126,4 +129,4 @@ def ar_generate(
     gen_length=gen_length,
     sample=temperature > 0,
   )
-  return run_decoder(model, prompt_ids, loop, gen_length=gen_length, eos_id=eos, pad_id=pad_id)
+  return run_decoder(model, prompt_ids, loop, gen_length=gen_length, eos_id=eos, pad_id=pad_id, mesh=mesh)

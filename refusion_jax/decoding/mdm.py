@@ -31,6 +31,7 @@ from refusion_jax.decoding.common import (
   run_decoder,
   step_outputs,
 )
+from refusion_jax.decoding.sharding import constrain_rows
 from refusion_jax.model.transformer import Transformer
 
 
@@ -126,7 +127,8 @@ def mdm_loop(
 
   answer = jnp.full((batch, gen_length), mask_id, jnp.int32)
   committed_at = jnp.full((batch, gen_length), -1, jnp.int32)
-  answer, committed_at = jax.lax.fori_loop(0, steps, body, (answer, committed_at))
+  row_sharded_body = lambda step, carry: constrain_rows(body(step, carry))
+  answer, committed_at = jax.lax.fori_loop(0, steps, row_sharded_body, constrain_rows((answer, committed_at)))
   return step_outputs(answer, committed_at, jnp.full((batch,), steps, jnp.int32))
 
 
@@ -142,6 +144,7 @@ def mdm_generate(
   pad_id: int | None = None,
   temperature: float = 0.0,
   seed: int = 0,
+  mesh: jax.sharding.Mesh | None = None,
 ) -> DecodeResult:
   """Batched LLaDA-style masked diffusion decoding with low-confidence remasking.
 
@@ -160,6 +163,7 @@ def mdm_generate(
     eos_id: the answer is cut after its first EOS; defaults to the config's.
     pad_id: prompt padding id (never attended); defaults to the config's pad, else its EOS, else 0.
     temperature: 0 for greedy drafts, else Gumbel-max sampled drafts.
+    mesh: decode on this mesh (`refusion_jax.make_mesh`); None: the default device.
 
   Returns:
     A `DecodeResult`; commit_iteration is the step that unmasked each position.
@@ -179,4 +183,4 @@ def mdm_generate(
     steps=steps,
     sample=temperature > 0,
   )
-  return run_decoder(model, prompt_ids, loop, gen_length=gen_length, eos_id=eos, pad_id=pad_id)
+  return run_decoder(model, prompt_ids, loop, gen_length=gen_length, eos_id=eos, pad_id=pad_id, mesh=mesh)

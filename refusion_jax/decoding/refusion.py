@@ -41,10 +41,13 @@ from refusion_jax.decoding.common import (
   DecodeResult,
   check_refusion_knobs,
   counts_compilations,
+  log_partition,
   prefill,
   row_gumbel_noise,
   run_decoder,
+  token_probs,
 )
+from refusion_jax.decoding.sharding import row_sharded_while_loop
 from refusion_jax.model import cache as kv_cache
 from refusion_jax.model.transformer import Transformer
 
@@ -134,13 +137,13 @@ def _first_true(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   return jnp.any(x, axis=-1), jnp.argmax(x, axis=-1)
 
 
-def _previous_token_probs(probs: jax.Array, tokens: jax.Array) -> jax.Array:
-  """AR probabilities: probs[b, t - 1, tokens[b, t]], 1 at t = 0.
+def _previous_token_probs(logits: jax.Array, log_z: jax.Array, tokens: jax.Array) -> jax.Array:
+  """AR probabilities: softmax(logits[b, t - 1])[tokens[b, t]], 1 at t = 0.
 
   Args:
-    probs: [B, T, vocab]; tokens: [B, T].
+    logits: [B, T, vocab]; log_z: [B, T] their `log_partition`; tokens: [B, T].
   """
-  taken = jnp.take_along_axis(probs[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]
+  taken = token_probs(logits[:, :-1], log_z[:, :-1], tokens[:, 1:])
   return jnp.concatenate([jnp.ones_like(taken[:, :1]), taken], axis=1)
 
 
@@ -164,14 +167,15 @@ def _query(state: _RowState, settings: DecodeSettings, mask_id: jax.Array):
   return tokens, sees
 
 
-def _plan(logits, probs, state: _RowState, knobs: DecodeKnobs, settings: DecodeSettings):
+def _plan(logits, log_z, state: _RowState, knobs: DecodeKnobs, settings: DecodeSettings):
   """Step 1: drafts [B, T] of every slot and the chosen slots [B, N]."""
   scores = logits
   if settings.sample:
     scores = logits + knobs.temperature * row_gumbel_noise(knobs.key, state.out.steps, logits.shape[1:])
   drafts = jnp.argmax(scores, axis=-1).astype(jnp.int32)
   # Slot confidence: the un-noised probability of the slot's first drafted token.
-  first_prob = jnp.take_along_axis(probs, drafts[..., None], axis=-1)[:, :: settings.slot_size, 0]
+  S = settings.slot_size
+  first_prob = token_probs(logits[:, ::S], log_z[:, ::S], drafts[:, ::S])
   confident = state.undecided & (first_prob > knobs.slot_threshold)
   best = jnp.argmax(jnp.where(state.undecided, first_prob, -1.0), axis=-1)
   single = jax.nn.one_hot(best, settings.slots_per_block, dtype=bool)
@@ -179,7 +183,7 @@ def _plan(logits, probs, state: _RowState, knobs: DecodeKnobs, settings: DecodeS
   return drafts, chosen
 
 
-def _global_verify(probs, state: _RowState, knobs: DecodeKnobs, settings: DecodeSettings):
+def _global_verify(logits, log_z, state: _RowState, knobs: DecodeKnobs, settings: DecodeSettings):
   """Step 2 on the chosen drafts, causal over the chosen tokens in slot order.
 
   Returns:
@@ -190,7 +194,7 @@ def _global_verify(probs, state: _RowState, knobs: DecodeKnobs, settings: Decode
   S, T = settings.slot_size, settings.block_length
   chosen_tok = _per_token(state.chosen, S)
   first_of_slot = _offset_in_slot(settings) == 0
-  passes = first_of_slot[None] | (_previous_token_probs(probs, state.drafts) > knobs.token_threshold)
+  passes = first_of_slot[None] | (_previous_token_probs(logits, log_z, state.drafts) > knobs.token_threshold)
   # The prefix of the chosen tokens' concatenation: unchosen tokens are skipped, not failed.
   in_prefix = chosen_tok & (jnp.cumsum(chosen_tok & ~passes, axis=-1) == 0)
   has_eos, eos_at = _first_true(in_prefix & (state.drafts == knobs.eos_id))
@@ -208,7 +212,7 @@ def _infill_draft(logits, state: _RowState, settings: DecodeSettings):
   return jnp.where(redraft, jnp.argmax(logits, axis=-1).astype(jnp.int32), state.drafts)
 
 
-def _infill_check(probs, state: _RowState, knobs: DecodeKnobs, settings: DecodeSettings):
+def _infill_check(logits, log_z, state: _RowState, knobs: DecodeKnobs, settings: DecodeSettings):
   """Steps 3b-c: grow each slot's accepted prefix, stop at the first EOS slot.
 
   Returns:
@@ -220,7 +224,7 @@ def _infill_check(probs, state: _RowState, knobs: DecodeKnobs, settings: DecodeS
   offset = _offset_in_slot(settings)
   # Accepted tokens and the first one after them pass without a test.
   forced = offset[None] <= _per_token(state.accepted, S)
-  passes = forced | (_previous_token_probs(probs, state.drafts) > knobs.token_threshold)
+  passes = forced | (_previous_token_probs(logits, log_z, state.drafts) > knobs.token_threshold)
   accepted = _leading_run(passes, S)
   is_eos = state.drafts == knobs.eos_id
   accepted_eos = _per_token(state.chosen, S) & (offset[None] < _per_token(accepted, S)) & is_eos
@@ -273,13 +277,13 @@ def _step(
   tokens, sees = _query(state, settings, knobs.mask_id)
   positions = (prompt_lengths + state.block * T)[:, None] + jnp.arange(T)[None]
   logits, kv = model(tokens, positions, kv_cache.block_mask(state.cache, sees), state.cache)
-  probs = jax.nn.softmax(logits, axis=-1)
+  log_z = log_partition(logits)  # probabilities of given tokens only, never [B, T, vocab] (docs/method.md §3)
 
   is_plan, is_verify = live & (stage == STAGE_PLAN), live & (stage == STAGE_VERIFY)
   is_draft, is_check = live & (stage == STAGE_DRAFT), live & (stage == STAGE_CHECK)
-  plan_drafts, plan_chosen = _plan(logits, probs, state, knobs, settings)
-  verify_take, verify_accepted = _global_verify(probs, state, knobs, settings)
-  check_chosen, check_accepted, check_take = _infill_check(probs, state, knobs, settings)
+  plan_drafts, plan_chosen = _plan(logits, log_z, state, knobs, settings)
+  verify_take, verify_accepted = _global_verify(logits, log_z, state, knobs, settings)
+  check_chosen, check_accepted, check_take = _infill_check(logits, log_z, state, knobs, settings)
 
   row = lambda flags: flags[:, None]
   drafts = jnp.where(row(is_plan), plan_drafts, state.drafts)
@@ -365,7 +369,7 @@ def decode_loop(
       steps=jnp.zeros((batch,), jnp.int32),
     ),
   )
-  state = jax.lax.while_loop(
+  state = row_sharded_while_loop(
     lambda s: ~jnp.all(s.finished),
     lambda s: _step(model, s, prompt_lengths, knobs, settings),
     state,
@@ -387,6 +391,7 @@ def generate(
   mask_id: int | None = None,
   eos_id: int | None = None,
   pad_id: int | None = None,
+  mesh: jax.sharding.Mesh | None = None,
 ) -> DecodeResult:
   """Batched ReFusion plan-and-infill decoding (docs/method.md §2), one compiled loop.
 
@@ -405,6 +410,8 @@ def generate(
     token_threshold: a drafted token passes verification when its AR probability is > this.
     mask_id, eos_id: default to the model config's; pad_id defaults to the
       config's pad, else its EOS, else 0 (padding is never attended).
+    mesh: decode on this mesh (`refusion_jax.make_mesh`): rows split over its
+      batch-parallel axes, parameters and cache by their logical axes.
 
   Returns:
     A `DecodeResult`. num_forwards counts the prompt prefill and every plan,
@@ -426,4 +433,4 @@ def generate(
   )
   settings = DecodeSettings(gen_length, slot_size, serial_blocks, sample=checked.temperature > 0)
   loop = functools.partial(decode_loop, knobs=knobs, settings=settings)
-  return run_decoder(model, prompt_ids, loop, gen_length=gen_length, eos_id=checked.eos_id, pad_id=pad_id)
+  return run_decoder(model, prompt_ids, loop, gen_length=gen_length, eos_id=checked.eos_id, pad_id=pad_id, mesh=mesh)

@@ -41,6 +41,9 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
   ("head_dim", None),
   ("mlp", "tensor"),
   ("layers", None),
+  # The decode KV cache (refusion_jax.decoding.sharding): rows like the batch, entries whole on each device.
+  ("cache_batch", ("data", "fsdp")),
+  ("cache_length", None),
   # Activations (refusion_jax.parallel.activations): split like the batch, heads / MLP / vocab over `tensor`.
   ("activation_batch", ("data", "fsdp")),
   ("activation_length", None),
@@ -159,12 +162,11 @@ def check_microbatches(global_batch: int, grad_accum_steps: int, mesh: Mesh, rul
 
 def check_batch_divisible(global_batch: int, mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES) -> None:
   """The batch must split evenly over the mesh axes `batch` maps to, and over processes."""
-  axes = dict(rules).get("batch")
   ways = batch_parallel_ways(mesh, rules)
   if global_batch % ways or global_batch % jax.process_count():
     raise ValueError(
       f"batch_size={global_batch} must be a multiple of the batch-parallel mesh size {ways} "
-      f"(axes {axes}) and of the process count {jax.process_count()}."
+      f"(axes {dict(rules).get('batch')}) and of the process count {jax.process_count()}."
     )
 
 

@@ -1,0 +1,106 @@
+"""Decoding on a mesh of 8 fake CPU devices gives the single-device tokens and forward counts (docs/method.md §5)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from refusion_jax.decoding.sharding import pad_rows
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Runs in a subprocess: the device count must be set before JAX initialises.
+_SHARDED_VS_SINGLE = textwrap.dedent("""
+    import json, os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax
+    jax.config.update("jax_platforms", "cpu")
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    import refusion_jax as rj
+    from refusion_jax.decoding import ar, common, mdm, refusion
+    from refusion_jax.decoding.sharding import place_params
+    from refusion_jax.model.config import tiny
+    from refusion_jax.model.transformer import init_model
+    from refusion_jax.parallel.activations import sharded_activations
+
+    seed = int(sys.argv[1])
+    config = tiny(vocab_size=260, mask_token_id=259, pad_token_id=256, eos_token_id=258)
+    model = init_model(config, seed=seed)
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, 256, rng.integers(2, 12)).tolist() for _ in range(5)]  # 5 rows: padded on every mesh
+    decoders = dict(
+      refusion=lambda mesh: refusion.generate(model, prompts, gen_length=16, slot_size=4, serial_blocks=2,
+                                              slot_threshold=0.5, token_threshold=0.3, mesh=mesh),
+      ar=lambda mesh: ar.ar_generate(model, prompts, gen_length=8, mesh=mesh),
+      mdm=lambda mesh: mdm.mdm_generate(model, prompts, gen_length=8, block_length=4, steps=4, mesh=mesh),
+    )
+
+    def summary(result):
+      return dict(tokens=result.tokens, forwards=result.num_forwards.tolist(), steps=result.steps.tolist(),
+                  iteration=result.commit_iteration.tolist(), phase=result.commit_phase.tolist())
+
+    # ReFusion on every mesh; the baselines (same front end, same helpers) on the mixed one.
+    runs = {"{}": {name: summary(fn(None)) for name, fn in decoders.items()}}
+    for shape, names in (({"data": 8}, ["refusion"]), ({"fsdp": 4, "tensor": 2}, ["refusion"]),
+                         ({"data": 2, "fsdp": 2, "tensor": 2}, list(decoders))):
+      mesh = rj.make_mesh(shape)
+      runs[json.dumps(shape)] = {name: summary(decoders[name](mesh)) for name in names}
+
+    # Where the parameters and the prefilled cache live on fsdp=4 x tensor=2.
+    mesh = rj.make_mesh({"fsdp": 4, "tensor": 2})
+    graphdef, params = nnx.split(model)
+    params = place_params(params, mesh)
+    q_proj = params["layers"][0]["self_attn"]["q_proj"].get_value()
+    tokens = jnp.asarray(rng.integers(0, 256, (8, 16)), jnp.int32)
+    prefill = lambda p, t, l: common.prefill(nnx.merge(graphdef, p), t, l, 32)[1]
+    cache = jax.jit(sharded_activations(prefill, mesh))(params, tokens, jnp.full((8,), 16, jnp.int32))
+    print(json.dumps(dict(
+      devices=len(jax.devices()), runs=runs,
+      q_proj=[list(q_proj.shape), list(q_proj.addressable_shards[0].data.shape)],
+      cache_k=[list(cache.k.shape), list(cache.k.addressable_shards[0].data.shape)],
+      cache_valid=[list(cache.valid.shape), list(cache.valid.addressable_shards[0].data.shape)])))
+""")
+
+
+def test_sharded_decoding_matches_single_device():
+  seed = int(np.random.default_rng().integers(1 << 16))
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  out = subprocess.run(
+    [sys.executable, "-c", _SHARDED_VS_SINGLE, str(seed)],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=REPO,
+    timeout=600,
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  report = json.loads(out.stdout.strip().splitlines()[-1])
+  assert report["devices"] == 8
+  single = report["runs"].pop("{}")
+  for mesh, results in report["runs"].items():
+    for name, result in results.items():
+      assert result == single[name], (seed, mesh, name)
+  # embed over fsdp (4 ways), heads over tensor (2 ways); cache rows over fsdp, KV heads over tensor.
+  (embed, heads, head_dim), shard = report["q_proj"]
+  assert shard == [embed // 4, heads // 2, head_dim]
+  (layers, batch, capacity, kv_heads, head_dim), shard = report["cache_k"]
+  assert shard == [layers, batch // 4, capacity, kv_heads // 2, head_dim]
+  (batch, capacity), shard = report["cache_valid"]
+  assert shard == [batch // 4, capacity]
+
+
+@pytest.mark.parametrize("rows, multiple, padded", [(5, 8, 8), (8, 4, 8), (3, 1, 3), (9, 4, 12)])
+def test_pad_rows_repeats_row_zero(rows, multiple, padded):
+  rng = np.random.default_rng()
+  prompt, lengths = rng.integers(0, 100, (rows, 6)), rng.integers(1, 7, rows)
+  new_prompt, new_lengths = pad_rows(prompt, lengths, multiple)
+  assert new_prompt.shape == (padded, 6) and new_lengths.shape == (padded,)
+  np.testing.assert_array_equal(new_prompt[:rows], prompt)
+  np.testing.assert_array_equal(new_prompt[rows:], np.repeat(prompt[:1], padded - rows, axis=0))
+  np.testing.assert_array_equal(new_lengths[rows:], lengths[0])
