@@ -309,9 +309,10 @@ class Transformer(nnx.Module):
     chex.assert_shape(mask, (batch, block, keys))
     chex.assert_type([tokens, positions, mask], [int, int, bool])
 
-    # The lookup reads a whole (cast) table: gathering from a table split along `embed` would leave the rows
-    # split along `embed` too, which XLA can only turn into batch-split rows by replicating them first.
-    table = constrain(self.embed_tokens[...].astype(c.compute_dtype), (None, None))
+    # The lookup reads a table whole along `embed` (cast first: half the bytes to gather). Rows gathered
+    # from a table split along `embed` stay split that way, and XLA can turn them into batch-split rows
+    # only by replicating them first.
+    table = constrain(self.embed_tokens[...].astype(c.compute_dtype), ("vocab", None))
     x = constrain(table[tokens], _RESIDUAL)
     keys, values = [], []
     for i, layer in enumerate(self.layers):
