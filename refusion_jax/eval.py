@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
   knobs.add_argument("--token_threshold", type=_values(float), help="refusion: AR probability to accept a token.")
   knobs.add_argument("--block_length", type=_values(int), help="mdm: tokens per block.")
   knobs.add_argument("--steps", type=_values(int), help="mdm: total unmasking steps.")
+  knobs.add_argument("--repeats", type=int, default=1, help="time each batch this many times, keep the fastest.")
   knobs.add_argument("--temperature", type=float, default=0.0)
   knobs.add_argument("--seed", type=int, default=0)
 
@@ -208,6 +209,7 @@ def evaluate(args: argparse.Namespace) -> list[dict]:
       knobs=knobs,
       batch_size=batch_size,
       chat_template=config.data.chat_template,
+      repeats=args.repeats,
       progress=not args.no_progress,
     )
     record = dict(
@@ -218,6 +220,7 @@ def evaluate(args: argparse.Namespace) -> list[dict]:
       method=args.method,
       knobs=knobs,
       batch_size=batch_size,
+      repeats=args.repeats,
       data=source,
       metrics=runner.summarize(run),
       answers=[vars(answer) for answer in run.answers],
