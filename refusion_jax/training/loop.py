@@ -16,9 +16,12 @@ The loop:
    shardings; gradient accumulation is a `lax.scan` over microbatches inside
    it (one optimizer update per step, so the step count, schedule and
    checkpoints are in optimizer updates).
-4. Every step the loss and gradient norm are checked on the host: a
-   non-finite value stops the run before anything is saved for that step.
-   SIGTERM (preemption) sets a flag; the loop saves and returns cleanly.
+4. The host syncs with the device only at log, eval and checkpoint steps
+   (and `stop_after_step`), not every step: there it reads the metrics of
+   every step since the last sync and checks their loss and gradient norm, so
+   a non-finite value stops the run before anything of it is saved. SIGTERM
+   (preemption) sets a flag, polled at the same syncs; the loop saves and
+   returns cleanly.
 5. Periodically: TensorBoard / console metrics, validation loss, exact match
    and tokens-per-forward of decoding (`refusion_jax.training.evaluate`), and
    checkpoints.
@@ -238,7 +241,7 @@ def batches(
 class StopSignal:
   """Turns SIGTERM into a flag the loop polls, so it can save and exit cleanly.
 
-  Across processes the flag is OR-ed every step (all processes must save the
+  Across processes the flag is OR-ed at every host sync (all processes must save the
   same step); JAX's own preemption notice (`reached_preemption`) counts too.
   """
 
@@ -438,24 +441,30 @@ def _train_loop(
     result.evals.append((step, metrics))
 
   last_time, tokens_since = time.perf_counter(), 0
+  pending = []  # (step, metrics on device) since the last host sync
   try:
     while step < total_steps:
       batch = next(train_iter)
       tokens_since += int(np.sum(batch["prompt_len"] + batch["answer_len"]))
       state, metrics = step_fn(state, placement.batch(batch))
       step += 1
-      metrics = jax.device_get(metrics)
-      _check_finite(metrics, step, last_saved, checkpoints)
-      result.losses[step] = float(metrics["loss"])
-      logger.step(result.losses[step])
-      if step % config.log_every == 0 or step == total_steps:
+      pending.append((step, metrics))
+      logs = step % config.log_every == 0 or step == total_steps
+      evals = (
+        validation is not None and config.eval_every > 0 and (step % config.eval_every == 0 or step == total_steps)
+      )
+      saves = step % config.checkpoint.every == 0 or step == total_steps
+      if not (logs or evals or saves or step == config.stop_after_step):
+        continue  # the device runs ahead; the host syncs only where it logs, evaluates, saves or may stop
+      metrics = _sync_metrics(pending, result, logger, last_saved, checkpoints)
+      if logs:
         elapsed = time.perf_counter() - last_time
         scalars = {k: float(v) for k, v in metrics.items() if not k.startswith("num_")}
         logger.write(step, dict(scalars, tokens_per_second=tokens_since / elapsed), "train")
         last_time, tokens_since = time.perf_counter(), 0
-      if validation is not None and config.eval_every > 0 and (step % config.eval_every == 0 or step == total_steps):
+      if evals:
         run_eval()
-      if step % config.checkpoint.every == 0 or step == total_steps:
+      if saves:
         save()
       if stop_signal.should_stop(checkpoints, step):
         result.stopped_by = "preempted"
@@ -474,6 +483,29 @@ def _train_loop(
     eval_step, metrics = result.evals[-1]
     console(format_report(eval_step, metrics, result.samples, config.num_samples_to_print))
   return result
+
+
+def _sync_metrics(
+  pending: list[tuple[int, dict]],
+  result: TrainResult,
+  logger: MetricsLogger,
+  last_saved: int | None,
+  checkpoints: Checkpoints,
+) -> dict:
+  """Read the steps' metrics since the last sync back in one transfer, check them, record the losses.
+
+  Runs before every save, so a non-finite step is never saved (docs/method.md §5).
+
+  Returns:
+    The host metrics of the last pending step; `pending` is emptied.
+  """
+  steps = jax.device_get(pending)
+  pending.clear()
+  for step, metrics in steps:
+    _check_finite(metrics, step, last_saved, checkpoints)
+    result.losses[step] = float(metrics["loss"])
+    logger.step(result.losses[step])
+  return steps[-1][1]
 
 
 def _check_finite(metrics: dict, step: int, last_saved: int | None, checkpoints: Checkpoints) -> None:

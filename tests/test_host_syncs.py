@@ -1,0 +1,43 @@
+"""The training loop reads metrics back only at log / eval / checkpoint steps, and still never saves a NaN."""
+
+import math
+
+import pytest
+from train_utils import smoke_config
+
+from refusion_jax.checkpoints.orbax import Checkpoints
+from refusion_jax.training import loop as train
+
+
+def _record_syncs(monkeypatch) -> list[list[int]]:
+  """The steps read back at each host sync."""
+  syncs = []
+  sync = train._sync_metrics
+
+  def recording(pending, *args):
+    syncs.append([step for step, _ in pending])
+    return sync(pending, *args)
+
+  monkeypatch.setattr(train, "_sync_metrics", recording)
+  return syncs
+
+
+def test_host_syncs_only_at_log_and_checkpoint_steps(tmp_path, data_dir, monkeypatch):
+  config = smoke_config(data_dir, num_train_steps=7, eval_every=0, log_every=3)
+  config.checkpoint.every = 5
+  syncs = _record_syncs(monkeypatch)
+  result = train.train_and_evaluate(config, str(tmp_path))
+  assert syncs == [[1, 2, 3], [4, 5], [6], [7]]  # log at 3 and 6, save at 5, the end at 7
+  assert sorted(result.losses) == list(range(1, 8)) and all(math.isfinite(v) for v in result.losses.values())
+
+
+def test_nan_between_syncs_is_caught_before_the_save(tmp_path, data_dir, monkeypatch):
+  config = smoke_config(data_dir, num_train_steps=8, eval_every=0, log_every=100)
+  config.optimizer.lr = 1e30  # the parameters blow up after the first real update
+  config.checkpoint.every = 4
+  syncs = _record_syncs(monkeypatch)
+  with pytest.raises(train.NonFiniteLossError, match=r"at step \d+ .*last good checkpoint is step None"):
+    train.train_and_evaluate(config, str(tmp_path))
+  assert syncs == [[1, 2, 3, 4]]
+  with Checkpoints(str(tmp_path / "checkpoints")) as checkpoints:
+    assert checkpoints.all_steps() == []
