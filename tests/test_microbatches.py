@@ -1,19 +1,14 @@
 """Under gradient accumulation every microbatch stays split evenly over the batch-parallel devices."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
 import pytest
+from fake_devices import run_json
 from train_utils import smoke_config
 
 from refusion_jax.parallel.sharding import make_mesh
 from refusion_jax.training import loop as train
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _SHARDS = textwrap.dedent("""
     import json, os
@@ -35,10 +30,7 @@ _SHARDS = textwrap.dedent("""
 
 
 def test_microbatches_are_split_evenly_over_devices():
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, "-c", _SHARDS], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
-  assert out.returncode == 0, out.stderr[-3000:]
-  report = json.loads(out.stdout.strip().splitlines()[-1])
+  report = run_json(_SHARDS)
   assert report["equal"]
   # 16 rows over 4 batch-parallel devices, 2 microbatches: every device holds 2 rows of each microbatch.
   assert report["shards"] == [[2, 2, 5]] * 8

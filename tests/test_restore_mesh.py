@@ -1,15 +1,10 @@
 """A training checkpoint saved on one mesh restores onto another and onto one device (docs/method.md §5)."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from fake_devices import run_json
 
 # Runs in a subprocess: the device count must be set before JAX initialises.
 _MOVE_MESH = textwrap.dedent("""
@@ -55,17 +50,7 @@ _MOVE_MESH = textwrap.dedent("""
 @pytest.mark.slow  # three short training runs on 8 fake devices (~95 s of CPU)
 def test_checkpoint_moves_between_meshes(tmp_path):
   seed = int(np.random.default_rng().integers(1 << 16))
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-  out = subprocess.run(
-    [sys.executable, "-c", _MOVE_MESH, str(tmp_path), str(seed)],
-    capture_output=True,
-    text=True,
-    env=env,
-    cwd=REPO,
-    timeout=900,
-  )
-  assert out.returncode == 0, out.stderr[-3000:]
-  report = json.loads(out.stdout.strip().splitlines()[-1])
+  report = run_json(_MOVE_MESH, str(tmp_path), str(seed), timeout=900)
   moved, straight = report["moved"], report["straight"]
   assert sorted(moved) == sorted(straight) == ["1", "2", "3", "4"]
   # Steps 3 and 4 ran on fsdp=2 x tensor=4 from the data=8 checkpoint: same losses as never moving.
