@@ -1,17 +1,12 @@
 """Decoding on a mesh of 8 fake CPU devices gives the single-device tokens and forward counts (docs/method.md §5)."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
+from fake_devices import run_json
 
 from refusion_jax.decoding.sharding import pad_rows
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Runs in a subprocess: the device count must be set before JAX initialises.
 _SHARDED_VS_SINGLE = textwrap.dedent("""
@@ -70,17 +65,7 @@ _SHARDED_VS_SINGLE = textwrap.dedent("""
 
 def test_sharded_decoding_matches_single_device():
   seed = int(np.random.default_rng().integers(1 << 16))
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-  out = subprocess.run(
-    [sys.executable, "-c", _SHARDED_VS_SINGLE, str(seed)],
-    capture_output=True,
-    text=True,
-    env=env,
-    cwd=REPO,
-    timeout=600,
-  )
-  assert out.returncode == 0, out.stderr[-3000:]
-  report = json.loads(out.stdout.strip().splitlines()[-1])
+  report = run_json(_SHARDED_VS_SINGLE, str(seed))
   assert report["devices"] == 8
   single = report["runs"].pop("{}")
   for mesh, results in report["runs"].items():

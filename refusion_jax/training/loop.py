@@ -384,10 +384,13 @@ def _total_steps(config: ml_collections.ConfigDict, num_train_records: int) -> i
 
 def _check_batch_size(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> None:
   sharding.check_batch_divisible(config.batch_size, mesh, config.sharding_rules)
-  if config.batch_size % (config.grad_accum_steps * jax.process_count()):
+  # The strided microbatches split each device's rows: each device needs a multiple of grad_accum_steps rows.
+  ways = math.lcm(sharding.batch_parallel_ways(mesh, config.sharding_rules), jax.process_count())
+  if config.batch_size % (config.grad_accum_steps * ways):
     raise ValueError(
       f"batch_size={config.batch_size} must be a multiple of grad_accum_steps={config.grad_accum_steps} "
-      f"times the process count {jax.process_count()}."
+      f"times the {ways} batch-parallel devices / processes of the mesh {dict(mesh.shape)}, so that every "
+      f"microbatch splits evenly over them: change batch_size, grad_accum_steps or config.mesh."
     )
 
 
