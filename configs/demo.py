@@ -25,6 +25,10 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.tokenizer = "bytes"  # "bytes" (pad 256, bos 257, eos 258, mask 259) or a HF tokenizer directory
   config.init_from_hf = ""  # HF checkpoint to fine-tune from; config.model must describe it (preset "": any)
   config.init_from_checkpoint = ""  # workdir of another run to take parameters from
+  # any checkpoint to start from: HF directory, run of ours, tunix / MaxText (root, step or item folder);
+  # tunix and MaxText store no config, so config.model (and config.tokenizer) must describe the model
+  config.init_from = ""
+  config.init_format = "auto"  # "auto" (detect), "hf", "refusion", "tunix" or "maxtext"
   config.vocab_multiple = 128  # a vocabulary grown for a new mask token is rounded up to this
 
   config.model = ml_collections.ConfigDict()

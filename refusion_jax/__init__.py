@@ -15,6 +15,8 @@ _EXPORTS = {
   "Transformer": "refusion_jax.model.transformer",
   "init_model": "refusion_jax.model.transformer",
   # Checkpoints and tokenizers: `load` is the front door for every source.
+  "load_checkpoint": "refusion_jax.checkpoints.load",
+  "inspect_checkpoint": "refusion_jax.checkpoints.load",
   "load": "refusion_jax.checkpoints.load",
   "load_hf": "refusion_jax.checkpoints.hf",
   "save_hf": "refusion_jax.checkpoints.hf",

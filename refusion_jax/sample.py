@@ -2,6 +2,7 @@
 
     python -m refusion_jax.sample --hf_checkpoint DIR --prompt "What is 2+3?" --chat_template
     python -m refusion_jax.sample --checkpoint WORKDIR --prompt "..." --method ar --json
+    python -m refusion_jax.sample --checkpoint TUNIX_DIR --model_config HF_DIR --prompt "..."   # tunix / MaxText
     python -m refusion_jax.sample --random_init tiny --prompt "hello" --trace trace.png
 
 All prompts are decoded as one batch. Without --json, each answer is printed
@@ -16,8 +17,9 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from refusion_jax.checkpoints.detect import FORMATS
 from refusion_jax.checkpoints.load import load
 from refusion_jax.data.tokenizer import Tokenizer
 from refusion_jax.decoding import defaults
@@ -36,7 +38,19 @@ def add_model_flags(parser: argparse.ArgumentParser, random_init: bool = True) -
     "--hf_checkpoint", metavar="DIR", help="Hugging Face checkpoint directory (config.json + safetensors)."
   )
   source.add_argument(
-    "--checkpoint", metavar="DIR", help="orbax checkpoint: a training workdir or its checkpoints/ directory."
+    "--checkpoint",
+    metavar="PATH",
+    help="any checkpoint: a training workdir, a tunix or MaxText checkpoint (root, step or item folder), or a "
+    "Hugging Face directory; the format is detected (see --format).",
+  )
+  source.add_argument(
+    "--format", default="auto", choices=("auto", *FORMATS), help="with --checkpoint: its format (default: detect)."
+  )
+  source.add_argument(
+    "--model_config",
+    metavar="CONFIG",
+    help="with --checkpoint: the architecture (a preset name or a Hugging Face directory with config.json, whose "
+    "tokenizer is then used too); required for tunix and MaxText, which store none.",
   )
   source.add_argument("--step", type=int, help="with --checkpoint: the step to load (default: the latest).")
   if random_init:
@@ -132,20 +146,21 @@ def model_request(args: argparse.Namespace) -> dict:
   """The keyword arguments of `refusion_jax.checkpoints.load.load` that the model flags ask for."""
   sources = {
     "hf": getattr(args, "hf_checkpoint", None),
-    "refusion": getattr(args, "checkpoint", None),
+    args.format: getattr(args, "checkpoint", None),
     "preset": getattr(args, "random_init", None),
   }
   given = {format: source for format, source in sources.items() if source}
-  if len(given) != 1:
-    raise UsageError("Give exactly one of --hf_checkpoint DIR, --checkpoint DIR or --random_init PRESET.")
-  if args.step is not None and not args.checkpoint:
-    raise UsageError("--step only applies to --checkpoint.")
+  if len(given) != 1 or (args.hf_checkpoint and args.checkpoint):
+    raise UsageError("Give exactly one of --hf_checkpoint DIR, --checkpoint PATH or --random_init PRESET.")
+  if (args.step is not None or args.model_config) and not args.checkpoint:
+    raise UsageError("--step and --model_config only apply to --checkpoint.")
   ((format, source),) = given.items()
   if format == "hf" and not os.path.isdir(source):
     raise UsageError(f"--hf_checkpoint {source!r} is not a directory.")
   return dict(
     source=source,
     format=format,
+    config=args.model_config,
     step=args.step,
     tokenizer=args.tokenizer,
     dtype=args.dtype,
@@ -202,19 +217,23 @@ def run(args: argparse.Namespace) -> None:
   report(result, shown, answers, args, tokenizer)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  """Entry point; returns the exit status (2 on bad input)."""
-  parser = build_parser()
+def run_main(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], None], argv) -> int:
+  """Parse `argv` and `run`; bad input (or a checkpoint we cannot read) is one line on stderr and status 2."""
   try:
     args = parser.parse_args(argv)
   except SystemExit as exit_:  # argparse has printed its message
     return int(exit_.code or 0)
   try:
     run(args)
-  except (ValueError, FileNotFoundError) as error:
+  except (ValueError, FileNotFoundError, NotImplementedError) as error:
     print(f"error: {error}", file=sys.stderr)
     return 2
   return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Entry point; returns the exit status (2 on bad input)."""
+  return run_main(build_parser(), run, argv)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,11 @@ from flax import nnx
 from hf_utils import hf_logits, relative_error, save_tiny_hf_model, tiny_hf_model
 from safetensors.numpy import load_file, save_file
 
-from refusion_jax.checkpoints.hf import config_from_hf, load_hf, load_hf_config, save_hf
+from refusion_jax.checkpoints.hf import config_from_hf, config_to_hf, load_hf, load_hf_config, save_hf
+
+LLAMA3_ROPE = dict(
+  rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
 
 FAMILY_CASES = {
   "qwen3_tied_linear_rope": (
@@ -21,6 +25,7 @@ FAMILY_CASES = {
   ),
   "qwen2_theta1e6": ("qwen2", dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=48, rope_theta=1e6)),
   "llama_mqa": ("llama", dict(num_attention_heads=3, num_key_value_heads=1, hidden_size=48)),
+  "llama_llama3_rope": ("llama", dict(rope_theta=5e5, rope_scaling=dict(LLAMA3_ROPE, factor=32.0))),
 }
 
 
@@ -87,6 +92,13 @@ def test_config_reads_transformers5_rope_parameters_like_the_legacy_fields():
   )
   assert config_from_hf(both) == legacy
   assert (legacy.rope_theta, legacy.rope_scaling_factor) == (5e5, 3.0)
+
+
+def test_config_reads_and_writes_llama3_rope_scaling():
+  config = config_from_hf(_qwen3_8b_like(architectures=["LlamaForCausalLM"], rope_scaling=LLAMA3_ROPE))
+  assert (config.rope_scaling, config.rope_scaling_factor, config.rope_original_max_position) == ("llama3", 8.0, 8192)
+  assert (config.rope_low_freq_factor, config.rope_high_freq_factor) == (1.0, 4.0)
+  assert config_from_hf(config_to_hf(config)) == config
 
 
 def test_config_defaults_kv_heads_and_head_dim_and_takes_first_eos():

@@ -56,6 +56,20 @@ CASES = {
     "llama",
     dict(num_attention_heads=5, num_key_value_heads=5, hidden_size=40, tie_word_embeddings=True),
   ),
+  # Llama 3.1 RoPE: with head_dim 8 and theta 5e5 the wavelengths (6, 170, 4.5e3, 1.2e5 positions) fall
+  # in the kept, interpolated and scaled bands of original_max_position_embeddings=512.
+  "llama_gqa3_llama3_rope": (
+    "llama",
+    dict(
+      num_attention_heads=6,
+      num_key_value_heads=2,
+      hidden_size=48,
+      rope_theta=500_000.0,
+      rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=512
+      ),
+    ),
+  ),
   "llama_mqa3_linear_rope": (
     "llama",
     dict(num_attention_heads=3, num_key_value_heads=1, hidden_size=48, rope_scaling={"type": "linear", "factor": 4.0}),

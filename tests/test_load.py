@@ -61,7 +61,10 @@ def test_preset_gets_random_weights_sized_to_its_tokenizer():
 
 
 def test_unknown_source_lists_what_was_looked_for(tmp_path):
-  with pytest.raises(FileNotFoundError, match="config.json.*training workdir.*preset"):
+  with pytest.raises(FileNotFoundError, match="No checkpoint directory at"):
     load(str(tmp_path / "nothing"))
-  with pytest.raises(ValueError, match="step=3 only applies to training workdirs"):
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(FileNotFoundError, match=r"config.json.*\(hf\).*\(refusion\).*\(tunix\).*\(maxtext\)"):
+    load(str(tmp_path / "empty"))
+  with pytest.raises(ValueError, match="do not apply to the random preset"):
     load("tiny", step=3)

@@ -1,37 +1,39 @@
 """Hugging Face checkpoints (config.json + safetensors) to and from our `Transformer`.
 
-One table, `_RULES`, says which Hugging Face tensor becomes which NNX
-parameter and how its layout changes. Loading reads the table from the
-Hugging Face side, saving from ours, so the two directions cannot drift.
+One table, `TABLE`, says which Hugging Face tensor becomes which NNX
+parameter, what its axes mean and how its layout changes. Loading reads the
+table from the Hugging Face side, saving from ours, so the two directions
+cannot drift.
 
 Loading never holds two copies of the model: the module is built abstractly
-(`nnx.eval_shape`, no random init) and its parameters are filled one tensor
-at a time straight from the memory-mapped safetensors files. Anything that
-does not fit (an unmapped tensor, a shape that disagrees with config.json,
-a parameter left unfilled, a truncated file) is an error naming the culprit.
+and its parameters are filled one tensor at a time, each placed straight onto
+its target sharding (`refusion_jax.checkpoints.restore`). Anything that does
+not fit (an unmapped tensor, a shape that disagrees with config.json, a
+parameter left unfilled, a truncated file) is an error naming the culprit.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import json
 import math
 import pathlib
-import re
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from refusion_jax.checkpoints.mapping import Rule, Table, split_heads
+from refusion_jax.checkpoints.restore import Fetch, Source, build_model, dotted
 from refusion_jax.data.special_tokens import discover_special_tokens
 from refusion_jax.model.config import ModelConfig, family_switches
-from refusion_jax.model.transformer import Transformer, abstract_model
+from refusion_jax.model.transformer import Transformer
+from refusion_jax.parallel.sharding import Rules
 
 # Hugging Face class name of each family we load and save.
 _HF_CLASSES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
@@ -41,96 +43,69 @@ _INDEX_FILE = "model.safetensors.index.json"
 
 # --------------------------------------------------------------------------
 # The name and layout table.
+#
+# Hugging Face linear weights are [out_features, in_features] with the heads
+# fused into one axis; ours put the input axis first and keep heads apart,
+# e.g. q_proj [embed, heads, head_dim], o_proj [heads, head_dim, embed]. Each
+# layout is a pair of conversions (to ours, back to Hugging Face) that work on
+# numpy and jax arrays alike.
 
 
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-  """How a Hugging Face tensor's layout relates to ours.
-
-  Hugging Face linear weights are [out_features, in_features] with the heads
-  fused into one axis; ours put the input axis first and keep heads apart,
-  e.g. q_proj [embed, heads, head_dim], o_proj [heads, head_dim, embed].
-  Both functions work on numpy arrays and on abstract jax values alike.
-  """
-
-  to_ours: Callable[[Any, tuple[int, ...]], Any]
-  to_hf: Callable[[Any], Any]
+def _linear_input_first(x, shape):
+  """q/k/v [embed, heads, head_dim], gate/up [embed, mlp], lm_head [embed, vocab] from [out, in]."""
+  return x.T.reshape(shape)
 
 
-_COPY = _Layout(lambda x, shape: x, lambda y: y)
-# Biases [heads * head_dim] <-> [heads, head_dim].
-_SPLIT_HEADS = _Layout(lambda x, shape: x.reshape(shape), lambda y: y.reshape(-1))
-# Linear layers whose input is our first axis (q/k/v [embed, heads, head_dim],
-# gate/up [embed, mlp], lm_head [embed, vocab]).
-_LINEAR_INPUT_FIRST = _Layout(lambda x, shape: x.T.reshape(shape), lambda y: y.reshape(y.shape[0], -1).T)
-# Linear layers whose output is our last axis (o_proj [heads, head_dim, embed],
-# down_proj [mlp, embed]).
-_LINEAR_OUTPUT_LAST = _Layout(lambda x, shape: x.T.reshape(shape), lambda y: y.reshape(-1, y.shape[-1]).T)
+def _linear_output_last(x, shape):
+  """o_proj [heads, head_dim, embed], down_proj [mlp, embed] from [out, in]."""
+  return x.T.reshape(shape)
 
-# What each {placeholder} in a rule may stand for.
-_PLACEHOLDERS = {"layer": r"\d+", "qkv": "q|k|v", "qk": "q|k", "gate_up": "gate|up"}
 
-# (Hugging Face name, NNX parameter path, layout). Every tensor of the three
-# families is listed; anything else in a checkpoint is an error.
-_TABLE = (
-  ("model.embed_tokens.weight", "embed_tokens", _COPY),
-  ("model.norm.weight", "norm.weight", _COPY),
-  ("lm_head.weight", "lm_head", _LINEAR_INPUT_FIRST),
-  ("model.layers.{layer}.input_layernorm.weight", "layers.{layer}.input_layernorm.weight", _COPY),
-  (
-    "model.layers.{layer}.post_attention_layernorm.weight",
-    "layers.{layer}.post_attention_layernorm.weight",
-    _COPY,
-  ),
-  ("model.layers.{layer}.self_attn.{qkv}_proj.weight", "layers.{layer}.self_attn.{qkv}_proj", _LINEAR_INPUT_FIRST),
-  ("model.layers.{layer}.self_attn.{qkv}_proj.bias", "layers.{layer}.self_attn.{qkv}_bias", _SPLIT_HEADS),
-  ("model.layers.{layer}.self_attn.o_proj.weight", "layers.{layer}.self_attn.o_proj", _LINEAR_OUTPUT_LAST),
-  ("model.layers.{layer}.self_attn.{qk}_norm.weight", "layers.{layer}.self_attn.{qk}_norm.weight", _COPY),
-  ("model.layers.{layer}.mlp.{gate_up}_proj.weight", "layers.{layer}.mlp.{gate_up}_proj", _LINEAR_INPUT_FIRST),
-  ("model.layers.{layer}.mlp.down_proj.weight", "layers.{layer}.mlp.down_proj", _LINEAR_OUTPUT_LAST),
+_TO_HF = {
+  None: lambda y: y,
+  _linear_input_first: lambda y: y.reshape(y.shape[0], -1).T,
+  _linear_output_last: lambda y: y.reshape(-1, y.shape[-1]).T,
+  split_heads: lambda y: y.reshape(-1),
+}
+
+# Every tensor of the three families; anything else in a checkpoint is an error.
+_LAYER = "model.layers.{layer}."
+TABLE = Table(
+  [
+    Rule("model.embed_tokens.weight", "embed_tokens", ("vocab", "embed")),
+    Rule("model.norm.weight", "norm.weight", ("embed",)),
+    Rule("lm_head.weight", "lm_head", ("vocab", "embed"), _linear_input_first),
+    Rule(_LAYER + "input_layernorm.weight", "layers.{layer}.input_layernorm.weight", ("embed",)),
+    Rule(_LAYER + "post_attention_layernorm.weight", "layers.{layer}.post_attention_layernorm.weight", ("embed",)),
+    Rule(
+      _LAYER + "self_attn.q_proj.weight",
+      "layers.{layer}.self_attn.q_proj",
+      ("heads*head_dim", "embed"),
+      _linear_input_first,
+    ),
+    Rule(
+      _LAYER + "self_attn.{kv}_proj.weight",
+      "layers.{layer}.self_attn.{kv}_proj",
+      ("kv_heads*head_dim", "embed"),
+      _linear_input_first,
+    ),
+    Rule(_LAYER + "self_attn.q_proj.bias", "layers.{layer}.self_attn.q_bias", ("heads*head_dim",), split_heads),
+    Rule(
+      _LAYER + "self_attn.{kv}_proj.bias", "layers.{layer}.self_attn.{kv}_bias", ("kv_heads*head_dim",), split_heads
+    ),
+    Rule(
+      _LAYER + "self_attn.o_proj.weight",
+      "layers.{layer}.self_attn.o_proj",
+      ("embed", "heads*head_dim"),
+      _linear_output_last,
+    ),
+    Rule(_LAYER + "self_attn.{qk}_norm.weight", "layers.{layer}.self_attn.{qk}_norm.weight", ("head_dim",)),
+    Rule(
+      _LAYER + "mlp.{gate_up}_proj.weight", "layers.{layer}.mlp.{gate_up}_proj", ("mlp", "embed"), _linear_input_first
+    ),
+    Rule(_LAYER + "mlp.down_proj.weight", "layers.{layer}.mlp.down_proj", ("embed", "mlp"), _linear_output_last),
+  ]
 )
-
-
-@functools.cache
-def _template_regex(template: str) -> re.Pattern:
-  parts = re.split(r"\{(\w+)\}", template)
-  # Even entries are literal text, odd entries placeholder names.
-  pattern = "".join(
-    re.escape(part) if i % 2 == 0 else f"(?P<{part}>{_PLACEHOLDERS[part]})" for i, part in enumerate(parts)
-  )
-  return re.compile(pattern)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Rule:
-  hf: str
-  ours: str
-  layout: _Layout
-
-  def translate(self, name: str, to_hf: bool) -> str | None:
-    """The other side's name of `name`, or None when this rule does not match it."""
-    source, target = (self.ours, self.hf) if to_hf else (self.hf, self.ours)
-    match = _template_regex(source).fullmatch(name)
-    return None if match is None else target.format(**match.groupdict())
-
-
-_RULES = tuple(_Rule(*row) for row in _TABLE)
-
-
-def _rule_for(name: str, to_hf: bool) -> tuple[str, _Rule] | None:
-  for rule in _RULES:
-    translated = rule.translate(name, to_hf)
-    if translated is not None:
-      return translated, rule
-  return None
-
-
-def _dotted(path: tuple) -> str:
-  return ".".join(str(part) for part in path)
-
-
-def _hf_shape(rule: _Rule, our_shape: tuple[int, ...]) -> tuple[int, ...]:
-  return jax.eval_shape(rule.layout.to_hf, jax.ShapeDtypeStruct(our_shape, jnp.float32)).shape
 
 
 # --------------------------------------------------------------------------
@@ -167,8 +142,8 @@ def _single_rope_dict(value: dict | None) -> dict:
   return value
 
 
-def _rope(hf_config: dict) -> tuple[float, float]:
-  """(theta, linear scaling factor) from either the transformers 4 or 5 layout."""
+def _rope(hf_config: dict) -> dict:
+  """`ModelConfig` RoPE fields from either the transformers 4 or 5 layout."""
   # transformers 5 writes `rope_parameters` (theta inside); 4 writes `rope_theta` + `rope_scaling`.
   # As in transformers 5, a `rope_scaling` entry replaces `rope_parameters` but may lack the theta.
   parameters = _single_rope_dict(hf_config.get("rope_parameters"))
@@ -179,12 +154,36 @@ def _rope(hf_config: dict) -> tuple[float, float]:
     raise NotImplementedError(f"partial_rotary_factor={partial} is not supported; RoPE covers the whole head.")
   rope_type = settings.get("rope_type", settings.get("type", "default"))
   if rope_type == "default":
-    return theta, 1.0
+    return dict(rope_theta=theta)
   if rope_type == "linear":
-    return theta, float(settings["factor"])
+    return dict(rope_theta=theta, rope_scaling_factor=float(settings["factor"]))
+  if rope_type == "llama3":
+    return dict(
+      rope_theta=theta,
+      rope_scaling="llama3",
+      rope_scaling_factor=float(settings["factor"]),
+      rope_low_freq_factor=float(settings["low_freq_factor"]),
+      rope_high_freq_factor=float(settings["high_freq_factor"]),
+      rope_original_max_position=int(settings["original_max_position_embeddings"]),
+    )
   raise NotImplementedError(
-    f"RoPE scaling type {rope_type!r} is not supported; only 'default' and 'linear' are implemented."
+    f"RoPE scaling type {rope_type!r} is not supported; 'default', 'linear' and 'llama3' are implemented."
   )
+
+
+def _rope_to_hf(config: ModelConfig) -> dict | None:
+  """The `rope_scaling` entry of `config` (None: unscaled)."""
+  if config.rope_scaling == "llama3":
+    return dict(
+      rope_type="llama3",
+      factor=config.rope_scaling_factor,
+      low_freq_factor=config.rope_low_freq_factor,
+      high_freq_factor=config.rope_high_freq_factor,
+      original_max_position_embeddings=config.rope_original_max_position,
+    )
+  if config.rope_scaling_factor != 1.0:
+    return {"rope_type": "linear", "type": "linear", "factor": config.rope_scaling_factor}
+  return None
 
 
 def _check_supported_features(hf_config: dict, family: str) -> None:
@@ -225,7 +224,6 @@ def config_from_hf(hf_config: dict, **overrides) -> ModelConfig:
   if missing:
     raise ValueError(f"config.json lacks the required fields {missing}.")
   heads = hf_config["num_attention_heads"]
-  theta, scaling = _rope(hf_config)
   fields = dict(
     vocab_size=hf_config["vocab_size"],
     hidden_size=hf_config["hidden_size"],
@@ -236,8 +234,7 @@ def config_from_hf(hf_config: dict, **overrides) -> ModelConfig:
     head_dim=hf_config.get("head_dim") or hf_config["hidden_size"] // heads,
     architecture=family,
     tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
-    rope_theta=theta,
-    rope_scaling_factor=scaling,
+    **_rope(hf_config),
     rms_norm_eps=hf_config.get("rms_norm_eps", 1e-6),
     max_position_embeddings=hf_config.get("max_position_embeddings", 32_768),
     mask_token_id=hf_config.get("mask_token_id"),
@@ -260,11 +257,8 @@ def config_to_hf(config: ModelConfig) -> dict:
       f"qk_norm={config.qk_norm}, qkv_bias={config.qkv_bias} do not match any Hugging Face {config.architecture} "
       f"model ({family_switches(config.architecture)}); such a model cannot be saved in that format."
     )
-  rope = {"rope_type": "default", "rope_theta": config.rope_theta}
-  scaling = None
-  if config.rope_scaling_factor != 1.0:
-    scaling = {"rope_type": "linear", "type": "linear", "factor": config.rope_scaling_factor}
-    rope.update(scaling)
+  scaling = _rope_to_hf(config)
+  rope = {"rope_type": "default", "rope_theta": config.rope_theta, **(scaling or {})}
   hf_config = dict(
     architectures=[_HF_CLASSES[config.architecture]],
     model_type=config.architecture,
@@ -356,57 +350,67 @@ def _read_tensor(file: pathlib.Path, name: str) -> np.ndarray:
     return handle.get_tensor(name)
 
 
-def _summary(config: ModelConfig) -> str:
-  c = config
-  return (
-    f"{c.architecture}, vocab {c.vocab_size}, hidden {c.hidden_size}, mlp {c.intermediate_size}, "
-    f"{c.num_layers} layers, {c.num_heads} heads / {c.num_kv_heads} kv heads of {c.head_dim}, "
-    f"tied embeddings {c.tie_embeddings}"
-  )
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16}
 
 
-def _read_parameters(files: list[pathlib.Path], config: ModelConfig, targets: dict) -> dict[str, jax.Array]:
-  """Every parameter of `targets` (dotted path -> abstract Param), filled from `files`."""
-  values: dict[str, jax.Array] = {}
-  source: dict[str, pathlib.Path] = {}
-  tied_head: pathlib.Path | None = None
-  misfit = f"the checkpoint does not fit the config ({_summary(config)})"
+def _stored_tensors(files: list[pathlib.Path]) -> dict[str, tuple[tuple[int, ...], Any, pathlib.Path]]:
+  """{name: (shape, dtype, file)} of every tensor in the files, read from their headers."""
+  tensors: dict[str, tuple[tuple[int, ...], Any, pathlib.Path]] = {}
   for file in files:
     with _SafetensorsFile(file) as handle:
       for name in handle.keys():
-        if name == "lm_head.weight" and config.tie_embeddings:
-          tied_head = file
-          continue
-        found = _rule_for(name, to_hf=False)
-        if found is None:
-          raise ValueError(f"{file.name}: tensor {name} has no counterpart in the model; {misfit}.")
-        target, rule = found
-        if target not in targets:
-          raise ValueError(f"{file.name}: tensor {name} (our {target}) is not part of this config; {misfit}.")
-        if target in values:
-          raise ValueError(f"{file.name}: tensor {name} appears twice (also in {source[target].name}).")
-        our_shape = targets[target].shape
-        expected = _hf_shape(rule, our_shape)
-        got = tuple(handle.get_slice(name).get_shape())
-        if got != expected:
-          raise ValueError(
-            f"{file.name}: tensor {name} has shape {got}, expected {expected} (our {target} is {our_shape}); {misfit}."
-          )
-        array = rule.layout.to_ours(handle.get_tensor(name), our_shape)
-        values[target] = jnp.asarray(array, dtype=config.weight_dtype)
-        source[target] = file
-  missing = sorted(set(targets) - set(values))
-  if missing:
-    names = [f"{_rule_for(target, to_hf=True)[0]} (our {target})" for target in missing]
-    raise ValueError(f"The checkpoint lacks {len(missing)} tensors: {names}; {misfit}.")
-  if tied_head is not None:
-    head = _read_tensor(tied_head, "lm_head.weight")
-    if not np.array_equal(head, _read_tensor(source["embed_tokens"], "model.embed_tokens.weight")):
-      raise ValueError(
-        f"{tied_head.name}: lm_head.weight differs from model.embed_tokens.weight although config.json says "
-        "tie_word_embeddings=true; load with config_overrides={'tie_embeddings': False}."
-      )
-  return values
+        if name in tensors:
+          raise ValueError(f"{file.name}: tensor {name} appears twice (also in {tensors[name][2].name}).")
+        piece = handle.get_slice(name)
+        dtype = piece.get_dtype()
+        if dtype not in _DTYPES:
+          raise ValueError(f"{file.name}: tensor {name} has dtype {dtype}; expected one of {sorted(_DTYPES)}.")
+        tensors[name] = (tuple(piece.get_shape()), np.dtype(_DTYPES[dtype]), file)
+  return tensors
+
+
+def _fetcher(tensors: dict[str, tuple[tuple[int, ...], Any, pathlib.Path]]) -> Fetch:
+  """Reads each requested tensor once and places it slice by slice onto its target sharding."""
+
+  def place(array: np.ndarray, target: jax.ShapeDtypeStruct) -> jax.Array:
+    return jax.make_array_from_callback(
+      target.shape, target.sharding, lambda index: array[index].astype(target.dtype, copy=False)
+    )
+
+  def fetch(requests: Sequence[tuple[str, jax.ShapeDtypeStruct]]) -> list[jax.Array]:
+    return [place(_read_tensor(tensors[name][2], name), target) for name, target in requests]
+
+  return fetch
+
+
+def _check_tied_head(tensors: dict, config: ModelConfig) -> dict:
+  """The tensors without a tied `lm_head.weight` (accepted only when it equals the embedding)."""
+  if not config.tie_embeddings or "lm_head.weight" not in tensors:
+    return tensors
+  tensors = dict(tensors)
+  head_file = tensors.pop("lm_head.weight")[2]
+  head = _read_tensor(head_file, "lm_head.weight")
+  if not np.array_equal(head, _read_tensor(tensors["model.embed_tokens.weight"][2], "model.embed_tokens.weight")):
+    raise ValueError(
+      f"{head_file.name}: lm_head.weight differs from model.embed_tokens.weight although config.json says "
+      "tie_word_embeddings=true; load with config_overrides={'tie_embeddings': False}."
+    )
+  return tensors
+
+
+def hf_source(path: str | pathlib.Path, config: ModelConfig) -> Source:
+  """The safetensors of the Hugging Face directory `path`, to be read into a model of `config`."""
+  path = pathlib.Path(path)
+  files = _checkpoint_files(path)
+  tensors = _check_tied_head(_stored_tensors(files), config)
+  return Source(
+    format="hf",
+    location=f"Hugging Face checkpoint {path} (config.json, {len(files)} safetensors file(s))",
+    arrays={name: (shape, dtype) for name, (shape, dtype, _) in tensors.items()},
+    table=TABLE,
+    fetch=_fetcher(tensors),
+    where=lambda name: f"{tensors[name][2].name}: " if name in tensors else "",
+  )
 
 
 def load_hf(
@@ -414,6 +418,8 @@ def load_hf(
   dtype: str = "float32",
   param_dtype: str | None = None,
   config_overrides: dict | None = None,
+  mesh: Mesh | None = None,
+  rules: Rules | None = None,
 ) -> Transformer:
   """Load a Hugging Face Qwen3 / Qwen2 / Llama checkpoint directory.
 
@@ -423,18 +429,13 @@ def load_hf(
     dtype: activation dtype of the model.
     param_dtype: parameter dtype (defaults to `dtype`); tensors are cast to it.
     config_overrides: `ModelConfig` fields replacing the ones from config.json.
+    mesh, rules: place every parameter by its logical axes on this mesh (default: the first device).
 
   Returns:
-    The model, its parameters filled from the checkpoint.
+    The model, its parameters filled from the checkpoint tensor by tensor.
   """
-  path = pathlib.Path(path)
   config = load_hf_config(path, dtype=dtype, param_dtype=param_dtype or dtype, **(config_overrides or {}))
-  graphdef, state = abstract_model(config)
-  flat = list(nnx.to_flat_state(state))
-  targets = {_dotted(p): variable.get_value() for p, variable in flat}
-  values = _read_parameters(_checkpoint_files(path), config, targets)
-  filled = [(p, variable.replace(values[_dotted(p)])) for p, variable in flat]
-  return nnx.merge(graphdef, nnx.from_flat_state(filled))
+  return build_model(hf_source(path, config), config, mesh, rules)
 
 
 # --------------------------------------------------------------------------
@@ -470,7 +471,7 @@ def save_hf(model: Transformer, path: str | pathlib.Path, max_shard_bytes: int |
 
   entries = []  # (Hugging Face name, rule, parameter variable)
   for p, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-    name, rule = _rule_for(_dotted(p), to_hf=True)
+    name, rule = TABLE.stored(dotted(p))
     entries.append((name, rule, variable))
   sizes = [math.prod(v.shape) * v.dtype.itemsize for _, _, v in entries]
   groups = _shard(sizes, max_shard_bytes)
@@ -484,7 +485,7 @@ def save_hf(model: Transformer, path: str | pathlib.Path, max_shard_bytes: int |
     tensors = {}
     for i in group:
       name, rule, variable = entries[i]
-      tensors[name] = np.ascontiguousarray(rule.layout.to_hf(np.asarray(variable.get_value())))
+      tensors[name] = np.ascontiguousarray(_TO_HF[rule.to_ours](np.asarray(variable.get_value())))
       weight_map[name] = file_name
     save_file(tensors, path / file_name, metadata={"format": "pt"})
   if count > 1:

@@ -1,32 +1,49 @@
-"""One front door for loading a model and its tokenizer from any supported source.
+"""One front door for loading a model (and its tokenizer) from any supported checkpoint, straight onto a mesh.
 
-    model, tokenizer = load("/ckpt/Qwen3-0.6B")              # Hugging Face directory
-    model, tokenizer = load("/runs/demo", step=500)          # a training workdir
-    model, tokenizer = load("tiny", format="preset")         # random init, byte tokenizer
+    model = load_checkpoint("/ckpt/Qwen3-0.6B")                          # Hugging Face directory
+    model = load_checkpoint("/runs/demo", step=500)                      # our training workdir
+    model = load_checkpoint("/tunix/ckpts", config="/ckpt/Qwen3-0.6B")   # tunix root, step or item folder
+    model = load_checkpoint("/maxtext/run/checkpoints", config="qwen3_0p6b", mesh=mesh)
+    model, tokenizer = load("tiny", format="preset")                     # random init, byte tokenizer
+    print(inspect_checkpoint("/tunix/ckpts"))                            # format, arrays, inferred fields
 
-| format     | what `source` is                                         | tokenizer                       |
-| ---------- | -------------------------------------------------------- | ------------------------------- |
-| `hf`       | directory with config.json + safetensors                 | its tokenizer.json, if any      |
-| `refusion` | a training workdir or its `checkpoints/` directory       | the one stored in the run's meta |
-| `preset`   | a preset name of `refusion_jax.model.config.PRESETS`     | "bytes" unless given            |
+`format="auto"` finds the format from the files and the orbax metadata
+(`refusion_jax.checkpoints.detect`) and logs what it found. Whatever the stored
+arrays determine (vocabulary, widths, layers, heads, KV heads, head dim, q/k
+norms, biases, tied head) is read from them; a `config` that disagrees is
+refused naming the field. tunix and MaxText store no config, so `config` is
+then required: a `ModelConfig`, a preset name, or a directory holding the
+Hugging Face config.json of the model the run started from (its tokenizer,
+if there, is the one `load` returns).
+
+Every parameter is restored straight into its sharding on `mesh` by the
+logical-axis `rules` (default: the first device), one array at a time where
+its layout must change, so the model is never held twice on the host.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 from collections.abc import Sequence
+from typing import Any
 
-import jax
-from flax import nnx
+from jax.sharding import Mesh
 
-from refusion_jax.checkpoints import hf
-from refusion_jax.checkpoints import orbax as refusion_checkpoints
+from refusion_jax.checkpoints import hf, mapping, maxtext, orbax_tree, tunix
+from refusion_jax.checkpoints import orbax as refusion
+from refusion_jax.checkpoints.detect import FORMATS, Found, detect
+from refusion_jax.checkpoints.restore import Source, build_model, check_config
 from refusion_jax.data.tokenizer import Tokenizer, load_tokenizer
 from refusion_jax.model import config as config_lib
 from refusion_jax.model.config import ModelConfig
-from refusion_jax.model.transformer import Transformer, abstract_model, init_model
+from refusion_jax.model.transformer import Transformer, init_model
+from refusion_jax.parallel.sharding import Rules
 
-FORMATS = ("hf", "refusion", "preset")
+logger = logging.getLogger(__name__)
+
+ConfigLike = ModelConfig | str | None
 
 
 class NoTokenizer:
@@ -59,79 +76,221 @@ class NoTokenizer:
     return query
 
 
-def detect_format(source: str) -> str:
-  """The format of `source`: "hf" (config.json), "refusion" (orbax step folders) or "preset" (a preset name)."""
-  if os.path.isfile(os.path.join(source, "config.json")):
-    return "hf"
-  if os.path.isdir(source):
-    return "refusion"
-  if not os.path.exists(source) and source in config_lib.PRESETS:
-    return "preset"
-  raise FileNotFoundError(
-    f"Cannot tell what {source!r} is: looked for a Hugging Face directory (config.json), a training workdir "
-    f"(checkpoints/ or step folders) and a preset name ({sorted(config_lib.PRESETS)})."
+def resolve_config(config: ConfigLike) -> ModelConfig | None:
+  """A `ModelConfig` from a `ModelConfig`, a preset name or a directory holding an HF config.json."""
+  if config is None or isinstance(config, ModelConfig):
+    return config
+  if os.path.isfile(os.path.join(config, "config.json")):
+    return hf.load_hf_config(config)
+  if config in config_lib.PRESETS:
+    return config_lib.preset(config)
+  raise ValueError(
+    f"config={config!r} is neither a preset ({sorted(config_lib.PRESETS)}) nor a directory holding config.json."
   )
 
 
-def cast_model(model: Transformer, dtype: str) -> Transformer:
-  """The same weights with activations and parameters in `dtype`."""
-  model_config = model.config.replace(dtype=dtype, param_dtype=dtype)
-  graphdef, _ = abstract_model(model_config)
-  state = jax.tree.map(lambda x: x.astype(model_config.weight_dtype), nnx.state(model))
-  return nnx.merge(graphdef, state)
+def locate(path: str, format: str = "auto", step: int | None = None) -> Found:
+  """The checkpoint at `path`, checked to be of `format` unless that is "auto"."""
+  if format != "auto" and format not in FORMATS:
+    raise ValueError(f"Unknown format {format!r}; choose 'auto' or one of {FORMATS}.")
+  found = detect(path, step)
+  if format not in ("auto", found.format):
+    raise ValueError(f"format={format!r} was asked for, but {path} holds a {found.description}.")
+  return found
+
+
+def _open(found: Found, config: ModelConfig | None) -> Source:
+  if found.format == "hf":
+    return hf.hf_source(found.path, config)
+  if found.format == "refusion":
+    return refusion.refusion_source(found.path, found.step)[0]
+  if found.format == "tunix":
+    return tunix.tunix_source(found.path, found.description)
+  architecture = config.architecture if config is not None else "qwen3"
+  return maxtext.maxtext_source(found.path, found.description, architecture)
+
+
+def _with_dtypes(config: ModelConfig, dtype: str | None, param_dtype: str | None) -> ModelConfig:
+  changes = {} if dtype is None else dict(dtype=dtype, param_dtype=dtype)
+  if param_dtype is not None:
+    changes["param_dtype"] = param_dtype
+  return config.replace(**changes)
+
+
+def load_checkpoint(
+  path: str,
+  *,
+  format: str = "auto",
+  config: ConfigLike = None,
+  step: int | None = None,
+  dtype: str | None = None,
+  param_dtype: str | None = None,
+  mesh: Mesh | None = None,
+  rules: Rules | None = None,
+) -> Transformer:
+  """Load the model a checkpoint holds, each parameter restored straight onto its sharding.
+
+  Args:
+    path: a Hugging Face directory, a training workdir, or a tunix / MaxText
+      checkpoint root, step folder or item folder.
+    format: "auto" (detect), "hf", "refusion", "tunix" or "maxtext".
+    config: the architecture (`ModelConfig`, preset name, or directory with an
+      HF config.json). Required for tunix and MaxText, which store none;
+      otherwise it replaces the stored one. Checked against the arrays.
+    step: the step of an orbax checkpoint (default: the latest).
+    dtype: activation dtype (and parameter dtype unless `param_dtype` is given);
+      default: the config's.
+    param_dtype: parameter dtype; stored arrays are cast to it as they are read.
+    mesh, rules: the mesh and logical-axis rules to place parameters by
+      (default: everything on the first device).
+
+  Returns:
+    The `Transformer` (`model(tokens)` gives logits).
+
+  Raises:
+    FileNotFoundError: nothing recognisable at `path` (the message lists what was looked for).
+    ValueError: the format is not the one asked for; no config for a format that
+      stores none; a config that disagrees with the arrays; a missing, unexpected
+      or misfitting array (named); a LoRA-only tunix checkpoint; a MaxText scan axis
+      that does not match.
+    NotImplementedError: an architecture feature we do not implement (e.g. a RoPE type).
+  """
+  found = locate(path, format, step)
+  logger.info("Loading %s", found.description)
+  explicit = resolve_config(config)
+  base = explicit or (hf.load_hf_config(found.path) if found.format == "hf" else None)
+  source = _open(found, base)
+  base = base or source.config
+  if base is None:
+    raise ValueError(
+      f"The {found.description} does not store the model's config (RoPE theta and scaling, norm epsilon, "
+      "special ids): pass config= the one of the model it was trained from (a ModelConfig, a preset name, or "
+      "a directory holding its Hugging Face config.json)."
+    )
+  if explicit is not None:
+    check_config(source, explicit)
+  return build_model(source, _with_dtypes(base, dtype, param_dtype), mesh, rules)
+
+
+def _checkpoint_tokenizer(found: Found, config: ConfigLike) -> str | None:
+  """The tokenizer a checkpoint names (HF: its own tokenizer.json; tunix / MaxText: the config directory's)."""
+  if found.format == "refusion":
+    return refusion.refusion_source(found.path, found.step)[1]
+  directory = found.path if found.format == "hf" else config if isinstance(config, str) else None
+  if directory and os.path.isfile(os.path.join(directory, "tokenizer.json")):
+    return directory
+  return None
+
+
+def detect_format(source: str) -> str:
+  """The format of `source`: one of `FORMATS`, or "preset" for a preset name that is not a path."""
+  if not os.path.exists(source) and source in config_lib.PRESETS:
+    return "preset"
+  return detect(source).format
 
 
 def load(
   source: str,
   *,
   format: str = "auto",
+  config: ConfigLike = None,
   step: int | None = None,
   tokenizer: str | None = None,
   dtype: str | None = None,
+  param_dtype: str | None = None,
+  mesh: Mesh | None = None,
+  rules: Rules | None = None,
   seed: int = 0,
 ) -> tuple[Transformer, Tokenizer]:
-  """Load the model and its tokenizer from `source` (see the module docstring for the formats).
+  """`load_checkpoint` plus the tokenizer; also format "preset": a random model of a preset name.
 
   Args:
-    source: a checkpoint directory or, with format "preset", a preset name.
-    format: "auto" (detect from the files) or one of `FORMATS`.
-    step: with a training workdir, the step to load (default: the latest).
-    tokenizer: "bytes" or a directory with tokenizer.json, replacing the source's own.
-    dtype: activation and parameter dtype (default: as stored; float32 for presets).
+    source: a checkpoint (see `load_checkpoint`) or, with format "preset" (or
+      "auto" when no such path exists), a preset name.
+    tokenizer: "bytes" or a directory with tokenizer.json, replacing the checkpoint's own.
     seed: with a preset, the seed of the random weights.
+    The other arguments are `load_checkpoint`'s.
 
   Returns:
-    The model, and its tokenizer (a `NoTokenizer` when the checkpoint has none and none was given).
+    The model and its tokenizer (a `NoTokenizer` when the checkpoint names none
+    and none was given; the byte tokenizer for presets unless given).
   """
-  format = detect_format(source) if format == "auto" else format
-  if format not in FORMATS:
-    raise ValueError(f"Unknown format {format!r}; choose 'auto' or one of {FORMATS}.")
-  if step is not None and format != "refusion":
-    raise ValueError(f"step={step} only applies to training workdirs; {source!r} is a {format!r} source.")
-  dtypes = {} if dtype is None else dict(dtype=dtype, param_dtype=dtype)
-
-  if format == "preset":
+  if format == "preset" or (format == "auto" and detect_format(source) == "preset"):
+    if step is not None or config is not None:
+      raise ValueError(f"step / config do not apply to the random preset {source!r}.")
     chosen = load_tokenizer(tokenizer or "bytes")
     model_config = config_lib.preset(source).replace(
-      vocab_size=chosen.vocab_size,
-      mask_token_id=chosen.mask_id,
-      eos_token_id=chosen.eos_id,
-      pad_token_id=chosen.pad_id,
-      **dtypes,
+      vocab_size=chosen.vocab_size, mask_token_id=chosen.mask_id, eos_token_id=chosen.eos_id, pad_token_id=chosen.pad_id
     )
-    return init_model(model_config, seed), chosen
+    return init_model(_with_dtypes(model_config, dtype, param_dtype), seed), chosen
+  model = load_checkpoint(
+    source, format=format, config=config, step=step, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules
+  )
+  name = tokenizer or _checkpoint_tokenizer(locate(source, format, step), config)
+  return model, (load_tokenizer(name) if name else NoTokenizer(source, model.config))
 
-  if format == "hf":
-    if not os.path.isdir(source):
-      raise FileNotFoundError(f"{source!r} is not a directory; a Hugging Face checkpoint is a directory.")
-    model = hf.load_hf(source, **dtypes)
-    if tokenizer:
-      return model, load_tokenizer(tokenizer)
-    if os.path.isfile(os.path.join(source, "tokenizer.json")):
-      return model, load_tokenizer(source)
-    return model, NoTokenizer(source, model.config)
 
-  model, stored_tokenizer = refusion_checkpoints.load_model_from_checkpoint(source, step)
-  if dtype is not None:
-    model = cast_model(model, dtype)
-  return model, load_tokenizer(tokenizer or stored_tokenizer)
+@dataclasses.dataclass
+class Inspection:
+  """What `inspect_checkpoint` found: the format, every stored array and the fields they determine."""
+
+  format: str
+  description: str
+  arrays: dict[str, tuple[tuple[int, ...], Any]]
+  fields: dict[str, Any]
+  unknown: list[str]
+  stored_config: ModelConfig | None
+
+  def __str__(self) -> str:
+    lines = [f"format: {self.format}", f"found: {self.description}", f"arrays ({len(self.arrays)}):"]
+    lines += [f"  {name}  {list(shape)}  {dtype}" for name, (shape, dtype) in sorted(self.arrays.items())]
+    lines.append("fields the arrays determine:")
+    lines += [f"  {field} = {value}" for field, value in self.fields.items()]
+    if self.unknown:
+      lines.append(f"arrays no rule maps to a parameter: {self.unknown}")
+    if self.stored_config is not None:
+      lines.append(f"stored config: {mapping.summary(self.stored_config)}")
+    elif self.format in ("tunix", "maxtext"):
+      lines.append("stored config: none (pass config= when loading)")
+    return "\n".join(lines)
+
+
+def inspect_checkpoint(path: str, *, format: str = "auto", step: int | None = None) -> Inspection:
+  """The format of `path`, its stored arrays (names, shapes, dtypes) and the model fields they determine."""
+  found = locate(path, format, step)
+  if found.format in ("tunix", "maxtext"):  # read directly: a LoRA-only tunix checkpoint is still shown
+    tunix_format = found.format == "tunix"
+    arrays = orbax_tree.item_arrays(found.path) if tunix_format else maxtext.model_arrays(found.path)
+    table, stored = (tunix.TABLE if tunix_format else maxtext.table()), None
+  else:
+    stored = hf.load_hf_config(found.path) if found.format == "hf" else None
+    source = _open(found, stored)
+    arrays, table, stored = source.arrays, source.table, stored or source.config
+  entries, unknown = table.entries(arrays)
+  return Inspection(found.format, found.description, arrays, mapping.infer_fields(entries), unknown, stored)
+
+
+def initial_model(
+  path: str,
+  *,
+  format: str = "auto",
+  config: ModelConfig | None = None,
+  dtype: str | None = None,
+  param_dtype: str | None = None,
+) -> tuple[Transformer, str | None]:
+  """A training run's starting model from any non-Hugging Face source, and the tokenizer it names.
+
+  `config` (the run's own model config) is used only for tunix and MaxText,
+  which store none; Hugging Face starts go through the trainer's mask-token
+  and vocabulary handling instead. The model lands on the default device;
+  the trainer places it.
+  """
+  found = locate(path, format)
+  model = load_checkpoint(
+    path,
+    format=found.format,
+    config=config if found.format in ("tunix", "maxtext") else None,
+    dtype=dtype,
+    param_dtype=param_dtype,
+  )
+  return model, _checkpoint_tokenizer(found, None)

@@ -14,6 +14,10 @@ returns; files are written in the background) and only fully written steps are
 ever listed, so a run killed mid-save resumes from the previous step. Restores
 go into an abstract target that carries the *current* shardings, after the
 stored shapes have been checked against it.
+
+To rebuild a model alone (sampling, `init_from`, conversion), `refusion_source`
+opens a step's `params` and `meta` for the loading front door
+(`refusion_jax.checkpoints.load`); `save_model` writes just those two items.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from typing import Any
 
 import grain
@@ -28,6 +33,9 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from refusion_jax.checkpoints import orbax_tree
+from refusion_jax.checkpoints.mapping import Rule, Table
+from refusion_jax.checkpoints.restore import Source, build_model, dotted
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer, abstract_model
 
@@ -97,6 +105,14 @@ class Checkpoints:
           META: ocp.args.JsonSave(meta),
         }
       ),
+      force=True,
+    )
+
+  def save_model(self, step: int, *, params: Any, meta: dict) -> None:
+    """Save only the parameters and the meta item: a model to sample from or to start a run with, not to resume."""
+    self._manager.save(
+      step,
+      args=ocp.args.Composite(**{PARAMS: ocp.args.StandardSave(params), META: ocp.args.JsonSave(meta)}),
       force=True,
     )
 
@@ -217,7 +233,51 @@ def checkpoint_dir(path: str) -> str:
   return inner if os.path.isdir(inner) else path
 
 
-def load_model_from_checkpoint(path: str, step: int | None = None) -> tuple[Transformer, str]:
+def run_step(path: str, step: int | None = None) -> tuple[str, int, dict]:
+  """(checkpoint directory, step, meta) of a workdir or checkpoint directory; `step` defaults to the latest."""
+  directory = checkpoint_dir(path)
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"No checkpoint directory at {path!r}; pass the --workdir of a training run.")
+  with Checkpoints(directory, async_save=False) as checkpoints:
+    steps = checkpoints.all_steps()
+    step = checkpoints.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"{directory} holds no complete checkpoint.")
+    if step not in steps:
+      raise ValueError(f"No checkpoint for step {step} in {directory}; saved steps: {steps}.")
+    return directory, step, checkpoints.read_meta(step)
+
+
+def table(model_config: ModelConfig) -> Table:
+  """Our own names: each parameter stored under its path (+ ".value"), its axes its logical axes."""
+  _, state = abstract_model(model_config)
+  rules = {}
+  for path, variable in nnx.to_flat_state(state):
+    ours = re.sub(r"^layers\.\d+\.", "layers.{layer}.", dotted(path))
+    rules.setdefault(ours, Rule(ours + ".value", ours, tuple(variable.get_metadata()["out_sharding"])))
+  return Table(rules.values())
+
+
+def refusion_source(path: str, step: int | None = None) -> tuple[Source, str | None]:
+  """The parameters of a training run's step (default: the latest) and its tokenizer (a name, or a path
+  resolved against the checkpoint directory; None when the run recorded none)."""
+  directory, step, meta = run_step(path, step)
+  model_config = ModelConfig(**meta["model_config"])
+  item = os.path.join(directory, str(step), PARAMS)
+  source = Source(
+    format="refusion",
+    location=f"refusion training checkpoint, step {step} in {directory}",
+    arrays=orbax_tree.item_arrays(item),
+    table=table(model_config),
+    fetch=orbax_tree.fetcher(item),
+    config=model_config,
+  )
+  tokenizer = meta.get("tokenizer")
+  local = os.path.join(directory, tokenizer or "")
+  return source, (local if tokenizer and os.path.isdir(local) else tokenizer)
+
+
+def load_model_from_checkpoint(path: str, step: int | None = None) -> tuple[Transformer, str | None]:
   """Rebuild the trained model from a workdir or checkpoint directory.
 
   Args:
@@ -229,19 +289,5 @@ def load_model_from_checkpoint(path: str, step: int | None = None) -> tuple[Tran
     `refusion_jax.data.tokenizer.load_tokenizer` (relative paths are resolved
     against the checkpoint directory).
   """
-  directory = checkpoint_dir(path)
-  if not os.path.isdir(directory):
-    raise FileNotFoundError(f"No checkpoint directory at {path!r}; pass the --workdir of a training run.")
-  with Checkpoints(directory, async_save=False) as checkpoints:
-    step = checkpoints.latest_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(f"{directory} holds no complete checkpoint.")
-    meta = checkpoints.read_meta(step)
-    model_config = ModelConfig(**meta["model_config"])
-    graphdef, abstract_state = abstract_model(model_config)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_state)
-    restored = checkpoints.restore(step, abstract_params=target)
-  tokenizer = meta["tokenizer"]
-  local = os.path.join(directory, tokenizer)
-  return nnx.merge(graphdef, restored.params), (local if os.path.isdir(local) else tokenizer)
+  source, tokenizer = refusion_source(path, step)
+  return build_model(source, source.config), tokenizer

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 Architecture = Literal["qwen3", "qwen2", "llama"]
 AttentionImpl = Literal["xla", "chunked", "dot_product"]
 _ATTENTION_IMPLS = ("xla", "chunked", "dot_product")
+RopeScaling = Literal["linear", "llama3"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -42,8 +43,15 @@ class ModelConfig:
   qkv_bias: bool = False
   tie_embeddings: bool = False
   rope_theta: float = 1_000_000.0
-  # Linear RoPE scaling ("type": "linear" in HF configs): positions are divided by it.
+  # RoPE scaling, as Hugging Face's `rope_scaling`. "linear": every frequency is divided by
+  # `rope_scaling_factor` (1.0: no scaling). "llama3" (Llama 3.1+): only wavelengths longer than
+  # original_max_position / low_freq_factor are, those shorter than original_max_position /
+  # high_freq_factor are kept, and the band between is interpolated.
+  rope_scaling: RopeScaling = "linear"
   rope_scaling_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_position: int = 8192
   rms_norm_eps: float = 1e-6
   max_position_embeddings: int = 40_960
   # Special tokens; None means "not known from the checkpoint" (the decoder then
@@ -74,6 +82,13 @@ class ModelConfig:
       raise ValueError(f"attention_impl={self.attention_impl!r}; expected one of {_ATTENTION_IMPLS}.")
     if self.attention_chunk < 1:
       raise ValueError(f"attention_chunk={self.attention_chunk} must be at least 1 (query rows per chunk).")
+    if self.rope_scaling not in ("linear", "llama3"):
+      raise ValueError(f"rope_scaling={self.rope_scaling!r}; expected 'linear' or 'llama3'.")
+    if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+      raise ValueError(
+        f"rope_high_freq_factor={self.rope_high_freq_factor} must exceed rope_low_freq_factor="
+        f"{self.rope_low_freq_factor} (llama3 RoPE interpolates between them)."
+      )
 
   @property
   def compute_dtype(self) -> jnp.dtype:

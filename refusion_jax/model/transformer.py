@@ -69,16 +69,32 @@ class RMSNorm(nnx.Module):
     return self.weight[...].astype(x.dtype) * normed.astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float, scaling_factor: float) -> jax.Array:
+def rope_frequencies(config: ModelConfig) -> jax.Array:
+  """[head_dim // 2] inverse wavelengths (radians per position) of the rotary embedding.
+
+  Scaled as Hugging Face's `rope_scaling` says (see `ModelConfig.rope_scaling`); the
+  llama3 rule is transformers' `_compute_llama3_parameters`.
+  """
+  c = config
+  inv_freq = 1.0 / (c.rope_theta ** (jnp.arange(0, c.head_dim, 2, dtype=jnp.float32) / c.head_dim))
+  if c.rope_scaling == "linear":
+    return inv_freq / c.rope_scaling_factor
+  wavelength = 2 * jnp.pi / inv_freq
+  context = c.rope_original_max_position
+  # 0 at the long-wavelength edge of the band (fully scaled), 1 at the short one (kept).
+  blend = (context / wavelength - c.rope_low_freq_factor) / (c.rope_high_freq_factor - c.rope_low_freq_factor)
+  blend = jnp.clip(blend, 0.0, 1.0)
+  return (1 - blend) * inv_freq / c.rope_scaling_factor + blend * inv_freq
+
+
+def rope(x: jax.Array, positions: jax.Array, config: ModelConfig) -> jax.Array:
   """Rotary embedding in the Hugging Face "rotate half" layout.
 
   Args:
     x: [batch, length, heads, head_dim].
     positions: [batch, length] true positions.
   """
-  head_dim = x.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-  angles = (positions.astype(jnp.float32) / scaling_factor)[..., None] * inv_freq  # [B, T, D/2]
+  angles = positions.astype(jnp.float32)[..., None] * rope_frequencies(config)  # [B, T, D/2]
   angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
   cos, sin = jnp.cos(angles), jnp.sin(angles)
   x32 = x.astype(jnp.float32)
@@ -137,8 +153,8 @@ class Attention(nnx.Module):
     v = self._project(x, self.v_proj, "v_bias")
     if c.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
-    q = rope(q, positions, c.rope_theta, c.rope_scaling_factor)
-    k = rope(k, positions, c.rope_theta, c.rope_scaling_factor)
+    q = rope(q, positions, c)
+    k = rope(k, positions, c)
 
     q, k, v = constrain(q, _HEADS), constrain(k, _KV), constrain(v, _KV)
 

@@ -9,9 +9,11 @@ The loop:
 1. Build (once) and open the data: the built-in tasks or query/response JSON.
 2. Build the train state where it lives (`refusion_jax.training.state`):
    parameters and optimizer state are created by a jitted init whose outputs
-   carry the mesh shardings. Precedence: resume from `workdir/checkpoints`,
-   else `init_from_hf`, else `init_from_checkpoint` (parameters of another
-   run), else a fresh init.
+   carry the mesh shardings. Precedence: resume from `workdir/checkpoints`, else `init_from_hf` (or an
+   `init_from` that is a Hugging Face directory), else `init_from` (a run of
+   ours, a tunix or MaxText checkpoint; `init_format` says which, default
+   detect), else `init_from_checkpoint` (parameters of another run), else a
+   fresh init.
 3. Step: one jitted function `state, batch -> state, metrics` with in/out
    shardings; gradient accumulation is a `lax.scan` over microbatches inside
    it (one optimizer update per step, so the step count, schedule and
@@ -284,12 +286,28 @@ class _Start:
 
 
 def _find_start(config: ml_collections.ConfigDict, checkpoints: Checkpoints) -> _Start:
+  from refusion_jax.checkpoints import load as checkpoint_loader  # the front door for every checkpoint format
+
   latest = checkpoints.latest_step()
   if latest is not None:
     meta = checkpoints.read_meta(latest)
     return _Start(ModelConfig(**meta["model_config"]), meta["tokenizer"], resume_step=latest)
+  init_from, init_format = config.get("init_from", ""), config.get("init_format", "auto")
+  if init_from and checkpoint_loader.locate(init_from, init_format).format == "hf":
+    config = config.copy_and_resolve_references()  # an HF start takes the init_from_hf path (mask token, vocab)
+    config.init_from_hf = init_from
   if config.init_from_hf:
     return _start_from_hf(config, checkpoints.directory)
+  if init_from:  # a run of ours, tunix or MaxText; the latter two store no config: config.model describes them
+    model, tokenizer_path = checkpoint_loader.initial_model(
+      init_from,
+      format=init_format,
+      config=model_config_from(config, load_tokenizer(config.tokenizer)),
+      dtype=config.model.get("dtype"),
+      param_dtype=config.model.get("param_dtype"),
+    )
+    model_config = model.config.replace(remat=config.model.get("remat", False))
+    return _Start(model_config, tokenizer_path or config.tokenizer, params=nnx.state(model))
   if config.init_from_checkpoint:
     model, tokenizer_path = load_model_from_checkpoint(config.init_from_checkpoint)
     return _Start(model.config, tokenizer_path, params=nnx.state(model))
