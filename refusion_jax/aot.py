@@ -107,9 +107,8 @@ def train_report(config: ml_collections.ConfigDict, devices: Sequence[jax.Device
     for key, shape in shapes.items()
   }
   name = f"train step, batch {config.batch_size} x {config.data.seq_len}, grad_accum {accum}, mesh {_mesh_text(mesh)}"
-  report = aot.compile_report(
-    name, lambda: step.lower(placement.abstract_state, batch), list(mesh.devices.flat), chip, loop_count=accum
-  )
+  args = (placement.abstract_state, batch)
+  report = aot.compile_report(name, lambda: step.lower(*args), args, list(mesh.devices.flat), chip, loop_count=accum)
   report.advice = train_advice(report, config, model_config, ways)
   return report
 
@@ -151,7 +150,7 @@ def decode_report(
     f"decode (prefill + 1 loop iteration), batch {batch}, prompt {prompt_length} + {ev.gen_length} "
     f"(S={ev.slot_size}, {ev.serial_blocks} blocks), {model_config.param_dtype} weights, mesh {_mesh_text(mesh)}"
   )
-  report = aot.compile_report(name, lower, list(mesh.devices.flat), chip)
+  report = aot.compile_report(name, lower, (params, prompt, lengths, knobs), list(mesh.devices.flat), chip)
   if report.fits is False:
     report.advice = [
       f"decode batch {batch} does not fit: lower --decode_batch, or split the weights over more chips "
@@ -175,11 +174,12 @@ def train_advice(report: aot.Report, config, model_config: ModelConfig, ways: in
     advice.append("set --config.model.remat=True (recompute each layer in the backward pass).")
   if model_config.attention_impl != "chunked" and config.data.seq_len > model_config.attention_chunk:
     advice.append("set --config.model.attention_impl=chunked (scores of one query chunk at a time).")
-  accum = config.grad_accum_steps
-  # Activations scale with the microbatch; the state does not (an estimate from this compile).
-  state = report.arguments or 0
-  needed = (report.total - state) * accum / max(0.9 * hbm - state, 1.0)
-  per_device = config.batch_size // ways
+  accum, per_device = config.grad_accum_steps, config.batch_size // ways
+  # Activations scale with the microbatch, the state does not: an estimate from this compile (after an
+  # out-of-memory compile its temporaries are a lower bound, so the estimate may fall short; rerun to check).
+  needed = accum * 2
+  if report.total is not None:
+    needed = (report.total - report.arguments) * accum / max(0.9 * hbm - report.arguments, 1.0)
   choices = [k for k in range(accum + 1, per_device + 1) if per_device % k == 0 and k >= needed]
   if choices:
     advice.append(

@@ -10,6 +10,7 @@ import textwrap
 import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 from refusion_jax.aot import train_advice
 from refusion_jax.model.config import tiny
@@ -127,6 +128,23 @@ def test_train_advice_names_the_knobs():
   mesh = make_mesh({"data": 1}, jax.devices()[:1])
   with pytest.raises(ValueError, match="grad_accum_steps=3"):
     check_microbatches(64, 3, mesh)
+
+
+def test_out_of_memory_compile_becomes_a_report_that_does_not_fit():
+  mesh = make_mesh({"data": 1}, jax.devices()[:1])
+  state = jax.ShapeDtypeStruct((1000, 250), np.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+  message = (
+    "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (128.00G) "
+    "exceeds available HBM (95.74G)."
+  )
+
+  def lower():
+    raise RuntimeError(message)
+
+  report = aot.compile_report("step", lower, (state,), list(mesh.devices.flat), aot.CHIPS["TPU v5"])
+  assert report.fits is False and report.arguments == 1_000_000
+  assert report.total == 1_000_000 + 128 * aot.GIB
+  assert "| 0.001 | – | >= 137 | >= 137 | 103 | NO |" in aot.format_table([report])
 
 
 def test_constraints_are_the_identity_without_a_mesh_and_skip_axes_that_do_not_divide():

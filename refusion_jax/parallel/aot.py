@@ -15,6 +15,7 @@ compiler itself rejects for lack of memory becomes a report that does not fit
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -90,15 +91,18 @@ class Report:
   temporaries: int | None = None
   flops: float | None = None
   bytes_accessed: float | None = None
-  needed: int | None = None  # from an out-of-memory message, when the compile failed
+  error_temporaries: int | None = None  # from the compiler's out-of-memory message, when the compile failed
   error: str = ""
   advice: list[str] = dataclasses.field(default_factory=list)
 
   @property
   def total(self) -> int | None:
-    """Peak per-device bytes: arguments + outputs not aliased to (donated) arguments + temporaries."""
-    if self.arguments is None:
-      return self.needed
+    """Peak per-device bytes: arguments + outputs not aliased to (donated) arguments + temporaries.
+
+    After an out-of-memory compile: arguments + the temporaries the compiler asked for (a lower bound).
+    """
+    if self.error:
+      return None if self.error_temporaries is None else self.arguments + self.error_temporaries
     return self.arguments + self.outputs - self.aliased + self.temporaries
 
   @property
@@ -123,25 +127,44 @@ class Report:
     return self.loop_count * max(compute, memory)
 
 
-_OOM = re.compile(r"Used ([\d.]+)([KMGT]?) of ([\d.]+)([KMGT]?) hbm")
+# The TPU compiler's out-of-memory messages, e.g. "... the total memory required for HLO temporaries
+# (128.00G) exceeds available HBM (95.74G)" or "Used 188.23G of 95.74G hbm".
+_OOM = re.compile(r"temporaries \(([\d.]+)([KMGT]?)\)|Used ([\d.]+)([KMGT]?) of")
 _UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": GIB, "T": 1024 * GIB}
 
 
+def argument_bytes(arguments: Any) -> int:
+  """Bytes one device holds of a pytree of `jax.ShapeDtypeStruct`s carrying shardings (the largest shard)."""
+  leaves = [x for x in jax.tree.leaves(arguments) if isinstance(x, jax.ShapeDtypeStruct)]
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
+
+
 def compile_report(
-  name: str, lower: Callable[[], Any], devices: Sequence[jax.Device], chip: Chip | None, loop_count: int = 1
+  name: str,
+  lower: Callable[[], Any],
+  arguments: Any,
+  devices: Sequence[jax.Device],
+  chip: Chip | None,
+  loop_count: int = 1,
 ) -> Report:
-  """Lower and compile (`lower()` returns a `jax.stages.Lowered`) and read the per-device numbers off the result."""
+  """Lower and compile (`lower()` returns a `jax.stages.Lowered` of `arguments`) and read off the per-device numbers.
+
+  A compile the compiler rejects for lack of memory gives a report that does
+  not fit, with the arguments' bytes and the temporaries it asked for.
+  """
   report = Report(name=name, devices=len(devices), chip=chip, loop_count=loop_count)
   try:
     compiled = lower().compile()
-  except Exception as error:  # the compiler's RESOURCE_EXHAUSTED is an XlaRuntimeError
+  except Exception as error:  # the compiler's RESOURCE_EXHAUSTED is a JaxRuntimeError
     message = str(error)
-    if "RESOURCE_EXHAUSTED" not in message and "Ran out of memory" not in message:
+    if "RESOURCE_EXHAUSTED" not in message:
       raise
-    report.error = message.splitlines()[0][:300]
-    used = _OOM.search(message)
-    if used:
-      report.needed = int(float(used.group(1)) * _UNITS[used.group(2)])
+    report.error = message.splitlines()[0][:400]
+    report.arguments = argument_bytes(arguments)
+    asked = _OOM.search(message)
+    if asked:
+      size, unit = asked.group(1, 2) if asked.group(1) else asked.group(3, 4)
+      report.error_temporaries = int(float(size) * _UNITS[unit])
     return report
   memory = compiled.memory_analysis()
   report.arguments = memory.argument_size_in_bytes
@@ -172,9 +195,10 @@ def format_table(reports: Sequence[Report]) -> str:
     accessed = "–" if r.bytes_accessed is None else gb(r.bytes_accessed * r.loop_count)
     estimate = "–" if r.estimated_seconds is None else f"{r.estimated_seconds:.3g}"
     hbm = "–" if r.chip is None else gb(r.chip.hbm_bytes)
-    total = gb(r.total) + (" (needed)" if r.error and r.needed else "")
+    temporaries = gb(r.temporaries) if not r.error else f">= {gb(r.error_temporaries)}"
+    total = gb(r.total) if not r.error else f">= {gb(r.total)}"
     rows.append(
-      f"| {r.name} | {r.devices} | {gb(r.arguments)} | {gb(r.outputs)} | {gb(r.temporaries)} | {total} | "
+      f"| {r.name} | {r.devices} | {gb(r.arguments)} | {gb(r.outputs)} | {temporaries} | {total} | "
       f"{hbm} | {fits} | {flops} | {accessed} | {estimate} |"
     )
   return "\n".join(rows)
