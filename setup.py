@@ -42,6 +42,8 @@ setup(
       "nbclient>=0.10",
       "nbformat>=5.10",
       "ipykernel>=6.29",
+      # .ci/run checks formatting and lint with the repo's ruff.toml
+      "ruff>=0.17,<0.18",
     ],
     "tpu": ["jax[tpu]>=0.10.2,<0.11"],
   },
