@@ -292,8 +292,9 @@ def _find_start(config: ml_collections.ConfigDict, checkpoints: Checkpoints) -> 
   if latest is not None:
     meta = checkpoints.read_meta(latest)
     return _Start(ModelConfig(**meta["model_config"]), meta["tokenizer"], resume_step=latest)
-  init_from, init_format = config.get("init_from", ""), config.get("init_format", "auto")
-  if init_from and checkpoint_loader.locate(init_from, init_format).format == "hf":
+  init_from = config.get("init_from", "")
+  init_format = checkpoint_loader.locate(init_from, config.get("init_format", "auto")).format if init_from else ""
+  if init_format == "hf":
     config = config.copy_and_resolve_references()  # an HF start takes the init_from_hf path (mask token, vocab)
     config.init_from_hf = init_from
   if config.init_from_hf:
@@ -302,7 +303,7 @@ def _find_start(config: ml_collections.ConfigDict, checkpoints: Checkpoints) -> 
     model, tokenizer_path = checkpoint_loader.initial_model(
       init_from,
       format=init_format,
-      config=model_config_from(config, load_tokenizer(config.tokenizer)),
+      config=model_config_from(config, load_tokenizer(config.tokenizer)) if init_format != "refusion" else None,
       dtype=config.model.get("dtype"),
       param_dtype=config.model.get("param_dtype"),
     )
