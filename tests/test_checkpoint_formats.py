@@ -27,7 +27,7 @@ from refusion_jax.checkpoints.hf import config_to_hf, load_hf, save_hf
 from refusion_jax.checkpoints.load import inspect_checkpoint, load, load_checkpoint
 from refusion_jax.convert import write_refusion
 from refusion_jax.data.tokenizer import ByteTokenizer
-from refusion_jax.decoding.baselines import ar_generate
+from refusion_jax.decoding.ar import ar_generate
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import init_model
 from refusion_jax.training.loop import model_config_from, train_and_evaluate
