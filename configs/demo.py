@@ -100,8 +100,8 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.eval.serial_blocks = 1  # ReFusion serial blocks NB (G must divide by S * NB)
   config.eval.slot_threshold = 0.9  # ReFusion: plan slots with first-token confidence above this
   config.eval.token_threshold = 0.5  # ReFusion: verified tokens need AR probability above this
-  config.eval.mdm_block_length = 64  # MDM baseline: semi-autoregressive block length
-  config.eval.mdm_steps = 64  # MDM baseline: total unmasking steps
+  config.eval.mdm_block_length = 16  # MDM baseline: semi-autoregressive block length (divides gen_length)
+  config.eval.mdm_steps = 48  # MDM baseline: total unmasking steps (one token per step over G = 48)
 
   config.checkpoint = ml_collections.ConfigDict()
   config.checkpoint.every = 500  # steps between checkpoints (and at the end / on SIGTERM)

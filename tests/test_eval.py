@@ -280,3 +280,15 @@ def test_curve_reads_the_trainers_event_files(capsys, tmp_path):
   assert (tmp_path / "out" / "learning_curve.png").read_bytes()[:4] == b"\x89PNG"
   code, _, err = run_cli(capsys, "curve", tmp_path / "nothing")
   assert code == 2 and "event files" in err
+
+
+@pytest.mark.parametrize("name", ["demo", "ar_baseline", "mdm_baseline"])
+def test_config_eval_settings_decode_with_every_method(name):
+  from refusion_jax.decoding.baselines import check_mdm_schedule
+  from refusion_jax.decoding.common import check_slot_layout
+  from tests.train_utils import load_config
+
+  for variant in ("", "smoke"):
+    ev = load_config(name, variant).eval
+    check_slot_layout(ev.gen_length, ev.slot_size, ev.serial_blocks)
+    check_mdm_schedule(ev.gen_length, ev.mdm_block_length, ev.mdm_steps)  # once raised for the demo: 64 vs G = 48

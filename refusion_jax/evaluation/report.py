@@ -105,11 +105,14 @@ def plot_speed_accuracy(results: Sequence[dict], path: str) -> None:
   for index, model in enumerate(models):
     mine = [p for r, p in zip(rows, points) if r["model"] == model]
     axes.scatter(*zip(*mine), color=colours(index % 10), label=model, s=36, zorder=3)
-  front = sorted(points[i] for i in pareto_front(points))
+  on_front = pareto_front(points)
+  front = sorted(points[i] for i in on_front)
   axes.plot(*zip(*front), color="black", linestyle="--", linewidth=1, zorder=2, label="Pareto front")
   axes.scatter(*zip(*front), facecolors="none", edgecolors="black", s=110, zorder=4)
-  for r, (x, y) in zip(rows, points):
-    axes.annotate(r["label"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+  for i in on_front:  # only the front is labelled: the rest would be unreadable
+    axes.annotate(
+      f"{rows[i]['model']}: {rows[i]['label']}", points[i], fontsize=6, xytext=(4, 4), textcoords="offset points"
+    )
   axes.set_xscale("log")
   axes.set_xlabel("tokens per second (log scale, compilation excluded)")
   axes.set_ylabel(f"accuracy ({test_set})")
