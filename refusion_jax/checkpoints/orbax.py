@@ -248,6 +248,15 @@ class Checkpoints:
     """Whether JAX's preemption notice (multi-host TPU) asks to save at `step`."""
     return self._manager.reached_preemption(step)
 
+  def check(self) -> None:
+    """Report a save that failed in the background, without waiting for the one in flight.
+
+    Raises:
+      CheckpointSaveError: a background save failed.
+    """
+    if not self._manager.is_saving_in_progress():  # then waiting costs nothing, and reports how it ended
+      self.wait()
+
   def wait(self) -> None:
     """Block until every started save is on disk.
 

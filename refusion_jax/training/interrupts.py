@@ -30,12 +30,14 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from types import FrameType
 
 from absl import logging
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# The byte `close` sends the watchdog (no signal has number 0).
+_STOP = 0
 
 
 class StopRequested(Exception):
@@ -58,15 +60,14 @@ def _signal_name(signum: int) -> str:
 class Interrupts:
   """Installs the SIGTERM / SIGINT handlers and the watchdog; `close` restores the previous ones."""
 
-  def __init__(self, grace_s: float = 10.0, exit_fn: Callable[[int], None] = os._exit):
+  def __init__(self, grace_s: float = 10.0):
     """
     Args:
-      grace_s: seconds the main thread has to notice a signal before the process exits.
-      exit_fn: how the watchdog ends the process (tests replace it).
+      grace_s: after a signal, the seconds each phase has to end (besides its own patience) before the
+        process exits.
     """
     self.grace_s = grace_s
     self.requested: int | None = None  # the first signal received
-    self._exit_fn = exit_fn
     self._phase, self._blocking, self._patience_s = "starting", True, 0.0
     self._phase_changed = threading.Event()
     self._closed = False
@@ -124,20 +125,22 @@ class Interrupts:
 
   def _watch(self) -> None:
     received = 0
-    while True:
-      try:
-        data = self._reader.recv(64)
-      except OSError:
-        return
-      if not data:  # closed
-        return
-      for signum in data:
-        if signum not in SIGNALS:
-          continue
-        received += 1
-        if received > 1:
-          self._exit_now(signum, "a second signal")
-        threading.Thread(target=self._time_phases, args=(signum,), daemon=True).start()
+    try:
+      while True:
+        for signum in self._reader.recv(64):
+          if signum == _STOP or self._closed:
+            return
+          if signum not in SIGNALS:
+            continue
+          received += 1
+          if received > 1:
+            self._exit_now(signum, "a second signal")
+          threading.Thread(target=self._time_phases, args=(signum,), daemon=True).start()
+    finally:
+      # Closed here, after the last read: closed by `close` instead, their descriptors could be reused by a new
+      # socket that this thread, already on its way into recv, would then read.
+      self._reader.close()
+      self._writer.close()
 
   def _time_phases(self, signum: int) -> None:
     """After a signal: exit when the main thread stays in one phase past its time."""
@@ -155,18 +158,17 @@ class Interrupts:
       flush=True,
     )
     sys.stdout.flush()
-    self._exit_fn(128 + signum)
+    os._exit(128 + signum)
 
   def close(self) -> None:
     """Restore the previous handlers and stop the watchdog."""
-    if self._reader is None:
+    if self._watchdog is None:
       return
     self._closed = True
     self._phase_changed.set()
     for signum, handler in self._previous.items():
       signal.signal(signum, handler)
     signal.set_wakeup_fd(self._previous_wakeup_fd)
-    self._writer.close()
-    self._reader.shutdown(socket.SHUT_RDWR)
-    self._reader.close()
-    self._reader = None
+    self._writer.send(bytes([_STOP]))
+    self._watchdog.join()
+    self._watchdog = None

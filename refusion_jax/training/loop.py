@@ -484,6 +484,7 @@ def _train_loop(
         state, metrics = step_fn(state, placement.batch(batch))
         metrics = jax.device_get(metrics)
       step, position, step_seconds = step + 1, next_position, time.perf_counter() - started
+      checkpoints.check()  # a background write that failed stops the run now, not at the next save
       _check_finite(metrics, step, last_saved, checkpoints)
       result.losses[step] = float(metrics["loss"])
       logger.step(result.losses[step])
