@@ -131,6 +131,35 @@ def test_sigterm_while_restoring_stops_and_keeps_the_checkpoint(tmp_path, data_d
   assert _steps(str(tmp_path)) == [1]
 
 
+def test_sigterm_during_a_step_stops_at_the_step_boundary_without_waiting_for_a_sync(
+  tmp_path, data_dir, monkeypatch, capsys
+):
+  # The host syncs only at log / checkpoint steps (100 and 1000 here); a signal makes the next step boundary one.
+  from refusion_jax.training import state
+
+  real = state.Placement.jit_step
+
+  def signalling_at_step_3(self, step_fn):
+    jitted, calls = real(self, step_fn), []
+
+    def run(*args):
+      calls.append(1)
+      if len(calls) == 3:
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives while the step is dispatched: not a blocking phase
+      return jitted(*args)
+
+    return run
+
+  monkeypatch.setattr(state.Placement, "jit_step", signalling_at_step_3)
+  workdir = str(tmp_path / "run")
+  config = _config(data_dir, num_train_steps=1000, log_every=100)
+  config.checkpoint.every = 1000
+  result = loop.train_and_evaluate(config, workdir)
+  assert (result.step, result.stopped_by, sorted(result.losses)) == (3, "preempted", [1, 2, 3])
+  assert "Stopping at step 3 (preempted); checkpoint saved" in capsys.readouterr().out
+  assert _steps(workdir) == [3]
+
+
 # A run whose first train step stays in native code (an endless XLA computation), as a long compilation would.
 _STUCK_IN_NATIVE_CODE = textwrap.dedent("""
   import jax, jax.numpy as jnp

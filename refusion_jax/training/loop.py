@@ -26,7 +26,9 @@ The loop:
 4. The host syncs with the device only at log, eval and checkpoint steps
    (and `stop_after_step`), not every step: there it reads the metrics of
    every step since the last sync and checks their loss and gradient norm, so
-   a non-finite value stops the run before anything of it is saved.
+   a non-finite value stops the run before anything of it is saved. The
+   host runs at most `_STEPS_AHEAD` steps ahead of the device (a wait, no
+   transfer), so that a stop never waits for a long queue of steps.
    SIGTERM / SIGINT (`interrupts`) end the run within seconds whatever it is
    doing: a one-process run makes the next step boundary a sync and stops
    there, or stops out of a blocked wait (data, evaluation), saving the last
@@ -526,12 +528,14 @@ def _train_loop(
         next_position = _Position(train_iter)
       tokens_since += int(np.sum(batch["prompt_len"] + batch["answer_len"]))
       # A step cannot be cut short (its input state is donated); dispatching it returns at once, after compiling
-      # the first time, unless the device is several steps behind.
+      # the first time, and then waits for the device to be at most _STEPS_AHEAD steps behind.
       busy = f"running train step {step + 1}" + (" (compiling it first)" if step == first_step else "")
       with interrupts.phase(busy, blocking=False, patience_s=3 * step_seconds):
         state, metrics = step_fn(state, placement.batch(batch))
+        pending.append((step + 1, metrics))
+        if len(pending) > _STEPS_AHEAD:
+          jax.block_until_ready(pending[-1 - _STEPS_AHEAD][1])  # a wait, no transfer: not a host sync
       step, position = step + 1, next_position
-      pending.append((step, metrics))
       checkpoints.check()  # a background write that failed stops the run now (a host-side check, no device sync)
       logs = step % config.log_every == 0 or step == total_steps
       evals = (
@@ -600,6 +604,9 @@ def _sync_metrics(
   return steps[-1][1]
 
 
+# How many dispatched steps the device may still have to run: enough to keep it busy while the host fetches the next
+# batch, few enough that a signal waits for them (before saving) seconds, not a whole log interval of steps.
+_STEPS_AHEAD = 2
 # Seconds a save may take to copy the state off the devices, and the last writes to reach the disk, before the
 # watchdog gives up on them after a signal.
 _SAVE_PATIENCE_S = 120.0

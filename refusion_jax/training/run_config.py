@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from refusion_jax.checkpoints.mapping import ARRAY_FIELDS
 from refusion_jax.data.special_tokens import SpecialTokens, resolve_special_tokens, with_special_tokens
 from refusion_jax.data.tokenizer import Tokenizer
 from refusion_jax.model.config import ModelConfig, preset
@@ -19,21 +20,9 @@ from refusion_jax.training.objective import ObjectiveConfig
 
 # The `config.model` fields that configure how a model runs, not what it is.
 _RUNTIME_FIELDS = ("preset", "dtype", "param_dtype", "remat")
-# The fields an `init_from_hf` checkpoint must share with `config.model.preset` (the vocabulary may differ:
-# it follows the tokenizer, and grows for an added mask token).
-_ARCHITECTURE_FIELDS = (
-  "architecture",
-  "hidden_size",
-  "intermediate_size",
-  "num_layers",
-  "num_heads",
-  "num_kv_heads",
-  "head_dim",
-  "qk_norm",
-  "qkv_bias",
-  "tie_embeddings",
-  "rope_theta",
-)
+# The fields an `init_from_hf` checkpoint must share with `config.model.preset`: what its arrays determine, except
+# the vocabulary (it follows the tokenizer, and grows for an added mask token), and what they do not show.
+_ARCHITECTURE_FIELDS = ("architecture", *(f for f in ARRAY_FIELDS if f != "vocab_size"), "rope_theta")
 _SPECIAL_ID_FIELDS = {"mask": "mask_token_id", "eos": "eos_token_id", "pad": "pad_token_id"}
 
 
