@@ -380,7 +380,7 @@ def test_empty_source_is_named():
   [
     ("empty.json", b"", "empty.json is empty"),
     ("blank.json", b"  \n", "blank.json is empty"),
-    ("none.json", b"[]", "none.json hold no records"),
+    ("none.json", b"[]", "none.json holds no records"),
     (
       "latin1.json",
       '[{"query": "caf\u00e9", "response": "r"}]'.encode("latin-1"),

@@ -167,7 +167,8 @@ def _read_split(files: Sequence[str]) -> list[tuple[str, dict[str, str]]]:
     for index, record in enumerate(_read_records(path))
   ]
   if not examples:
-    raise DataError(f"{', '.join(files)} hold no records; a split needs at least one query/response object.")
+    verb = "holds" if len(files) == 1 else "hold"
+    raise DataError(f"{', '.join(files)} {verb} no records; a split needs at least one query/response object.")
   return examples
 
 
