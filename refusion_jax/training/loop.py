@@ -513,9 +513,9 @@ def _train_loop(
   def sync() -> dict:
     nonlocal step_seconds
     count = len(pending)
-    # The device may still be running the steps dispatched since the last sync: the watchdog allows their time.
+    # The device may still be running the last _STEPS_AHEAD steps: the watchdog allows for their time.
     waiting = f"waiting for the device to finish steps {pending[0][0]}-{step}"
-    with interrupts.phase(waiting, blocking=False, patience_s=3 * step_seconds * count):
+    with interrupts.phase(waiting, blocking=False, patience_s=3 * step_seconds * _STEPS_AHEAD):
       metrics = _sync_metrics(pending, result, logger, last_saved, checkpoints)
     step_seconds = (time.perf_counter() - synced_at) / count
     return metrics
