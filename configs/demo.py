@@ -63,12 +63,14 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.data.validation_files = ""  # json: comma-separated validation files
   config.data.seq_len = 64  # prompt + answer + EOS (the built-in tasks need <= 63); longer examples are dropped
   config.data.chat_template = False  # wrap queries in the tokenizer's chat template
+  config.data.warn_drop_fraction = 0.1  # warn once when a pass drops more than this share as too long
 
   config.batch_size = 32  # global batch (all processes)
   config.grad_accum_steps = 1  # microbatches per step (lax.scan inside the step)
   config.num_train_steps = 1_500  # optimizer updates; <= 0 means num_epochs passes over the data
   config.num_epochs = 1  # used only when num_train_steps <= 0
   config.stop_after_step = -1  # save and stop at this step while keeping the schedule of num_train_steps
+  config.stop_grace_s = 10.0  # after SIGTERM/SIGINT, seconds to reach a point where it can save; then exit
 
   config.optimizer = ml_collections.ConfigDict()
   config.optimizer.lr = 2e-3  # peak learning rate
@@ -107,6 +109,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.checkpoint.every = 500  # steps between checkpoints (and at the end / on SIGTERM)
   config.checkpoint.max_to_keep = 2  # older checkpoints are deleted
   config.checkpoint.async_save = True  # write files in the background
+  config.checkpoint.on_corrupt = "fallback"  # unreadable newest step: "fallback" (set aside, resume before) or "fail"
   if variant == "smoke":
     _shrink(config)
   return config

@@ -10,13 +10,29 @@ module only parses flags and joins a multi-process job.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from refusion_jax.checkpoints.orbax import CheckpointDamagedError, CheckpointMismatchError, CheckpointSaveError
+from refusion_jax.data.pipeline import DataError
+from refusion_jax.training.interrupts import RunInterrupted
 from refusion_jax.training.loop import NonFiniteLossError, train_and_evaluate
+from refusion_jax.training.run_lock import WorkdirLockedError
+
+# Failures the run explains itself: their message is the report, a traceback would only bury it.
+_REPORTED = (
+  NonFiniteLossError,
+  RunInterrupted,
+  DataError,
+  WorkdirLockedError,
+  CheckpointDamagedError,
+  CheckpointMismatchError,
+  CheckpointSaveError,
+)
 
 
 def initialize_distributed() -> None:
@@ -37,9 +53,25 @@ def main(argv: Sequence[str]) -> None:
   if os.environ.get("REFUSION_DISTRIBUTED"):
     initialize_distributed()
   try:
-    train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
-  except NonFiniteLossError as error:
-    raise SystemExit(f"error: {error}") from None  # exit status 1
+    result = train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
+  except _REPORTED as error:
+    _exit(f"error: {error}", 1)
+  if result.stopped_by == "preempted":
+    _exit("", 0)
+
+
+def _exit(message: str, status: int) -> None:
+  """Print `message` and end the process now.
+
+  A stopped run may leave data-reader threads busy (grain's prefetch keeps
+  filtering); their work is moot, and waiting for them would delay the exit.
+  """
+  if message:
+    print(message, file=sys.stderr)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  logging.flush()
+  os._exit(status)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from refusion_jax.checkpoints.orbax import abstract_model
 from refusion_jax.data.tokenizer import load_tokenizer
 from refusion_jax.parallel import sharding
 from refusion_jax.training import state as train_state
-from refusion_jax.training.loop import model_config_from, objective_config_from
+from refusion_jax.training.run_config import model_config_from, objective_config_from
 
 
 def synthetic_batch(batch_size: int, seq_len: int, pad_id: int, seed: int = 0) -> dict[str, np.ndarray]:

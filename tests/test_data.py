@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import threading
 
 import grain
 import numpy as np
@@ -292,3 +293,106 @@ def test_exhausted_task_reports_its_own_example_count(monkeypatch):
   monkeypatch.setattr(tasks, "_MAX_DRAWS_PER_EXAMPLE", 50)
   with pytest.raises(ValueError, match=r"'tiny' ran out of distinct train queries after 3 of its examples \(7 over"):
     tasks.generate_examples("train", 20, seed=4, tasks=("copy", "tiny"))
+
+
+# Unusable data ---------------------------------------------------------------
+
+
+def _first_batch_or_error(dataset, timeout_s: float = 120.0):
+  """next(iter(dataset)) on a thread: an endless wait fails the test instead of hanging it."""
+  outcome = {}
+
+  def fetch():
+    try:
+      outcome["batch"] = next(iter(dataset))
+    except Exception as error:  # handed to the test
+      outcome["error"] = error
+
+  thread = threading.Thread(target=fetch, daemon=True)
+  thread.start()
+  thread.join(timeout_s)
+  assert outcome, f"no batch and no error after {timeout_s} s: the pipeline hangs"
+  return outcome
+
+
+def _long_records(rng, count, min_len):
+  return [{"query": "q" * rng.randint(min_len, 2 * min_len), "response": _random_text(rng, 10)} for _ in range(count)]
+
+
+@pytest.mark.parametrize("shard_count", [1, 2])
+def test_endless_pass_that_keeps_nothing_is_an_error_with_the_numbers(shard_count):
+  rng = random.Random(21)
+  source = _long_records(rng, 30, 40)
+  shard = source[0::shard_count]
+  lengths = [len(TOKENIZER.encode(r["query"] + r["response"])) + 1 for r in shard]
+  dataset = pipeline.make_dataset(
+    source, TOKENIZER, seq_len=32, batch_size=4, seed=0, shard_index=0, shard_count=shard_count, name="data.json"
+  )
+  error = _first_batch_or_error(dataset).get("error")
+  assert isinstance(error, pipeline.DataError), error
+  message = str(error)
+  assert f"{len(shard)} of the {len(shard)} examples of data.json are longer than seq_len=32" in message
+  assert f"the shortest dropped has {min(lengths)}, the longest example {max(lengths)}" in message
+  assert f"raise seq_len to at least {min(lengths)}" in message
+
+
+def test_eval_pass_that_keeps_nothing_is_an_error_too():
+  source = _long_records(random.Random(22), 9, 40)
+  dataset = pipeline.make_dataset(source, TOKENIZER, seq_len=16, batch_size=4, seed=0, num_epochs=1, name="val.json")
+  with pytest.raises(pipeline.DataError, match="9 of the 9 examples of val.json"):
+    list(dataset)
+
+
+def test_many_drops_warn_once_with_the_numbers(caplog):
+  rng = random.Random(23)
+  source = [{"query": _random_text(rng, 6), "response": _random_text(rng, 6)} for _ in range(20)]
+  source += _long_records(rng, 10, 40)
+  dataset = pipeline.make_dataset(source, TOKENIZER, seq_len=32, batch_size=4, seed=0, name="mix.json")
+  with caplog.at_level("WARNING"):
+    iterator = iter(dataset)
+    for _ in range(20):  # several passes
+      next(iterator)
+  summaries = [r.message for r in caplog.records if "examples of mix.json" in r.message]
+  assert len(summaries) == 1 and "10 of the 30 examples of mix.json are longer than seq_len=32" in summaries[0]
+  caplog.clear()
+  with caplog.at_level("WARNING"):
+    list(
+      pipeline.make_dataset(source, TOKENIZER, seq_len=32, batch_size=4, seed=0, num_epochs=1, warn_drop_fraction=0.5)
+    )
+  assert "examples of the data" not in caplog.text  # 1/3 dropped: under the fraction
+
+
+@pytest.mark.parametrize("record", [{"query": "q"}, {"query": "q", "response": 7}, {"prompt": "q", "response": "r"}])
+def test_record_without_string_fields_is_named(record):
+  source = [{"query": "a", "response": "b"}] * 3 + [record]
+  dataset = pipeline.make_dataset(source, TOKENIZER, seq_len=32, batch_size=4, seed=0, num_epochs=1, name="mine")
+  with pytest.raises(pipeline.DataError, match="Record 3 of mine has no string"):
+    list(dataset)
+
+
+def test_empty_source_is_named():
+  with pytest.raises(pipeline.DataError, match="mine has no records"):
+    pipeline.make_dataset([], TOKENIZER, seq_len=32, batch_size=4, seed=0, name="mine")
+
+
+@pytest.mark.parametrize(
+  "name, content, message",
+  [
+    ("empty.json", b"", "empty.json is empty"),
+    ("blank.json", b"  \n", "blank.json is empty"),
+    ("none.json", b"[]", "none.json holds no records"),
+    (
+      "latin1.json",
+      '[{"query": "caf\u00e9", "response": "r"}]'.encode("latin-1"),
+      r"latin1.json is not UTF-8 text \(byte 15",
+    ),
+    ("lines.jsonl", b'{"query": "q", "response": "r"}\n{"query": \n', "lines.jsonl, line 2: not valid JSON"),
+    ("type.json", b'[{"query": "q", "response": ["r"]}]', "type.json, record 0: 'response' is a JSON list"),
+    ("missing.json", b'[{"query": "q", "response": "r"}, {"query": "q"}]', "missing.json, record 1: no 'response'"),
+    ("scalar.json", b'[{"query": "q", "response": "r"}, 3]', "scalar.json, record 1: a JSON int"),
+  ],
+)
+def test_bad_json_files_are_our_errors_naming_file_and_record(tmp_path, name, content, message):
+  (tmp_path / name).write_bytes(content)
+  with pytest.raises(pipeline.DataError, match=message):
+    builders.build_query_response_json(str(tmp_path / "data"), {"train": [str(tmp_path / name)]})

@@ -2,6 +2,8 @@
 
 import math
 
+import jax
+import jax.numpy as jnp
 import pytest
 from train_utils import smoke_config
 
@@ -41,3 +43,33 @@ def test_nan_between_syncs_is_caught_before_the_save(tmp_path, data_dir, monkeyp
   assert syncs == [[1, 2, 3, 4]]
   with Checkpoints(str(tmp_path / "checkpoints")) as checkpoints:
     assert checkpoints.all_steps() == []
+
+
+def test_host_runs_at_most_two_steps_ahead_of_the_device(tmp_path, data_dir, monkeypatch):
+  # A slow device: each step's loss goes through a long loop. Unbounded, the host (syncing only at the end here)
+  # would dispatch every step at once, and a SIGTERM would wait for all of them before it could save.
+  from refusion_jax.training import state
+
+  slow = jax.jit(lambda x: x + 0.0 * jax.lax.fori_loop(0, 5_000_000, lambda i, v: jnp.sin(v) + 1.0, x))
+  real = state.Placement.jit_step
+  behind = []  # at each dispatch: the earlier steps the device has not finished
+
+  def slow_steps(self, step_fn):
+    jitted, losses = real(self, step_fn), []
+
+    def run(*args):
+      behind.append(sum(not loss.is_ready() for loss in losses))
+      new_state, metrics = jitted(*args)
+      metrics = dict(metrics, loss=slow(metrics["loss"]))
+      losses.append(metrics["loss"])
+      return new_state, metrics
+
+    return run
+
+  monkeypatch.setattr(state.Placement, "jit_step", slow_steps)
+  config = smoke_config(data_dir, num_train_steps=10, eval_every=0, log_every=100)
+  config.checkpoint.every = 1000
+  syncs = _record_syncs(monkeypatch)
+  train.train_and_evaluate(config, str(tmp_path))
+  assert syncs == [list(range(1, 11))]  # still one sync, at the end
+  assert len(behind) == 10 and max(behind) <= 2, behind

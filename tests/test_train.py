@@ -20,6 +20,7 @@ from refusion_jax.model.config import preset, tiny
 from refusion_jax.model.transformer import init_model
 from refusion_jax.parallel.sharding import LOGICAL_AXIS_RULES, make_mesh
 from refusion_jax.training import loop as train
+from refusion_jax.training import run_config
 from refusion_jax.training import state as train_state
 from refusion_jax.training.objective import ObjectiveConfig
 
@@ -197,14 +198,14 @@ def test_hf_checkpoint_must_match_the_preset_naming_the_field():
   model_fields = load_config("refusion_qwen3_8b", "").model
   checkpoint = tiny()  # not a Qwen3-8B
   with pytest.raises(ValueError, match=r"hidden_size=64, config.model hidden_size=4096"):
-    train.check_hf_architecture(model_fields, checkpoint, "/models/x")
+    run_config.check_hf_architecture(model_fields, checkpoint, "/models/x")
   for field, value in (("num_layers", 35), ("tie_embeddings", True), ("head_dim", 64)):
     with pytest.raises(ValueError, match=rf"gives {field}="):
-      train.check_hf_architecture(model_fields, preset("qwen3_8b").replace(**{field: value}), "/models/x")
+      run_config.check_hf_architecture(model_fields, preset("qwen3_8b").replace(**{field: value}), "/models/x")
   # The vocabulary may differ (it follows the tokenizer); an empty preset accepts anything.
-  train.check_hf_architecture(model_fields, preset("qwen3_8b").replace(vocab_size=151_671), "/models/x")
+  run_config.check_hf_architecture(model_fields, preset("qwen3_8b").replace(vocab_size=151_671), "/models/x")
   model_fields.preset = ""
-  train.check_hf_architecture(model_fields, checkpoint, "/models/x")
+  run_config.check_hf_architecture(model_fields, checkpoint, "/models/x")
 
 
 def test_recipe_smoke_variant_fine_tunes_a_small_checkpoint_on_json_data(tmp_path):

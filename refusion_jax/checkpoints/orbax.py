@@ -18,20 +18,31 @@ stored shapes have been checked against it.
 To rebuild a model alone (sampling, `init_from`, conversion), `refusion_source`
 opens a step's `params` and `meta` for the loading front door
 (`refusion_jax.checkpoints.load`); `save_model` writes just those two items.
+
+What can go wrong has a type: a step that cannot be read (truncated, corrupt)
+is a `CheckpointDamagedError` and can be moved aside (`move_aside`) so that an
+earlier step is used; a step written for another model is a
+`CheckpointMismatchError`; a save that fails (disk full, a broken mount) is a
+`CheckpointSaveError` that names the last complete step, which a failed save
+never touches (old steps are deleted only after a new one is complete).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import grain
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from refusion_jax.checkpoints import orbax_tree
 from refusion_jax.checkpoints.mapping import Rule, Table
@@ -68,15 +79,62 @@ class _IteratorSnapshot:
     return self._state
 
 
+class CheckpointDamagedError(ValueError):
+  """A saved step cannot be read (truncated or corrupt files)."""
+
+  def __init__(self, message: str, step: int):
+    super().__init__(message)
+    self.step = step
+
+
+class CheckpointSaveError(RuntimeError):
+  """Writing a step failed; the steps saved before it are intact."""
+
+
+def _silence_closed_event_loop_noise() -> None:
+  """Drop the "Event loop is closed" reports that follow a failed read; pass every other one on.
+
+  After a failed read, tensorstore completes its futures into orbax's already
+  closed asyncio loop, and Python reports each as an unraisable exception:
+  tracebacks after our own message that say nothing more.
+  """
+  previous = sys.unraisablehook
+  if getattr(previous, "drops_closed_event_loop_noise", False):
+    return
+
+  def hook(unraisable: Any) -> None:
+    if isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed":
+      return
+    previous(unraisable)
+
+  hook.drops_closed_event_loop_noise = True
+  sys.unraisablehook = hook
+
+
+class _NoOrbaxTracebacks(logging.Filter):
+  """Orbax logs each failed background write with its traceback; `CheckpointSaveError` reports the failure."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname:
+      record.exc_info = record.exc_text = None
+    return True
+
+
 class Checkpoints:
   """Keep-N, asynchronous checkpoints of (params, train state, data state, metadata)."""
 
   def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
+    _silence_closed_event_loop_noise()
+    absl_logger = logging.getLogger("absl")
+    if not any(isinstance(f, _NoOrbaxTracebacks) for f in absl_logger.filters):
+      absl_logger.addFilter(_NoOrbaxTracebacks())
     self.directory = local_path(directory)
+    self._saving: int | None = None  # the step whose save may still be in flight
     options = ocp.CheckpointManagerOptions(
       max_to_keep=max_to_keep,
       enable_async_checkpointing=async_save,
       create=True,
+      cleanup_tmp_directories=True,  # the partial files of a save that failed or was killed
     )
     # Explicit handlers, so that a fresh manager can read item metadata before any restore.
     handlers = {
@@ -94,27 +152,46 @@ class Checkpoints:
     return list(self._manager.all_steps())
 
   def save(self, step: int, *, params: Any, train: Any, data_iterator: grain.DatasetIterator, meta: dict) -> None:
-    """Start saving `step` (returns once the arrays are off the devices)."""
-    self._manager.save(
-      step,
-      args=ocp.args.Composite(
-        **{
-          PARAMS: ocp.args.StandardSave(params),
-          TRAIN: ocp.args.StandardSave(train),
-          DATA: grain.checkpoint.CheckpointSave(_IteratorSnapshot(data_iterator)),
-          META: ocp.args.JsonSave(meta),
-        }
-      ),
-      force=True,
+    """Start saving `step` (returns once the arrays are off the devices).
+
+    Raises:
+      CheckpointSaveError: this save, or the previous one still in flight, failed.
+    """
+    args = ocp.args.Composite(
+      **{
+        PARAMS: ocp.args.StandardSave(params),
+        TRAIN: ocp.args.StandardSave(train),
+        DATA: grain.checkpoint.CheckpointSave(_IteratorSnapshot(data_iterator)),
+        META: ocp.args.JsonSave(meta),
+      }
     )
+    self._start(step, args)
+
+  def _start(self, step: int, args: ocp.args.Composite) -> None:
+    self.wait()  # a failure of the previous save is reported as that step's
+    self._saving = step
+    self._guarded(lambda: self._manager.save(step, args=args, force=True))
+
+  def _guarded(self, write: Callable[[], Any]) -> None:
+    """Run `write`, turning a failure of the save in flight into a `CheckpointSaveError`."""
+    try:
+      write()
+    except Exception as error:  # orbax and tensorstore raise many types for a failed write
+      failed, self._saving = self._saving, None
+      self._manager.reload()  # forget the failed step: only complete ones are on disk
+      raise CheckpointSaveError(
+        f"Saving checkpoint step {failed} to {self.directory} failed ({type(error).__name__}: {error}). "
+        f"The last complete checkpoint, step {self.latest_step()}, is intact and the run stopped. "
+        "Free disk space or repair the directory, then rerun the same command to resume from it."
+      ) from error
 
   def save_model(self, step: int, *, params: Any, meta: dict) -> None:
-    """Save only the parameters and the meta item: a model to sample from or to start a run with, not to resume."""
-    self._manager.save(
-      step,
-      args=ocp.args.Composite(**{PARAMS: ocp.args.StandardSave(params), META: ocp.args.JsonSave(meta)}),
-      force=True,
-    )
+    """Save only the parameters and the meta item: a model to sample from or to start a run with, not to resume.
+
+    Raises:
+      CheckpointSaveError: this save, or the previous one still in flight, failed.
+    """
+    self._start(step, ocp.args.Composite(**{PARAMS: ocp.args.StandardSave(params), META: ocp.args.JsonSave(meta)}))
 
   def restore(
     self,
@@ -148,23 +225,65 @@ class Checkpoints:
     except CheckpointMismatchError:
       raise
     except Exception as error:  # orbax / tensorstore raise many types for unreadable files
-      raise ValueError(
-        f"Checkpoint step {step} in {self.directory} could not be read; it may be truncated or "
-        f"corrupt ({type(error).__name__}: {error}). Delete {os.path.join(self.directory, str(step))} "
-        "to fall back to an earlier step, or start from a fresh workdir."
-      ) from error
+      raise self._damaged(step, error) from error
     return Restored(step=step, params=out[PARAMS], train=out.get(TRAIN), meta=out[META])
 
+  def _damaged(self, step: int, error: Exception) -> CheckpointDamagedError:
+    return CheckpointDamagedError(
+      f"Checkpoint step {step} in {self.directory} could not be read; it may be truncated or "
+      f"corrupt ({type(error).__name__}: {error}).",
+      step,
+    )
+
   def read_meta(self, step: int) -> dict:
-    return self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+    """The `meta` item of `step`.
+
+    Raises:
+      CheckpointDamagedError: it cannot be read.
+    """
+    try:
+      return self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+    except Exception as error:  # a missing or garbled JSON file, from orbax's handlers
+      raise self._damaged(step, error) from error
+
+  def move_aside(self, step: int, destination: str) -> str:
+    """Move the directory of `step` into `destination` (created), out of the manager's sight; returns its new path.
+
+    Process 0 moves it, every process then sees the remaining steps.
+    """
+    target = os.path.join(destination, str(step))
+    if jax.process_index() == 0:
+      suffix = 1
+      while os.path.exists(target):  # the same step damaged again in a later run
+        target = os.path.join(destination, f"{step}.{suffix}")
+        suffix += 1
+      os.makedirs(destination, exist_ok=True)
+      os.rename(os.path.join(self.directory, str(step)), target)
+    multihost_utils.sync_global_devices(f"refusion_jax: checkpoint {step} moved aside")
+    self._manager.reload()
+    return target
 
   def reached_preemption(self, step: int) -> bool:
     """Whether JAX's preemption notice (multi-host TPU) asks to save at `step`."""
     return self._manager.reached_preemption(step)
 
+  def check(self) -> None:
+    """Report a save that failed in the background, without waiting for the one in flight.
+
+    Raises:
+      CheckpointSaveError: a background save failed.
+    """
+    if not self._manager.is_saving_in_progress():  # then waiting costs nothing, and reports how it ended
+      self.wait()
+
   def wait(self) -> None:
-    """Block until every started save is on disk."""
-    self._manager.wait_until_finished()
+    """Block until every started save is on disk.
+
+    Raises:
+      CheckpointSaveError: a save in flight failed.
+    """
+    self._guarded(self._manager.wait_until_finished)
+    self._saving = None
 
   def close(self) -> None:
     self._manager.close()

@@ -31,6 +31,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import tensorflow_datasets as tfds
 
 from refusion_jax.data import tasks
+from refusion_jax.data.pipeline import DataError
 
 _FILE_FORMAT = "array_record"
 
@@ -116,22 +117,59 @@ class QueryResponseJsonConfig(tfds.core.BuilderConfig):
   split_files: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
-def _read_records(path: str) -> list[dict]:
-  with open(path, encoding="utf-8") as f:
-    text = f.read()
+def _read_records(path: str) -> list:
+  """The records of one file: a JSON list, or JSON Lines for a `.jsonl` file."""
   try:
-    if path.endswith(".jsonl"):
-      return [json.loads(line) for line in text.splitlines() if line.strip()]
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+  except UnicodeDecodeError as error:
+    raise DataError(f"{path} is not UTF-8 text (byte {error.start}: {error.reason}); save it as UTF-8 JSON.") from None
+  if not text.strip():
+    raise DataError(f'{path} is empty; expected a JSON list of {{"query", "response"}} objects.')
+  if path.endswith(".jsonl"):
+    records = []
+    for number, line in enumerate(text.splitlines(), 1):
+      if line.strip():
+        try:
+          records.append(json.loads(line))
+        except json.JSONDecodeError as error:
+          raise DataError(f"{path}, line {number}: not valid JSON ({error}).") from None
+    return records
+  try:
     records = json.loads(text)
   except json.JSONDecodeError as error:
-    raise ValueError(
+    raise DataError(
       f'{path} is not valid JSON ({error}); expected a list of {{"query", "response"}} objects.'
     ) from None
   if not isinstance(records, list):
-    raise ValueError(
+    raise DataError(
       f'{path} holds a JSON {type(records).__name__}; expected a list of {{"query", "response"}} objects.'
     )
   return records
+
+
+def _check_record(record, path: str, index: int) -> dict[str, str]:
+  if not isinstance(record, dict):
+    raise DataError(f"{path}, record {index}: a JSON {type(record).__name__}, expected an object.")
+  for key in ("query", "response"):
+    if key not in record:
+      raise DataError(f"{path}, record {index}: no {key!r} field (fields: {sorted(record)}).")
+    if not isinstance(record[key], str):
+      raise DataError(f"{path}, record {index}: {key!r} is a JSON {type(record[key]).__name__}, expected a string.")
+  return {"query": record["query"], "response": record["response"], "task": str(record.get("task", ""))}
+
+
+def _read_split(files: Sequence[str]) -> list[tuple[str, dict[str, str]]]:
+  """(key, example) of every record of a split's files, checked; a split without records is an error."""
+  examples = [
+    (f"{path}:{index}", _check_record(record, path, index))
+    for path in files
+    for index, record in enumerate(_read_records(path))
+  ]
+  if not examples:
+    verb = "holds" if len(files) == 1 else "hold"
+    raise DataError(f"{', '.join(files)} {verb} no records; a split needs at least one query/response object.")
+  return examples
 
 
 class QueryResponseJson(tfds.core.GeneratorBasedBuilder):
@@ -143,30 +181,16 @@ class QueryResponseJson(tfds.core.GeneratorBasedBuilder):
   def _info(self) -> tfds.core.DatasetInfo:
     return tfds.core.DatasetInfo(builder=self, features=_features(), description=self.__doc__)
 
-  def _split_generators(self, dl_manager):
+  def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict[str, Iterator]:
     del dl_manager  # local files
     split_files = self.builder_config.split_files
     if not split_files:
       raise ValueError("QueryResponseJsonConfig.split_files is empty; map a split name to its JSON files.")
-    return {split: self._generate_examples(files) for split, files in split_files.items()}
+    # Every file is read and checked before tfds writes anything: our errors, never a failed tfds write.
+    return {split: self._generate_examples(_read_split(files)) for split, files in split_files.items()}
 
-  def _generate_examples(self, files: Sequence[str]) -> Iterator[tuple[str, dict[str, str]]]:
-    for path in files:
-      for index, record in enumerate(_read_records(path)):
-        if (
-          not isinstance(record, dict)
-          or not isinstance(record.get("query"), str)
-          or not isinstance(record.get("response"), str)
-        ):
-          raise ValueError(f"{path}, record {index}: expected an object with string 'query' and 'response' fields.")
-        yield (
-          f"{path}:{index}",
-          {
-            "query": record["query"],
-            "response": record["response"],
-            "task": str(record.get("task", "")),
-          },
-        )
+  def _generate_examples(self, examples: list[tuple[str, dict[str, str]]]) -> Iterator[tuple[str, dict[str, str]]]:
+    yield from examples
 
 
 def build_query_response_json(

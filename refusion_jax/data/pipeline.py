@@ -14,11 +14,16 @@ A final partial batch (num_epochs set and drop_remainder=False) is filled with
 rows of pad_id whose prompt_len = answer_len = 0.
 
 Examples whose prompt + response + EOS exceed L are *dropped*, never truncated:
-a truncated answer would teach the model to stop without EOS. Each drop is
-counted and logged (absl WARNING at the 1st, 2nd, 4th, 8th, ... drop), so pick
-seq_len from the log if it complains. Dropping also means that, with a finite
-num_epochs, shards can yield different numbers of batches: a multi-host loop
-over a finite pass should run a fixed number of steps or use one process.
+a truncated answer would teach the model to stop without EOS. During the first
+pass over a shard each drop is counted (absl WARNING at the 1st, 2nd, 4th, ...
+drop); once every record of the shard has been seen, a pass that kept nothing
+is a `DataError` (naming the data, the drop count, the shortest example and the
+seq_len to set) instead of an endless wait, and one that dropped more than
+`warn_drop_fraction` of the records warns once with the same numbers. A record
+without string "query" / "response" fields is a `DataError` naming it.
+Dropping also means that, with a finite num_epochs, shards can yield different
+numbers of batches: a multi-host loop over a finite pass should run a fixed
+number of steps or use one process.
 
 Checkpointing: `it = iter(dataset)` is a `grain.DatasetIterator`;
 `it.get_state()` is a small JSON-serialisable dict and `it.set_state(state)`
@@ -30,7 +35,7 @@ the "data" item of an `ocp.args.Composite`.
 
 from __future__ import annotations
 
-import itertools
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -48,49 +53,92 @@ Batch = dict[str, np.ndarray]
 _DEFAULT_READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=256)
 
 
+class DataError(ValueError):
+  """Data that cannot be trained or evaluated on, named with what to change."""
+
+
 def decode_record(record: Mapping[str, Any]) -> dict[str, str]:
   """A record with str or UTF-8 bytes fields (tfds Text features read back as bytes) -> str fields."""
   return {key: value.decode("utf-8") if isinstance(value, bytes) else value for key, value in record.items()}
 
 
 class _Tokenize(grain.transforms.Map):
-  """record -> {"prompt": int32 [P], "answer": int32 [A]} with the EOS appended to the answer."""
+  """(source index, record) -> {"index": [], "prompt": int32 [P], "answer": int32 [A]}, EOS appended to the answer."""
 
-  def __init__(self, tokenizer: Tokenizer, chat_template: bool):
+  def __init__(self, tokenizer: Tokenizer, chat_template: bool, name: str):
     self._tokenizer = tokenizer
     self._chat_template = chat_template
+    self._name = name
 
-  def map(self, record: Mapping[str, Any]) -> dict[str, np.ndarray]:
+  def map(self, indexed: tuple[int, Mapping[str, Any]]) -> dict[str, Any]:
+    index, record = indexed
     record = decode_record(record)
+    bad = [key for key in ("query", "response") if not isinstance(record.get(key), str)]
+    if bad:
+      raise DataError(
+        f"Record {index} of {self._name} has no string {' or '.join(map(repr, bad))} field "
+        f"(fields: {sorted(record)}); every record needs string 'query' and 'response'."
+      )
     query = format_prompt(self._tokenizer, record["query"], self._chat_template)
     answer = self._tokenizer.encode(record["response"]) + [self._tokenizer.eos_id]
     return {
+      "index": index,
       "prompt": np.asarray(self._tokenizer.encode(query), np.int32),
       "answer": np.asarray(answer, np.int32),
     }
 
 
 class _DropTooLong(grain.transforms.Filter):
-  """Keeps examples whose prompt + answer fit in seq_len; counts and logs the others."""
+  """Keeps examples whose prompt + answer fit in seq_len; judges the first pass over the shard.
 
-  def __init__(self, seq_len: int):
+  Grain calls `filter` from several reader threads and, repeating, from later
+  epochs too; the first pass is over once every record of the shard (known by
+  its source index) has been seen once.
+  """
+
+  def __init__(self, seq_len: int, shard: range, name: str, warn_drop_fraction: float):
     self._seq_len = seq_len
-    self._dropped = itertools.count(1)  # next() is atomic under the GIL: safe across reader threads
+    self._shard = shard
+    self._name = name
+    self._warn_drop_fraction = warn_drop_fraction
+    self._lock = threading.Lock()
+    self._seen = np.zeros(len(shard), bool)
+    self._count = self._kept = 0
+    self._shortest_dropped, self._longest = None, 0
 
-  def filter(self, example: Mapping[str, np.ndarray]) -> bool:
+  def filter(self, example: Mapping[str, Any]) -> bool:
     length = len(example["prompt"]) + len(example["answer"])
-    if length <= self._seq_len:
-      return True
-    dropped = next(self._dropped)
-    if dropped & (dropped - 1) == 0:
-      logging.warning(
-        "Dropped %d example(s) longer than seq_len=%d so far (this one: %d prompt + %d answer tokens).",
-        dropped,
-        self._seq_len,
-        len(example["prompt"]),
-        len(example["answer"]),
-      )
-    return False
+    fits = length <= self._seq_len
+    with self._lock:
+      position = self._shard.index(example["index"])
+      if not self._seen[position]:
+        self._seen[position] = True
+        self._first_pass(length, fits)
+    return fits
+
+  def _first_pass(self, length: int, fits: bool) -> None:
+    self._count += 1
+    self._kept += fits
+    self._longest = max(self._longest, length)
+    dropped = self._count - self._kept
+    if not fits:
+      self._shortest_dropped = min(length, self._shortest_dropped or length)
+      if dropped & (dropped - 1) == 0:
+        logging.warning(
+          "Dropped %d example(s) longer than seq_len=%d so far (this one: %d tokens).", dropped, self._seq_len, length
+        )
+    if self._count < len(self._shard):
+      return
+    summary = (
+      f"{dropped} of the {self._count} examples of {self._name} are longer than seq_len={self._seq_len} "
+      f"(prompt + answer + EOS tokens; the shortest dropped has {self._shortest_dropped}, the longest example "
+      f"{self._longest})"
+    )
+    advice = f"raise seq_len to at least {self._shortest_dropped} ({self._longest} keeps every example)"
+    if not self._kept:
+      raise DataError(f"Nothing to train or evaluate on: {summary}. Shorten the examples, or {advice}.")
+    if dropped > self._warn_drop_fraction * self._count:
+      logging.warning("%s and are dropped; to keep them, %s.", summary, advice)
 
 
 class _PadToLength(grain.transforms.Map):
@@ -132,6 +180,8 @@ def make_dataset(
   chat_template: bool = False,
   drop_remainder: bool = False,
   read_options: grain.ReadOptions | None = None,
+  name: str = "the data",
+  warn_drop_fraction: float = 0.1,
 ) -> grain.IterDataset:
   """A grain dataset of token batches (see the module docstring for the contract).
 
@@ -150,6 +200,9 @@ def make_dataset(
     chat_template: wrap each query with `tokenizer.apply_chat_template`.
     drop_remainder: drop a final partial batch instead of filling it.
     read_options: grain reader threads and read-ahead.
+    name: what the data is, for messages (e.g. "the training data (train.json)").
+    warn_drop_fraction: warn once when the first pass drops more than this
+      share of the shard's records for being longer than seq_len.
 
   Returns:
     A `grain.IterDataset`; `iter()` of it is a checkpointable `grain.DatasetIterator`.
@@ -163,17 +216,24 @@ def make_dataset(
     raise ValueError(f"Need seq_len >= 2 and batch_size >= 1, got seq_len={seq_len}, batch_size={batch_size}.")
   if num_epochs is not None and num_epochs < 1:
     raise ValueError(f"num_epochs={num_epochs}; pass a positive count, or None to repeat forever.")
+  if not len(source):
+    raise DataError(f"{name} has no records.")
   if len(source) < shard_count:
     raise ValueError(f"The source has {len(source)} records, fewer than shard_count={shard_count}.")
 
-  dataset = grain.MapDataset.source(source)[shard_index::shard_count]
+  shard = range(shard_index, len(source), shard_count)
+  # Records keep their source index through the shuffle: messages name it, and the filter knows a pass by it.
+  # Repeated epochs reach the source with indices past its end, read modulo its length.
+  size = len(source)
+  dataset = grain.MapDataset.source(source).map_with_index(lambda index, record: (index % size, record))
+  dataset = dataset[shard_index::shard_count]
   if shuffle:
     dataset = dataset.shuffle(seed=seed)
   if num_epochs != 1:
     dataset = dataset.repeat(num_epochs)
   dataset = (
-    dataset.map(_Tokenize(tokenizer, chat_template))
-    .filter(_DropTooLong(seq_len))
+    dataset.map(_Tokenize(tokenizer, chat_template, name))
+    .filter(_DropTooLong(seq_len, shard, name, warn_drop_fraction))
     .map(_PadToLength(seq_len, tokenizer.pad_id))
   )
   return dataset.to_iter_dataset(read_options or _DEFAULT_READ_OPTIONS).batch(

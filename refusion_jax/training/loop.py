@@ -6,10 +6,15 @@
 `train_and_evaluate(config, workdir)` does everything; `refusion_jax.train` only parses flags.
 The loop:
 
+0. Take the workdir's lock (`run_lock`): one run per workdir.
 1. Build (once) and open the data: the built-in tasks or query/response JSON.
+   Data that cannot be used is a `DataError` at once (no example fits
+   `seq_len`, a bad record), for the validation split too.
 2. Build the train state where it lives (`refusion_jax.training.state`):
    parameters and optimizer state are created by a jitted init whose outputs
-   carry the mesh shardings. Precedence: resume from `workdir/checkpoints`, else `init_from_hf` (or an
+   carry the mesh shardings. Precedence: resume from the newest *intact* step
+   of `workdir/checkpoints` (a damaged one is moved to `workdir/checkpoints_damaged`
+   when `checkpoint.on_corrupt="fallback"`), else `init_from_hf` (or an
    `init_from` that is a Hugging Face directory), else `init_from` (a run of
    ours, a tunix or MaxText checkpoint; `init_format` says which, default
    detect), else `init_from_checkpoint` (parameters of another run), else a
@@ -21,37 +26,44 @@ The loop:
 4. The host syncs with the device only at log, eval and checkpoint steps
    (and `stop_after_step`), not every step: there it reads the metrics of
    every step since the last sync and checks their loss and gradient norm, so
-   a non-finite value stops the run before anything of it is saved. SIGTERM
-   (preemption) sets a flag, polled at the same syncs; the loop saves and
-   returns cleanly.
+   a non-finite value stops the run before anything of it is saved. The
+   host runs at most `_STEPS_AHEAD` steps ahead of the device (a wait, no
+   transfer), so that a stop never waits for a long queue of steps.
+   SIGTERM / SIGINT (`interrupts`) end the run within seconds whatever it is
+   doing: a one-process run makes the next step boundary a sync and stops
+   there, or stops out of a blocked wait (data, evaluation), saving the last
+   step not yet saved; a multi-process run agrees on the signal at its next
+   sync, so that every process saves the same step. Stuck past the grace time
+   (native code, a wait that never ends), or on a second signal, it exits at
+   once.
 5. Periodically: TensorBoard / console metrics, validation loss, exact match
    and tokens-per-forward of decoding (`refusion_jax.training.evaluate`), and
-   checkpoints.
+   checkpoints. A failed save is a `CheckpointSaveError`; the steps before it
+   stay intact.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
-import signal
-import threading
 import time
-from collections.abc import Sequence
-from types import FrameType
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grain
 import jax
 import ml_collections
 import numpy as np
-from absl import logging
+import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 
 from refusion_jax.checkpoints.hf import load_hf_config
 from refusion_jax.checkpoints.orbax import (
   CHECKPOINT_SUBDIR,
+  CheckpointDamagedError,
   Checkpoints,
   abstract_model,
   load_model_from_checkpoint,
@@ -60,13 +72,19 @@ from refusion_jax.checkpoints.orbax import (
 )
 from refusion_jax.checkpoints.vocab import MASK_TOKEN, load_hf_for_training
 from refusion_jax.data import pipeline
-from refusion_jax.data.special_tokens import SpecialTokens, resolve_special_tokens, with_special_tokens
 from refusion_jax.data.tokenizer import Tokenizer, load_tokenizer
-from refusion_jax.model.config import ModelConfig, preset
+from refusion_jax.model.config import ModelConfig
 from refusion_jax.parallel import sharding
+from refusion_jax.training import run_lock
 from refusion_jax.training.evaluate import evaluate_decoding, evaluate_loss, format_report, format_samples
+from refusion_jax.training.interrupts import Interrupts, RunInterrupted, StopRequested
 from refusion_jax.training.metrics import MetricsLogger, console
-from refusion_jax.training.objective import ObjectiveConfig
+from refusion_jax.training.run_config import (
+  check_hf_architecture,
+  check_required_fields,
+  model_config_from,
+  objective_config_from,
+)
 from refusion_jax.training.state import (
   Placement,
   TrainState,
@@ -77,6 +95,9 @@ from refusion_jax.training.state import (
   make_train_step,
   state_with_params,
 )
+
+# Where damaged checkpoints are moved inside a workdir (next to CHECKPOINT_SUBDIR, out of the manager's sight).
+DAMAGED_SUBDIR = "checkpoints_damaged"
 
 
 class NonFiniteLossError(RuntimeError):
@@ -98,96 +119,6 @@ class TrainResult:
   evals: list[tuple[int, dict[str, float]]]
   samples: list[dict[str, Any]]
   stopped_by: str
-
-
-# ----------------------------------------------------------------- configuration
-
-# The `config.model` fields that configure how a model runs, not what it is.
-_RUNTIME_FIELDS = ("preset", "dtype", "param_dtype", "remat")
-# The fields an `init_from_hf` checkpoint must share with `config.model.preset` (the vocabulary may differ:
-# it follows the tokenizer, and grows for an added mask token).
-_ARCHITECTURE_FIELDS = (
-  "architecture",
-  "hidden_size",
-  "intermediate_size",
-  "num_layers",
-  "num_heads",
-  "num_kv_heads",
-  "head_dim",
-  "qk_norm",
-  "qkv_bias",
-  "tie_embeddings",
-  "rope_theta",
-)
-_SPECIAL_ID_FIELDS = {"mask": "mask_token_id", "eos": "eos_token_id", "pad": "pad_token_id"}
-
-
-def model_config_from(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> ModelConfig:
-  """`config.model.preset` with every other `config.model` field as an override.
-
-  Special token ids follow `resolve_special_tokens`: ids set in `config.model`,
-  then the tokenizer's, then the preset's; the model config records them, so
-  that a checkpoint's model config is enough to decode.
-  """
-  fields = dict(config.model)
-  model_config = preset(fields.pop("preset"), **fields)
-  explicit = SpecialTokens(**{name: fields.get(field) for name, field in _SPECIAL_ID_FIELDS.items()})
-  return with_special_tokens(model_config, resolve_special_tokens(explicit, tokenizer=tokenizer, config=model_config))
-
-
-def check_hf_architecture(model_fields: ml_collections.ConfigDict, hf_config: ModelConfig, path: str) -> None:
-  """An `init_from_hf` checkpoint must have the architecture `config.model` describes (unless its preset is "").
-
-  Raises:
-    ValueError: naming the first field where the checkpoint's config.json and
-      `config.model` differ.
-  """
-  name = model_fields.get("preset", "")
-  if not name:
-    return
-  overrides = {k: v for k, v in dict(model_fields).items() if k not in _RUNTIME_FIELDS}
-  expected = preset(name, **overrides)
-  for field in _ARCHITECTURE_FIELDS:
-    want, got = getattr(expected, field), getattr(hf_config, field)
-    if want != got:
-      raise ValueError(
-        f"config.init_from_hf={path!r} is not the architecture config.model describes (preset {name!r}): "
-        f"its config.json gives {field}={got!r}, config.model {field}={want!r}. Point config.init_from_hf at a "
-        f"{name} checkpoint, or set --config.model.preset='' to fine-tune any architecture."
-      )
-
-
-def check_required_fields(config: ml_collections.ConfigDict, resuming: bool) -> None:
-  """Fields a run cannot start without, all named at once before anything is built."""
-  missing = []
-  if not (resuming or config.init_from_hf or config.init_from_checkpoint or config.tokenizer):
-    missing.append(
-      "config.init_from_hf (a Hugging Face checkpoint directory to fine-tune) or config.tokenizer "
-      "('bytes' or a tokenizer directory, to train from scratch)"
-    )
-  if config.data.dataset == "json" and not config.data.get("train_files"):
-    missing.append("config.data.train_files (comma-separated query/response JSON files)")
-  if missing:
-    raise ValueError(
-      "The config leaves required fields empty: " + "; ".join(missing) + ". Set them on the command line, "
-      "e.g. --config.init_from_hf=/path/to/Qwen3-8B --config.data.train_files=train.json."
-    )
-
-
-def objective_config_from(config: ml_collections.ConfigDict, model_config: ModelConfig) -> ObjectiveConfig:
-  """The objective of `config.objective`, with the model's mask and pad ids."""
-  mask_id = model_config.mask_token_id
-  if mask_id is None:
-    if config.objective.kind != "ar":
-      raise ValueError("The model has no mask token id; set config.model.mask_token_id or use a tokenizer with one.")
-    mask_id = 0  # never fed: the AR objective masks nothing
-  return ObjectiveConfig(
-    kind=config.objective.kind,
-    slot_sizes=tuple(config.objective.slot_sizes),
-    eps=config.objective.eps,
-    mask_id=mask_id,
-    pad_id=model_config.pad_token_id,
-  )
 
 
 # ------------------------------------------------------------------ data
@@ -221,6 +152,13 @@ def _open_splits(config: ml_collections.ConfigDict, workdir: str) -> dict[str, A
   raise ValueError(f"config.data.dataset={data.dataset!r}; choose 'tasks' or 'json'.")
 
 
+def data_name(config: ml_collections.ConfigDict, split: str) -> str:
+  """What a split is, for messages: its files, or the built-in tasks."""
+  if config.data.dataset == "json":
+    return f"the {split} data (config.data.{split}_files={config.data.get(f'{split}_files')})"
+  return f"the {split} split of the built-in tasks {tuple(config.data.tasks)}"
+
+
 def batches(
   source: Sequence, tokenizer: Tokenizer, config: ml_collections.ConfigDict, *, train: bool
 ) -> grain.IterDataset:
@@ -234,42 +172,9 @@ def batches(
     shuffle=train,
     num_epochs=None if train else 1,
     chat_template=config.data.chat_template,
+    name=data_name(config, "train" if train else "validation"),
+    warn_drop_fraction=config.data.warn_drop_fraction,
   )
-
-
-# ------------------------------------------------------------------ preemption
-
-
-class StopSignal:
-  """Turns SIGTERM into a flag the loop polls, so it can save and exit cleanly.
-
-  Across processes the flag is OR-ed at every host sync (all processes must save the
-  same step); JAX's own preemption notice (`reached_preemption`) counts too.
-  """
-
-  def __init__(self):
-    self.received = False
-    self._previous = None
-    if threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
-    else:
-      logging.warning("Not in the main thread: SIGTERM will not trigger a checkpoint.")
-
-  def _handle(self, signum: int, frame: FrameType | None) -> None:
-    del signum, frame
-    self.received = True
-
-  def should_stop(self, checkpoints: Checkpoints, step: int) -> bool:
-    """Whether any process was signalled, or JAX's preemption notice asks to save at `step`."""
-    flag = self.received
-    if jax.process_count() > 1:
-      flag = bool(np.max(multihost_utils.process_allgather(np.int32(flag))))
-    return flag or checkpoints.reached_preemption(step)
-
-  def restore(self) -> None:
-    """Reinstall the SIGTERM handler that was there before."""
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
 
 
 # ------------------------------------------------------------------ where the model comes from
@@ -285,13 +190,62 @@ class _Start:
   params: nnx.State | None = None  # initial parameters (HF or another run); None = random
 
 
+@dataclasses.dataclass
+class _Ready:
+  """The start, and what depends on it: tokenizer, state placement, data iterator, the state itself."""
+
+  start: _Start
+  tokenizer: Tokenizer
+  placement: Placement
+  train_iter: grain.DatasetIterator
+  state: TrainState
+
+
+def _prepare(
+  config: ml_collections.ConfigDict,
+  checkpoints: Checkpoints,
+  build: Callable[[_Start], _Ready],
+  interrupts: Interrupts,
+  damaged_dir: str,
+) -> _Ready:
+  """Resume from the newest intact checkpoint, else start as `config` says (never silently from scratch)."""
+  steps = checkpoints.all_steps()
+  for step in reversed(steps):
+    try:
+      with interrupts.phase(f"restoring checkpoint step {step}", blocking=True):
+        meta = checkpoints.read_meta(step)
+        return build(_Start(ModelConfig(**meta["model_config"]), meta["tokenizer"], resume_step=step))
+    except CheckpointDamagedError as error:
+      _set_aside(config, checkpoints, error, damaged_dir)
+  if steps or (os.path.isdir(damaged_dir) and os.listdir(damaged_dir)):
+    raise CheckpointDamagedError(
+      f"Every checkpoint of {checkpoints.directory} is damaged (moved to {damaged_dir}); refusing to start "
+      f"from scratch in a workdir that held a run. Delete {damaged_dir} to start over, or use a new workdir.",
+      step=-1,
+    )
+  with interrupts.phase("loading the initial model", blocking=True):
+    return build(_find_start(config, checkpoints))
+
+
+def _set_aside(
+  config: ml_collections.ConfigDict, checkpoints: Checkpoints, error: CheckpointDamagedError, damaged_dir: str
+) -> None:
+  """Move a damaged step out of the way (`checkpoint.on_corrupt="fallback"`), or stop ("fail")."""
+  where = os.path.join(checkpoints.directory, str(error.step))
+  if config.checkpoint.on_corrupt == "fail":
+    raise CheckpointDamagedError(
+      f"{error} With checkpoint.on_corrupt='fail' the run stops: move {where} aside (or set "
+      "--config.checkpoint.on_corrupt=fallback) to resume from the step before it.",
+      error.step,
+    ) from error
+  moved = checkpoints.move_aside(error.step, damaged_dir)
+  console(f"{error} Moved it to {moved} (kept, not deleted); trying the step before it.")
+
+
 def _find_start(config: ml_collections.ConfigDict, checkpoints: Checkpoints) -> _Start:
+  """Where a run that does not resume starts (the precedence after resuming, in the module docstring)."""
   from refusion_jax.checkpoints import load as checkpoint_loader  # the front door for every checkpoint format
 
-  latest = checkpoints.latest_step()
-  if latest is not None:
-    meta = checkpoints.read_meta(latest)
-    return _Start(ModelConfig(**meta["model_config"]), meta["tokenizer"], resume_step=latest)
   init_from = config.get("init_from", "")
   init_format = checkpoint_loader.locate(init_from, config.get("init_format", "auto")).format if init_from else ""
   if init_format == "hf":
@@ -340,10 +294,10 @@ def _start_from_hf(config: ml_collections.ConfigDict, checkpoint_dir: str) -> _S
 def _initial_state(
   config: ml_collections.ConfigDict,
   start: _Start,
-  tx: Any,
+  tx: optax.GradientTransformation,
   placement: Placement,
   checkpoints: Checkpoints,
-  train_iter: Any,
+  train_iter: grain.DatasetIterator,
 ) -> TrainState:
   if start.resume_step is not None:
     abstract = placement.abstract_state
@@ -373,26 +327,71 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Train
   """Train (resuming from `workdir` if it holds checkpoints), evaluate, checkpoint; see the module docstring.
 
   `workdir` must be a path every process sees (local disk for one process;
-  NFS / gcsfuse for a pod).
+  NFS / gcsfuse for a pod). One run at a time holds it (`run_lock`).
 
   Raises:
     NonFiniteLossError: the loss or gradient norm became NaN/Inf; no checkpoint
       of that step or later was written.
+    RunInterrupted: SIGTERM / SIGINT came before the run had anything new to save.
+    DataError: the data is unusable (no example fits, bad records).
+    WorkdirLockedError: another run holds `workdir`.
+    CheckpointDamagedError: a checkpoint cannot be read and `checkpoint.on_corrupt` is "fail"
+      (or every checkpoint is damaged).
+    CheckpointSaveError: writing a checkpoint failed; the earlier ones are intact.
   """
   workdir = local_path(workdir)
   os.makedirs(workdir, exist_ok=True)
-  stop_signal = StopSignal()
-  checkpoints = Checkpoints(
-    os.path.join(workdir, CHECKPOINT_SUBDIR),
-    max_to_keep=config.checkpoint.max_to_keep,
-    async_save=config.checkpoint.async_save,
-  )
+  if config.checkpoint.on_corrupt not in ("fallback", "fail"):
+    raise ValueError(f"checkpoint.on_corrupt={config.checkpoint.on_corrupt!r}; choose 'fallback' or 'fail'.")
+  interrupts = Interrupts(grace_s=config.stop_grace_s)
   try:
-    return _train_loop(config, workdir, checkpoints, stop_signal)
+    with _workdir_lock(workdir):
+      checkpoints = Checkpoints(
+        os.path.join(workdir, CHECKPOINT_SUBDIR),
+        max_to_keep=config.checkpoint.max_to_keep,
+        async_save=config.checkpoint.async_save,
+      )
+      try:
+        result = _train_loop(config, workdir, checkpoints, interrupts)
+        with interrupts.phase("writing checkpoints", blocking=False, patience_s=_WRITE_PATIENCE_S):
+          checkpoints.wait()
+        return result
+      except BaseException:
+        with (
+          interrupts.phase("writing checkpoints", blocking=False, patience_s=_WRITE_PATIENCE_S),
+          contextlib.suppress(Exception),  # the first error is the one to report
+        ):
+          checkpoints.wait()
+        raise
+      finally:
+        with contextlib.suppress(Exception):
+          checkpoints.close()
+  except StopRequested as stop:
+    raise RunInterrupted(
+      f"Stopped by {stop}: nothing was trained in this run yet, so nothing new is saved. Rerun the same "
+      "command to start again (a resumed run continues from its last checkpoint)."
+    ) from None
   finally:
-    checkpoints.wait()
-    checkpoints.close()
-    stop_signal.restore()
+    interrupts.close()
+
+
+@contextlib.contextmanager
+def _workdir_lock(workdir: str) -> Iterator[None]:
+  """Process 0 holds the workdir's lock for the whole job; every process fails together if it cannot."""
+  path, refusal = None, ""
+  if jax.process_index() == 0:
+    try:
+      path = run_lock.acquire(workdir)
+    except run_lock.WorkdirLockedError as error:
+      refusal = str(error)
+  locked = multihost_utils.broadcast_one_to_all(np.int32(not refusal))
+  if not locked:
+    raise run_lock.WorkdirLockedError(refusal or f"Process 0 could not lock {workdir}; see its log.")
+  try:
+    yield
+  finally:
+    if path is not None:
+      run_lock.release(path)
 
 
 def _total_steps(config: ml_collections.ConfigDict, num_train_records: int) -> int:
@@ -413,22 +412,58 @@ def _check_batch_size(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh
     )
 
 
+class _Position:
+  """The data iterator's state after the batch of a step: what that step's checkpoint must hold.
+
+  Taken after every batch, so that a run stopped while fetching the next one
+  (the iterator then mid-way) still saves where its last step stood.
+  """
+
+  def __init__(self, iterator: grain.DatasetIterator):
+    self._state = iterator.get_state()
+
+  def get_state(self) -> dict:
+    return self._state
+
+
+def _stop_requested(interrupts: Interrupts, checkpoints: Checkpoints, step: int) -> bool:
+  """Whether any process received a signal, or JAX's preemption notice asks to save at `step`."""
+  flag = interrupts.requested is not None
+  if jax.process_count() > 1:  # every process must stop, and save, at the same step
+    flag = bool(np.max(multihost_utils.process_allgather(np.int32(flag))))
+  return flag or checkpoints.reached_preemption(step)
+
+
 def _train_loop(
-  config: ml_collections.ConfigDict, workdir: str, checkpoints: Checkpoints, stop_signal: StopSignal
+  config: ml_collections.ConfigDict, workdir: str, checkpoints: Checkpoints, interrupts: Interrupts
 ) -> TrainResult:
-  check_required_fields(config, resuming=checkpoints.latest_step() is not None)
-  splits = open_splits(config, workdir)
+  check_required_fields(config, resuming=bool(checkpoints.all_steps()))
+  with interrupts.phase("building the data", blocking=True):
+    splits = open_splits(config, workdir)
   validation = splits.get("validation")
   total_steps = _total_steps(config, len(splits["train"]))
   tx, schedule = make_optimizer(config.optimizer, total_steps)
   mesh = sharding.make_mesh(dict(config.mesh))
   _check_batch_size(config, mesh)
 
-  start = _find_start(config, checkpoints)
-  tokenizer = _resolve_tokenizer(start.tokenizer_name, checkpoints.directory)
-  placement = make_placement(init_state_fn(start.model_config, tx, config.seed), mesh, config.sharding_rules)
-  train_iter = iter(batches(splits["train"], tokenizer, config, train=True))
-  state = _initial_state(config, start, tx, placement, checkpoints, train_iter)
+  def build(start: _Start) -> _Ready:
+    tokenizer = _resolve_tokenizer(start.tokenizer_name, checkpoints.directory)
+    placement = make_placement(init_state_fn(start.model_config, tx, config.seed), mesh, config.sharding_rules)
+    train_iter = iter(batches(splits["train"], tokenizer, config, train=True))
+    state = _initial_state(config, start, tx, placement, checkpoints, train_iter)
+    return _Ready(start, tokenizer, placement, train_iter, state)
+
+  ready = _prepare(config, checkpoints, build, interrupts, os.path.join(workdir, DAMAGED_SUBDIR))
+  start, tokenizer, placement, train_iter, state = (
+    ready.start,
+    ready.tokenizer,
+    ready.placement,
+    ready.train_iter,
+    ready.state,
+  )
+  if validation is not None and config.eval_every > 0:
+    with interrupts.phase("checking the validation data", blocking=True):
+      next(iter(batches(validation, tokenizer, config, train=False)))  # a DataError now, not at the first eval
 
   objective = objective_config_from(config, start.model_config)
   graphdef, _ = abstract_model(start.model_config)
@@ -437,48 +472,80 @@ def _train_loop(
   # Rematerialisation only saves memory in a backward pass, and nnx.remat fails inside the decode loop's trace.
   decode_graphdef, _ = abstract_model(start.model_config.replace(remat=False))
   meta = model_meta(start.model_config, start.tokenizer_name, objective=objective.kind)
-  step = int(state.step)
+  step = first_step = int(state.step)
+  position = _Position(train_iter)
   logger = MetricsLogger(workdir, total_steps=total_steps, initial_step=step)
   result = TrainResult(step=step, losses={}, evals=[], samples=[], stopped_by="finished")
   last_saved = start.resume_step
 
   def save() -> None:
     nonlocal last_saved
-    checkpoints.save(step, params=state.params, train=state.train_part(), data_iterator=train_iter, meta=meta)
+    with interrupts.phase(f"saving step {step}", blocking=False, patience_s=_SAVE_PATIENCE_S):
+      checkpoints.save(step, params=state.params, train=state.train_part(), data_iterator=position, meta=meta)
     last_saved = step
 
+  # Only a one-process run stops out of a blocked wait (data, evaluation): the processes of a multi-process run
+  # must all stop, and save, at one step, which they agree on at a host sync; a wait that never ends there meets
+  # the watchdog instead.
+  alone = jax.process_count() == 1
+
   def run_eval() -> None:
-    metrics = evaluate_loss(
-      eval_fn,
-      state.params,
-      batches(validation, tokenizer, config, train=False),
-      num_batches=config.eval.num_loss_batches,
-      seed=config.seed,
-      placement=placement,
-    )
-    decoded, result.samples = evaluate_decoding(nnx.merge(decode_graphdef, state.params), validation, tokenizer, config)
+    with interrupts.phase(f"evaluating at step {step}", blocking=alone):
+      metrics = evaluate_loss(
+        eval_fn,
+        state.params,
+        batches(validation, tokenizer, config, train=False),
+        num_batches=config.eval.num_loss_batches,
+        seed=config.seed,
+        placement=placement,
+      )
+      decoded, samples = evaluate_decoding(nnx.merge(decode_graphdef, state.params), validation, tokenizer, config)
     metrics.update(decoded)
+    result.samples = samples
     logger.write(step, metrics, "eval")
-    logger.write_text(step, "eval/samples", format_samples(result.samples[: config.num_samples_to_print]))
+    logger.write_text(step, "eval/samples", format_samples(samples[: config.num_samples_to_print]))
     result.evals.append((step, metrics))
 
-  last_time, tokens_since = time.perf_counter(), 0
   pending = []  # (step, metrics on device) since the last host sync
+  # The device's seconds per step, measured between syncs (0 until the first: a signal then gets the grace time).
+  step_seconds, synced_at = 0.0, time.perf_counter()
+
+  def sync() -> dict:
+    nonlocal step_seconds
+    count = len(pending)
+    # The device may still be running the last _STEPS_AHEAD steps: the watchdog allows for their time.
+    waiting = f"waiting for the device to finish steps {pending[0][0]}-{step}"
+    with interrupts.phase(waiting, blocking=False, patience_s=3 * step_seconds * _STEPS_AHEAD):
+      metrics = _sync_metrics(pending, result, logger, last_saved, checkpoints)
+    step_seconds = (time.perf_counter() - synced_at) / count
+    return metrics
+
+  last_time, tokens_since = time.perf_counter(), 0
   try:
     while step < total_steps:
-      batch = next(train_iter)
+      with interrupts.phase("waiting for training data", blocking=alone):
+        batch = next(train_iter)
+        next_position = _Position(train_iter)
       tokens_since += int(np.sum(batch["prompt_len"] + batch["answer_len"]))
-      state, metrics = step_fn(state, placement.batch(batch))
-      step += 1
-      pending.append((step, metrics))
+      # A step cannot be cut short (its input state is donated); dispatching it returns at once, after compiling
+      # the first time, and then waits for the device to be at most _STEPS_AHEAD steps behind.
+      busy = f"running train step {step + 1}" + (" (compiling it first)" if step == first_step else "")
+      with interrupts.phase(busy, blocking=False, patience_s=3 * step_seconds):
+        state, metrics = step_fn(state, placement.batch(batch))
+        pending.append((step + 1, metrics))
+        if len(pending) > _STEPS_AHEAD:
+          jax.block_until_ready(pending[-1 - _STEPS_AHEAD][1])  # a wait, no transfer: not a host sync
+      step, position = step + 1, next_position
+      checkpoints.check()  # a background write that failed stops the run now (a host-side check, no device sync)
       logs = step % config.log_every == 0 or step == total_steps
       evals = (
         validation is not None and config.eval_every > 0 and (step % config.eval_every == 0 or step == total_steps)
       )
       saves = step % config.checkpoint.every == 0 or step == total_steps
-      if not (logs or evals or saves or step == config.stop_after_step):
+      signalled = alone and interrupts.requested is not None  # a one-process run stops at this step
+      if not (logs or evals or saves or signalled or step == config.stop_after_step):
         continue  # the device runs ahead; the host syncs only where it logs, evaluates, saves or may stop
-      metrics = _sync_metrics(pending, result, logger, last_saved, checkpoints)
+      metrics = sync()
       if logs:
         elapsed = time.perf_counter() - last_time
         scalars = {k: float(v) for k, v in metrics.items() if not k.startswith("num_")}
@@ -488,7 +555,8 @@ def _train_loop(
         run_eval()
       if saves:
         save()
-      if stop_signal.should_stop(checkpoints, step):
+      synced_at = time.perf_counter()  # evaluating and saving are not the device's step time
+      if _stop_requested(interrupts, checkpoints, step):
         result.stopped_by = "preempted"
       elif step == config.stop_after_step:
         result.stopped_by = "stop_after_step"
@@ -498,6 +566,12 @@ def _train_loop(
         save()
       console(f"Stopping at step {step} ({result.stopped_by}); checkpoint saved in {checkpoints.directory}.")
       break
+  except StopRequested as stop:
+    if pending:  # check the steps not yet read back first: a non-finite state is never saved
+      sync()
+    _save_on_stop(stop, step, first_step, last_saved, save, checkpoints.directory)
+    result.stopped_by = "preempted"
+    console(f"Stopping at step {step} ({result.stopped_by}) on {stop}; checkpoint saved in {checkpoints.directory}.")
   finally:
     logger.close()
   result.step = step
@@ -528,6 +602,32 @@ def _sync_metrics(
     result.losses[step] = float(metrics["loss"])
     logger.step(result.losses[step])
   return steps[-1][1]
+
+
+# How many dispatched steps the device may still have to run: enough to keep it busy while the host fetches the next
+# batch, few enough that a signal waits for them (before saving) seconds, not a whole log interval of steps.
+_STEPS_AHEAD = 2
+# Seconds a save may take to copy the state off the devices, and the last writes to reach the disk, before the
+# watchdog gives up on them after a signal.
+_SAVE_PATIENCE_S = 120.0
+_WRITE_PATIENCE_S = 600.0
+
+
+def _save_on_stop(
+  stop: StopRequested, step: int, first_step: int, last_saved: int | None, save: Callable[[], None], where: str
+) -> None:
+  """After a signal that interrupted a blocked phase: save the last step if it is new, else stop without saving.
+
+  Only a one-process run gets here after its first step (a multi-process run's loop does not block on signals).
+  """
+  if last_saved == step:
+    return
+  if step == first_step:
+    raise RunInterrupted(
+      f"Stopped by {stop} before the first step of this run: nothing new to save (the last checkpoint in "
+      f"{where} is step {last_saved}). Rerun the same command to continue."
+    )
+  save()
 
 
 def _check_finite(metrics: dict, step: int, last_saved: int | None, checkpoints: Checkpoints) -> None:

@@ -1,0 +1,94 @@
+"""What a training config means: the model config, the objective, and the checks made before anything runs.
+
+- `model_config_from`: `config.model` (a preset plus overrides) with the special
+  ids resolved against the tokenizer.
+- `check_hf_architecture`: an `init_from_hf` checkpoint must be the architecture
+  `config.model.preset` names.
+- `check_required_fields`: fields a run cannot start without, named together.
+- `objective_config_from`: `config.objective` with the model's mask and pad ids.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from refusion_jax.checkpoints.mapping import ARRAY_FIELDS
+from refusion_jax.data.special_tokens import SpecialTokens, resolve_special_tokens, with_special_tokens
+from refusion_jax.data.tokenizer import Tokenizer
+from refusion_jax.model.config import ModelConfig, preset
+from refusion_jax.training.objective import ObjectiveConfig
+
+# The `config.model` fields that configure how a model runs, not what it is.
+_RUNTIME_FIELDS = ("preset", "dtype", "param_dtype", "remat")
+# The fields an `init_from_hf` checkpoint must share with `config.model.preset`: what its arrays determine, except
+# the vocabulary (it follows the tokenizer, and grows for an added mask token), and what they do not show.
+_ARCHITECTURE_FIELDS = ("architecture", *(f for f in ARRAY_FIELDS if f != "vocab_size"), "rope_theta")
+_SPECIAL_ID_FIELDS = {"mask": "mask_token_id", "eos": "eos_token_id", "pad": "pad_token_id"}
+
+
+def model_config_from(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> ModelConfig:
+  """`config.model.preset` with every other `config.model` field as an override.
+
+  Special token ids follow `resolve_special_tokens`: ids set in `config.model`,
+  then the tokenizer's, then the preset's; the model config records them, so
+  that a checkpoint's model config is enough to decode.
+  """
+  fields = dict(config.model)
+  model_config = preset(fields.pop("preset"), **fields)
+  explicit = SpecialTokens(**{name: fields.get(field) for name, field in _SPECIAL_ID_FIELDS.items()})
+  return with_special_tokens(model_config, resolve_special_tokens(explicit, tokenizer=tokenizer, config=model_config))
+
+
+def check_hf_architecture(model_fields: ml_collections.ConfigDict, hf_config: ModelConfig, path: str) -> None:
+  """An `init_from_hf` checkpoint must have the architecture `config.model` describes (unless its preset is "").
+
+  Raises:
+    ValueError: naming the first field where the checkpoint's config.json and
+      `config.model` differ.
+  """
+  name = model_fields.get("preset", "")
+  if not name:
+    return
+  overrides = {k: v for k, v in dict(model_fields).items() if k not in _RUNTIME_FIELDS}
+  expected = preset(name, **overrides)
+  for field in _ARCHITECTURE_FIELDS:
+    want, got = getattr(expected, field), getattr(hf_config, field)
+    if want != got:
+      raise ValueError(
+        f"config.init_from_hf={path!r} is not the architecture config.model describes (preset {name!r}): "
+        f"its config.json gives {field}={got!r}, config.model {field}={want!r}. Point config.init_from_hf at a "
+        f"{name} checkpoint, or set --config.model.preset='' to fine-tune any architecture."
+      )
+
+
+def check_required_fields(config: ml_collections.ConfigDict, resuming: bool) -> None:
+  """Fields a run cannot start without, all named at once before anything is built."""
+  missing = []
+  if not (resuming or config.init_from_hf or config.init_from_checkpoint or config.tokenizer):
+    missing.append(
+      "config.init_from_hf (a Hugging Face checkpoint directory to fine-tune) or config.tokenizer "
+      "('bytes' or a tokenizer directory, to train from scratch)"
+    )
+  if config.data.dataset == "json" and not config.data.get("train_files"):
+    missing.append("config.data.train_files (comma-separated query/response JSON files)")
+  if missing:
+    raise ValueError(
+      "The config leaves required fields empty: " + "; ".join(missing) + ". Set them on the command line, "
+      "e.g. --config.init_from_hf=/path/to/Qwen3-8B --config.data.train_files=train.json."
+    )
+
+
+def objective_config_from(config: ml_collections.ConfigDict, model_config: ModelConfig) -> ObjectiveConfig:
+  """The objective of `config.objective`, with the model's mask and pad ids."""
+  mask_id = model_config.mask_token_id
+  if mask_id is None:
+    if config.objective.kind != "ar":
+      raise ValueError("The model has no mask token id; set config.model.mask_token_id or use a tokenizer with one.")
+    mask_id = 0  # never fed: the AR objective masks nothing
+  return ObjectiveConfig(
+    kind=config.objective.kind,
+    slot_sizes=tuple(config.objective.slot_sizes),
+    eps=config.objective.eps,
+    mask_id=mask_id,
+    pad_id=model_config.pad_token_id,
+  )
