@@ -19,12 +19,13 @@ from refusion_jax.training import objective
 
 VOCAB = 64
 MASK_ID = VOCAB - 1
+EOS_ID = VOCAB - 2
 PAD_ID = 0
 LAYOUT_FIELDS = ("tokens", "positions", "labels", "ar_weights", "mdm_weights")
 
 
 def make_config(kind, **overrides):
-  return objective.ObjectiveConfig(kind=kind, mask_id=MASK_ID, pad_id=PAD_ID, **overrides)
+  return objective.ObjectiveConfig(kind=kind, mask_id=MASK_ID, pad_id=PAD_ID, eos_id=EOS_ID, **overrides)
 
 
 def make_batch(rng, prompt_lens, answer_lens, length):
@@ -88,14 +89,17 @@ def reference_ar_row(tokens, P, A, draws, b, config):
 
 
 def reference_mdm_row(tokens, P, A, draws, b, config):
-  """LLaDA-style: each answer token masked on its own with probability p; order unchanged."""
+  """LLaDA-style: the answer, EOS-padded to the row's end; each of its tokens masked on its own w.p. p."""
+  if A == 0:
+    return []  # a padding row of a partial batch stays padding
   p = reference_p(draws.t[b], config)
+  answer = list(tokens[P : P + A]) + [EOS_ID] * (len(tokens) - P - A)
   rows = [(tokens[i], i, 0, 0.0, 0.0) for i in range(P)]
-  for a in range(A):
+  for a, token in enumerate(answer):
     if draws.mask_uniform[b, a] < p:
-      rows.append((MASK_ID, P + a, tokens[P + a], 0.0, 1.0 / (p * A)))
+      rows.append((MASK_ID, P + a, token, 0.0, 1.0 / (p * len(answer))))
     else:
-      rows.append((tokens[P + a], P + a, 0, 0.0, 0.0))
+      rows.append((token, P + a, 0, 0.0, 0.0))
   return rows
 
 
@@ -130,7 +134,8 @@ def reference_loss(model, batch, draws, config):
     if batch["answer_len"][b] == 0:
       continue
     real_rows += 1
-    n = int(batch["prompt_len"][b] + batch["answer_len"][b])
+    # An MDM answer runs to the row's end (EOS-padded).
+    n = length if config.kind == "mdm" else int(batch["prompt_len"][b] + batch["answer_len"][b])
     if config.kind == "mdm":
       mask = np.zeros((length, length), bool)
       mask[:, :n] = True
@@ -343,14 +348,18 @@ def changed_token(inputs, row, index):
   return inputs.replace(tokens=inputs.tokens.at[row, index].set((inputs.tokens[row, index] + 1) % MASK_ID))
 
 
-def test_mdm_attention_is_bidirectional_over_real_tokens(model):
-  batch, draws, config = case_inputs("padding_rows", "mdm")  # row 0: 12 real tokens, then padding
+def test_mdm_attention_is_bidirectional_over_the_eos_padded_answer(model):
+  batch, draws, config = case_inputs("padding_rows", "mdm")  # row 0: 12 real tokens, then EOS to the end
   inputs = build_inputs(batch, draws, config=config)
+  np.testing.assert_array_equal(np.asarray(inputs.valid[:2]), True)  # real rows: the whole row is the answer
+  np.testing.assert_array_equal(np.asarray(inputs.valid[2:]), False)  # padding rows: nothing
+  tail = np.asarray(inputs.labels[0, 12:])[np.asarray(inputs.mdm_weights[0, 12:]) > 0]
+  assert tail.size and (tail == EOS_ID).all()  # masked EOS padding is predicted as EOS
   logits = jit_forward(model, inputs, config=config)
   later_logits = jit_forward(model, changed_token(inputs, 0, 11), config=config)
   assert np.abs(later_logits[0, 0] - logits[0, 0]).max() > 1e-4
-  padding_logits = jit_forward(model, changed_token(inputs, 0, 15), config=config)
-  np.testing.assert_allclose(padding_logits[0, :12], logits[0, :12], atol=1e-6)
+  tail_logits = jit_forward(model, changed_token(inputs, 0, 20), config=config)
+  assert np.abs(tail_logits[0, 0] - logits[0, 0]).max() > 1e-4
 
 
 def test_refusion_attention_is_causal_over_storage_order(model):
@@ -375,6 +384,8 @@ def test_refusion_attention_is_causal_over_storage_order(model):
     (dict(kind="refusion", slot_sizes=()), "slot_sizes"),
     (dict(kind="refusion", mask_id=-1), "mask_id"),
     (dict(kind="ar", pad_id=None), "pad_id"),
+    (dict(kind="mdm"), "eos_id"),
+    (dict(kind="mdm", eos_id=-2), "eos_id"),
   ],
 )
 def test_bad_config_is_rejected(fields, message):

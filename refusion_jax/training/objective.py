@@ -11,7 +11,8 @@ built from the batch, and one cross entropy with two kinds of labelled tokens:
 | ---------- | --------------------------------------------------- | ------------------- | ------------- | ----------- |
 | `refusion` | prompt, clean slots shuffled, masked slots in order | next token in slot  | masked tokens | causal      |
 | `ar`       | unchanged                                           | next answer token   | none          | causal      |
-| `mdm`      | unchanged, answer tokens masked one by one w.p. p   | none                | masked tokens | full (real) |
+| `mdm`      | answer EOS-padded to the row's end, tokens masked   | none                | masked tokens | full (real) |
+|            | one by one w.p. p                                   |                     |               |             |
 
 All randomness comes from `draw_randomness`; `build_inputs` is deterministic
 given the draws, which lets tests replay the same draws in a plain NumPy
@@ -56,11 +57,14 @@ class ObjectiveConfig:
     eps: the masking probability is p = (1 - eps) t + eps with t ~ U(0, 1).
     mask_id: token id fed in place of a masked token.
     pad_id: token id written into padding.
+    eos_id: end-of-answer token; "mdm" pads every answer with it to the end of
+      the row (required there, unused otherwise).
   """
 
   kind: ObjectiveKind
   mask_id: int
   pad_id: int
+  eos_id: int | None = None
   slot_sizes: tuple[int, ...] = (4, 8, 16, 32)
   eps: float = 1e-3
 
@@ -72,8 +76,12 @@ class ObjectiveConfig:
       raise ValueError(f"slot_sizes={self.slot_sizes}; give a non-empty tuple of positive ints.")
     if not 0.0 < self.eps <= 1.0:
       raise ValueError(f"eps={self.eps}; it must lie in (0, 1] so that p > 0 (the MDM term divides by p).")
-    for field in ("mask_id", "pad_id"):
+    if self.kind == "mdm" and self.eos_id is None:
+      raise ValueError("The mdm objective pads answers with EOS (as LLaDA does); set ObjectiveConfig.eos_id.")
+    for field in ("mask_id", "pad_id", "eos_id"):
       value = getattr(self, field)
+      if field == "eos_id" and value is None:
+        continue
       if not isinstance(value, (int, np.integer)) or value < 0:
         raise ValueError(f"ObjectiveConfig.{field}={value!r}; set it to a token id (an int >= 0).")
 
@@ -173,6 +181,22 @@ def _gather(x: jax.Array, order: jax.Array) -> jax.Array:
   return jnp.take_along_axis(x, order, axis=1)
 
 
+def _pad_answers_with_eos(
+  tokens: jax.Array, index: jax.Array, prompt_len: jax.Array, answer_len: jax.Array, eos_id: int
+) -> tuple[jax.Array, jax.Array]:
+  """LLaDA's answers: every real row's answer runs to the end of the row, EOS after the real one.
+
+  An MDM decoder fills a masked window of a fixed length G, so the model must
+  learn to answer EOS where the answer is over; trained only on the exact
+  answer span it never sees a window longer than its answer (docs/method.md §1).
+  Returns tokens [batch, length] and answer_len [batch, 1] (length - prompt_len
+  on real rows, 0 on padding rows).
+  """
+  real = answer_len > 0
+  tokens = jnp.where(real & (index >= prompt_len + answer_len), eos_id, tokens)
+  return tokens, jnp.where(real, tokens.shape[1] - prompt_len, 0)
+
+
 def build_inputs(batch: Mapping[str, jax.Array], draws: Draws, config: ObjectiveConfig) -> TrainingInputs:
   """Lay the batch out for `config.kind` using the given draws (deterministic).
 
@@ -190,6 +214,8 @@ def build_inputs(batch: Mapping[str, jax.Array], draws: Draws, config: Objective
   answer_len = jnp.asarray(batch["answer_len"], jnp.int32)[:, None]
   batch_size, length = tokens.shape
   index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch_size, length))
+  if config.kind == "mdm":
+    tokens, answer_len = _pad_answers_with_eos(tokens, index, prompt_len, answer_len, config.eos_id)
   is_prompt = index < prompt_len
   valid = index < prompt_len + answer_len
   is_answer = valid & ~is_prompt

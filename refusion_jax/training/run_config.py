@@ -91,4 +91,5 @@ def objective_config_from(config: ml_collections.ConfigDict, model_config: Model
     eps=config.objective.eps,
     mask_id=mask_id,
     pad_id=model_config.pad_token_id,
+    eos_id=model_config.eos_token_id,
   )
