@@ -43,6 +43,8 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.model.dtype = "float32"  # activation dtype ("bfloat16" on accelerators)
   config.model.param_dtype = "float32"  # parameter dtype
   config.model.remat = False  # recompute layer activations in the backward pass
+  config.model.attention_impl = "xla"  # "xla", "chunked" (long sequences: query chunks) or "dot_product"
+  config.model.attention_chunk = 512  # query rows per chunk of "chunked"
 
   config.objective = ml_collections.ConfigDict()
   config.objective.kind = "refusion"  # "refusion", "ar" or "mdm"

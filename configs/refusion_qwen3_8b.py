@@ -42,6 +42,9 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.model.dtype = "bfloat16"  # compute in bf16
   config.model.param_dtype = "float32"  # float32 master weights for AdamW
   config.model.remat = True  # 36 layers x 4096 tokens: recompute activations in the backward pass
+  # "xla": [heads, length, length] scores at once; "chunked": `attention_chunk` query rows at a time (same logits)
+  config.model.attention_impl = "xla"
+  config.model.attention_chunk = 512
 
   config.objective.slot_sizes = (4, 8, 16, 32)  # the paper's slot sizes
 

@@ -227,3 +227,19 @@ def test_recipe_smoke_variant_fine_tunes_a_small_checkpoint_on_json_data(tmp_pat
   assert all(np.isfinite(loss) for loss in result.losses.values())
   assert [step for step, _ in result.evals] == [2, 4]
   assert len(result.samples) == config.eval.num_examples
+
+
+def test_execution_fields_of_the_config_apply_to_whatever_checkpoint_the_run_starts_from():
+  # The AOT report's advice ("--config.model.attention_impl=chunked") must reach the recipe's model, which comes
+  # from an HF checkpoint or a resumed run, not from the preset.
+  from refusion_jax.model.config import tiny
+  from refusion_jax.training.config_file import load_config
+  from refusion_jax.training.run_config import run_as_configured
+
+  config = load_config("configs/refusion_qwen3_8b.py")
+  config.model.attention_impl = "chunked"
+  config.model.attention_chunk = 256
+  saved = tiny(remat=False, attention_impl="xla")
+  ran = run_as_configured(saved, config.model)
+  assert (ran.attention_impl, ran.attention_chunk, ran.remat) == ("chunked", 256, True)
+  assert ran.replace(attention_impl="xla", attention_chunk=saved.attention_chunk, remat=False) == saved

@@ -84,6 +84,7 @@ from refusion_jax.training.run_config import (
   check_required_fields,
   model_config_from,
   objective_config_from,
+  run_as_configured,
 )
 from refusion_jax.training.state import (
   Placement,
@@ -214,7 +215,8 @@ def _prepare(
     try:
       with interrupts.phase(f"restoring checkpoint step {step}", blocking=True):
         meta = checkpoints.read_meta(step)
-        return build(_Start(ModelConfig(**meta["model_config"]), meta["tokenizer"], resume_step=step))
+        model_config = run_as_configured(ModelConfig(**meta["model_config"]), config.model)
+        return build(_Start(model_config, meta["tokenizer"], resume_step=step))
     except CheckpointDamagedError as error:
       _set_aside(config, checkpoints, error, damaged_dir)
   if steps or (os.path.isdir(damaged_dir) and os.listdir(damaged_dir)):
@@ -224,7 +226,8 @@ def _prepare(
       step=-1,
     )
   with interrupts.phase("loading the initial model", blocking=True):
-    return build(_find_start(config, checkpoints))
+    start = _find_start(config, checkpoints)
+    return build(dataclasses.replace(start, model_config=run_as_configured(start.model_config, config.model)))
 
 
 def _set_aside(
@@ -261,8 +264,7 @@ def _find_start(config: ml_collections.ConfigDict, checkpoints: Checkpoints) -> 
       dtype=config.model.get("dtype"),
       param_dtype=config.model.get("param_dtype"),
     )
-    model_config = model.config.replace(remat=config.model.get("remat", False))
-    return _Start(model_config, tokenizer_path or config.tokenizer, params=nnx.state(model))
+    return _Start(model.config, tokenizer_path or config.tokenizer, params=nnx.state(model))
   if config.init_from_checkpoint:
     model, tokenizer_path = load_model_from_checkpoint(config.init_from_checkpoint)
     return _Start(model.config, tokenizer_path, params=nnx.state(model))

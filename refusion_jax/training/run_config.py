@@ -18,8 +18,11 @@ from refusion_jax.data.tokenizer import Tokenizer
 from refusion_jax.model.config import ModelConfig, preset
 from refusion_jax.training.objective import ObjectiveConfig
 
+# The `config.model` fields that say how a model runs (memory against recomputation, the attention kernel), not what
+# it is: the run's own choice, whatever checkpoint it starts or resumes from.
+_EXECUTION_FIELDS = ("remat", "attention_impl", "attention_chunk")
 # The `config.model` fields that configure how a model runs, not what it is.
-_RUNTIME_FIELDS = ("preset", "dtype", "param_dtype", "remat")
+_RUNTIME_FIELDS = ("preset", "dtype", "param_dtype", *_EXECUTION_FIELDS)
 # The fields an `init_from_hf` checkpoint must share with `config.model.preset`: what its arrays determine, except
 # the vocabulary (it follows the tokenizer, and grows for an added mask token), and what they do not show.
 _ARCHITECTURE_FIELDS = ("architecture", *(f for f in ARRAY_FIELDS if f != "vocab_size"), "rope_theta")
@@ -37,6 +40,11 @@ def model_config_from(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -
   model_config = preset(fields.pop("preset"), **fields)
   explicit = SpecialTokens(**{name: fields.get(field) for name, field in _SPECIAL_ID_FIELDS.items()})
   return with_special_tokens(model_config, resolve_special_tokens(explicit, tokenizer=tokenizer, config=model_config))
+
+
+def run_as_configured(model_config: ModelConfig, model_fields: ml_collections.ConfigDict) -> ModelConfig:
+  """`model_config` with the execution fields (remat, attention_impl, attention_chunk) that `config.model` sets."""
+  return model_config.replace(**{name: model_fields[name] for name in _EXECUTION_FIELDS if name in model_fields})
 
 
 def check_hf_architecture(model_fields: ml_collections.ConfigDict, hf_config: ModelConfig, path: str) -> None:
