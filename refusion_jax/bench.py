@@ -5,7 +5,9 @@
     python -m refusion_jax.bench decode --sizes tiny --batch 4 --gen_length 32 --repeats 1
     python -m refusion_jax.bench decode --hf_checkpoint DIR --prompt "What is 3+4?"   # trained weights
     python -m refusion_jax.bench throughput                   # 8 and 64 prompts, 3-layer tiny model
-    python -m refusion_jax.bench throughput --checkpoint WORKDIR --prompt "..." --prompt "..."
+    python -m refusion_jax.bench throughput --official_repo CHECKOUT   # + the official PyTorch code, same weights
+    python -m refusion_jax.bench throughput --checkpoint WORKDIR --task_prompts sort,lookup,code \
+        --gen_length 48 --slot_size 8 --serial_blocks 1                      # a trained demo checkpoint
 
 For every model, in one run: the jitted ReFusion decoder and the eager
 reference at batch 1 (same tokens, speed ratio), ReFusion vs AR vs MDM
@@ -28,7 +30,10 @@ static batches of K, and K rows kept busy by continuous batching, with the
 forwards per answer, batched forwards (loop iterations), their average width,
 tokens/s and the ratio to the sequential run. Modes are timed in interleaved
 rounds so that machine noise hits all alike; every mode must give the same
-tokens. It ends with the histogram of the forward widths per stage.
+tokens. It ends with the histogram of the forward widths per stage. With
+--official_repo (a checkout of ML-GSAI/ReFusion) it also times the official
+`generate.py` at B = 1 on the smallest N, on the same weights saved by
+`save_hf` (`refusion_jax.evaluation.official`; torch is imported only then).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from flax import nnx
 
 from refusion_jax import sample
 from refusion_jax.checkpoints.load import load
+from refusion_jax.data import tasks
 from refusion_jax.data.special_tokens import SpecialTokens, resolve_special_tokens
 from refusion_jax.data.tokenizer import format_prompt
 from refusion_jax.decoding import defaults
@@ -127,13 +133,18 @@ def random_bench_model(
 
 
 def trained_bench_model(args: argparse.Namespace) -> BenchModel:
-  """The --hf_checkpoint / --checkpoint model; prompts from --prompt (cycled to fill the batch) or random."""
+  """The --hf_checkpoint / --checkpoint model; prompts from --task_prompts, --prompt (cycled to fill the
+  batch) or random."""
   model, tokenizer = load(**sample.model_request(args))
   special = resolve_special_tokens(SpecialTokens(mask=args.mask_id), tokenizer=tokenizer, config=model.config)
   if special.mask is None:
     raise ValueError("Neither the tokenizer nor the model config names a mask token; pass --mask_id.")
-  if args.prompt:
-    encoded = [tokenizer.encode(format_prompt(tokenizer, p, args.chat_template)) for p in args.prompt]
+  texts = args.prompt
+  if getattr(args, "task_prompts", None):
+    examples = tasks.generate_examples("test", args.batch, tasks=tuple(args.task_prompts.split(",")))
+    texts = [example["query"] for example in examples]
+  if texts:
+    encoded = [tokenizer.encode(format_prompt(tokenizer, p, args.chat_template)) for p in texts]
     prompts = [encoded[i % len(encoded)] for i in range(args.batch)]
   else:
     vocab = min(model.config.vocab_size, tokenizer.vocab_size)
@@ -306,7 +317,17 @@ def throughput_modes(bench: BenchModel, args: argparse.Namespace) -> dict[str, C
     modes[f"static {k}"] = lambda ps, k=k: [decode(ps[i : i + k]) for i in range(0, len(ps), k)]
   for k in args.batch_sizes:
     modes[f"continuous {k}"] = lambda ps, k=k: [decode(ps, batch_size=k)]
+  if args.official_repo:
+    from refusion_jax.evaluation.official import OfficialDecoder  # imports torch: only when asked for
+
+    official = OfficialDecoder(bench.model, args.official_repo)
+    knobs = dict(refusion_knobs(bench, args), eos_id=bench.eos_id)
+    modes[OFFICIAL] = lambda ps: [official.decode(ps, **knobs)]
   return modes
+
+
+# The official PyTorch decoder's mode (B = 1, prompt by prompt); timed on the smallest prompt count only.
+OFFICIAL = "official PyTorch"
 
 
 def _merge_widths(results: Sequence[DecodeResult]) -> dict[str, dict[int, int]]:
@@ -319,12 +340,14 @@ def _merge_widths(results: Sequence[DecodeResult]) -> dict[str, dict[int, int]]:
 
 
 def _rows_of(mode: str, count: int) -> int:
-  return 1 if mode.startswith("sequential") else min(int(mode.split()[-1]), count)
+  """K of a mode: 1 one by one (sequential, official), else the mode's batch size."""
+  return 1 if mode.startswith("sequential") or mode == OFFICIAL else min(int(mode.split()[-1]), count)
 
 
 def bench_throughput(bench: BenchModel, args: argparse.Namespace) -> list[ThroughputRow]:
   """Every mode on the first N prompts for each N of --prompts, timed in interleaved rounds."""
-  cells = [(n, mode, call) for n in args.prompts for mode, call in throughput_modes(bench, args).items()]
+  modes = throughput_modes(bench, args).items()
+  cells = [(n, mode, call) for n in args.prompts for mode, call in modes if mode != OFFICIAL or n == min(args.prompts)]
   results, times = {}, {}
   for n, mode, call in cells:  # warm-up: compiles every shape the timed rounds use
     start = time.perf_counter()
@@ -381,6 +404,10 @@ def format_throughput(rows: Sequence[ThroughputRow]) -> str:
   out = [_table(header, lines), ""]
   different = [f"{r.prompts} prompts {r.mode}" for r in rows if r.tokens != sequential[r.prompts].tokens]
   out.append(f"DIFFERENT tokens from sequential: {different}" if different else "every mode: the same tokens.")
+  for r in rows:
+    if r.mode == OFFICIAL:
+      ratio = r.run_s / sequential[r.prompts].run_s
+      out.append(f"{r.prompts} prompts at B = 1: the jitted decoder is {ratio:.1f}x faster than the official code.")
   largest = max(sequential)
   for r in rows:
     if r.prompts == largest and (r.mode == "sequential" or r.mode.startswith("continuous")):
@@ -439,6 +466,14 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--repeats", type=int, default=3, help="interleaved timed rounds after the warm-up; medians.")
   _add_refusion_flags(t, serial_blocks=2)
   t.add_argument("--sharpen", type=float, default=64.0, help="LM-head scale of the random model.")
+  t.add_argument(
+    "--official_repo",
+    help="a checkout of ML-GSAI/ReFusion: also time its generate.py on the same weights (B = 1, smallest N; torch).",
+  )
+  t.add_argument(
+    "--task_prompts",
+    help="with a checkpoint: prompts are the test-split queries of these built-in tasks (comma-separated).",
+  )
   _add_source_flags(t)
   return parser
 

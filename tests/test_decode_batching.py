@@ -3,7 +3,8 @@
 A row's decode must not depend on the other rows, on which row decodes it,
 on how many rows there are, on the compiled width a forward ran at, or on
 whether the loop ran in one call or in chunks: each prompt gets exactly its
-own B = 1 decode.
+own B = 1 decode. The tests share a few program shapes (K rows over a queue
+of 8 prompts of one bucket) so that they compile once each.
 """
 
 import numpy as np
@@ -19,10 +20,11 @@ from tests.test_decode import HAND_CASES, bigram_model, hand_knobs
 
 VOCAB = 24
 MASK = VOCAB - 1
+ROWS = 3  # K: fewer rows than prompts, so finished rows take new prompts
 
 
-def random_setup(seed: int, count: int, max_prompt: int = 20):
-  """A tiny model with fresh random weights, `count` random prompts and an EOS id drawn from the vocabulary."""
+def random_setup(seed: int, count: int = 8, max_prompt: int = 16):
+  """A tiny model with fresh random weights, `count` prompts of random lengths (one bucket) and an EOS id."""
   rng = np.random.default_rng(seed)
   model = random_weights(
     init_model(tiny(vocab_size=VOCAB)), seed, weight_std=0.3, head_std=float(rng.uniform(0.3, 1.2))
@@ -50,77 +52,75 @@ def assert_each_row_is_its_own_decode(batched, singles):
 
 
 def assert_same_rows(a, b):
+  assert len(a.tokens) == len(b.tokens)
   for row in range(len(a.tokens)):
     assert not same_decode(a, b, row_a=row, row_b=row), f"row {row}: {same_decode(a, b, row_a=row, row_b=row)}"
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_refusion_continuous_batching_gives_each_prompt_its_single_decode(seed):
-  model, prompts, eos, rng = random_setup(seed, count=7)
+  model, prompts, eos, rng = random_setup(seed)
   knobs = refusion_knobs(rng, eos_id=eos)
   singles = [refusion.generate(model, [p], **knobs) for p in prompts]
-  for batch_size in (1, 3, None):
-    assert_each_row_is_its_own_decode(refusion.generate(model, prompts, **knobs, batch_size=batch_size), singles)
+  continuous = refusion.generate(model, prompts, **knobs, batch_size=ROWS)
+  assert_each_row_is_its_own_decode(continuous, singles)
   # Rows finish at different iterations, so a finished row really took a new prompt.
   assert len({int(s.num_forwards[0]) for s in singles}) > 1
+  # One batched forward per loop iteration: fewer than the single decodes' forwards together.
+  assert sum(continuous.widths["forward"].values()) < sum(sum(s.widths["forward"].values()) for s in singles)
 
 
 def test_sampled_refusion_draws_noise_by_prompt_not_by_row():
-  model, prompts, eos, rng = random_setup(2, count=5)
+  model, prompts, eos, rng = random_setup(2)
   knobs = refusion_knobs(rng, eos_id=eos, temperature=1.3, seed=11)
   static = refusion.generate(model, prompts, **knobs)
-  continuous = refusion.generate(model, prompts, **knobs, batch_size=2)
-  assert_same_rows(continuous, static)
-  # Prompt 0 is decoded with the noise of input index 0, alone or in any batch.
-  assert not same_decode(refusion.generate(model, prompts[:1], **knobs), static)
+  assert_same_rows(refusion.generate(model, prompts, **knobs, batch_size=ROWS), static)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_ar_continuous_batching_matches_static_and_single_decodes(temperature):
-  model, prompts, eos, _ = random_setup(3, count=6)
+  model, prompts, eos, _ = random_setup(3)
   knobs = dict(gen_length=10, eos_id=eos, temperature=temperature, seed=5)
-  static = ar.ar_generate(model, prompts, **knobs)
-  continuous = ar.ar_generate(model, prompts, **knobs, batch_size=4)
-  assert_same_rows(continuous, static)
+  continuous = ar.ar_generate(model, prompts, **knobs, batch_size=ROWS)
   if temperature == 0:
     assert_each_row_is_its_own_decode(continuous, [ar.ar_generate(model, [p], **knobs) for p in prompts])
+  else:
+    assert_same_rows(continuous, ar.ar_generate(model, prompts, **knobs))
   assert len(set(continuous.num_forwards.tolist())) > 1  # rows stopped at their own EOS
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_mdm_continuous_batching_matches_static_and_single_decodes(temperature):
-  model, prompts, eos, _ = random_setup(4, count=5)
-  knobs = dict(gen_length=8, block_length=4, steps=6, mask_id=MASK, eos_id=eos, temperature=temperature, seed=2)
-  static = mdm.mdm_generate(model, prompts, **knobs)
-  continuous = mdm.mdm_generate(model, prompts, **knobs, batch_size=2)
-  assert_same_rows(continuous, static)
+  model, prompts, eos, _ = random_setup(4)
+  knobs = dict(gen_length=8, block_length=4, steps=4, mask_id=MASK, eos_id=eos, temperature=temperature, seed=2)
+  continuous = mdm.mdm_generate(model, prompts, **knobs, batch_size=ROWS)
   if temperature == 0:
     assert_each_row_is_its_own_decode(continuous, [mdm.mdm_generate(model, [p], **knobs) for p in prompts])
+  else:
+    assert_same_rows(continuous, mdm.mdm_generate(model, prompts, **knobs))
 
 
-def chunkable(method, model, eos):
-  """The method's decoder with fixed knobs, as prompts -> DecodeResult with the loop's options open."""
+def chunkable(method, model, eos, rng):
+  """The method's jitted loop and its decoder with the knobs of the tests above, as prompts -> DecodeResult."""
   if method == "refusion":
-    knobs = dict(gen_length=16, slot_size=4, serial_blocks=2, slot_threshold=0.5, token_threshold=0.3, mask_id=MASK)
-    return refusion.decode_loop, lambda prompts, **options: refusion.generate(
-      model, prompts, **knobs, eos_id=eos, **options
-    )
+    knobs = refusion_knobs(rng, eos_id=eos)
+    return refusion.decode_loop, lambda prompts, **options: refusion.generate(model, prompts, **knobs, **options)
   if method == "ar":
-    return ar.ar_loop, lambda prompts, **options: ar.ar_generate(model, prompts, gen_length=9, eos_id=eos, **options)
+    return ar.ar_loop, lambda prompts, **options: ar.ar_generate(model, prompts, gen_length=10, eos_id=eos, **options)
   knobs = dict(gen_length=8, block_length=4, steps=4, mask_id=MASK, eos_id=eos)
   return mdm.mdm_loop, lambda prompts, **options: mdm.mdm_generate(model, prompts, **knobs, **options)
 
 
 @pytest.mark.parametrize("method", ["refusion", "ar", "mdm"])
 def test_the_loop_runs_in_chunks_state_in_state_out_without_recompiling(method):
-  model, prompts, eos, _ = random_setup(5, count=6)
-  loop, decode = chunkable(method, model, eos)
-  whole = decode(prompts, batch_size=4)
+  model, prompts, eos, rng = random_setup(5)
+  loop, decode = chunkable(method, model, eos, rng)
+  whole = decode(prompts, batch_size=ROWS)
   before = compile_count(loop)
   for chunk in (1, 3, 7):
-    assert_same_rows(decode(prompts, batch_size=4, chunk_iterations=chunk), whole)
+    assert_same_rows(decode(prompts, batch_size=ROWS, chunk_iterations=chunk), whole)
   # A different prompt count in the same queue bucket (8) and prompt bucket (16) reuses the program too.
-  decode(prompts[:5], batch_size=4, chunk_iterations=2)
+  assert_same_rows(decode(prompts[:6], batch_size=ROWS, chunk_iterations=2), decode(prompts[:6], batch_size=ROWS))
   assert compile_count(loop) == before
 
 
@@ -149,12 +149,12 @@ def test_forwards_run_only_as_wide_as_the_active_slots(name):
 
 def test_rows_wait_for_a_forward_of_their_width_and_stay_exact():
   model, prompts, eos, rng = random_setup(6, count=4)
-  # Blocks of 8 slots (widths 4 .. 32); a high slot threshold makes plans choose few slots.
-  knobs = refusion_knobs(rng, eos_id=eos, gen_length=32, serial_blocks=1, slot_threshold=0.95, token_threshold=0.3)
+  # Blocks of 4 slots (widths 4, 8, 16); a high slot threshold makes plans choose few slots.
+  knobs = refusion_knobs(rng, eos_id=eos, serial_blocks=1, slot_threshold=0.95, token_threshold=0.3)
   fitted = refusion.generate(model, prompts, **knobs)
   full = refusion.generate(model, prompts, **knobs, fit_width=False)
   assert_same_rows(fitted, full)
-  assert set(fitted.widths["forward"]) <= {4, 8, 16, 32} and min(fitted.widths["forward"]) < 32
+  assert set(fitted.widths["forward"]) <= {4, 8, 16} and min(fitted.widths["forward"]) < 16
   # Full width: every iteration is one forward of every unfinished row.
   assert sum(full.widths["forward"].values()) == int(np.max(full.num_forwards)) - 1
   # Fitted: a forward takes only the rows whose work fits its shape, the others wait; every row forward
@@ -166,22 +166,12 @@ def test_rows_wait_for_a_forward_of_their_width_and_stay_exact():
   assert narrow > fitted.widths["forward"][4]
 
 
-def test_continuous_batching_runs_fewer_batch_forwards_than_static_batches():
-  model, prompts, eos, rng = random_setup(7, count=8)
-  knobs = refusion_knobs(rng, eos_id=eos)
-  continuous = refusion.generate(model, prompts, **knobs, batch_size=2)
-  static = [refusion.generate(model, prompts[i : i + 2], **knobs) for i in range(0, 8, 2)]
-  static_iterations = sum(sum(r.widths["forward"].values()) for r in static)
-  assert sum(continuous.widths["forward"].values()) < static_iterations
-  assert continuous.tokens == [t for r in static for t in r.tokens]
-
-
 def test_sampler_passes_batch_size_through():
-  model, prompts, eos, rng = random_setup(8, count=3)
+  model, prompts, eos, rng = random_setup(8)
   knobs = refusion_knobs(rng, eos_id=eos)
 
   class Ids:  # a tokenizer whose texts are comma-separated ids
-    mask_id = eos_id = pad_id = None
+    mask_id = eos_id = pad_id = bos_id = None
 
     def encode(self, text):
       return [int(t) for t in text.split(",")]
@@ -190,8 +180,9 @@ def test_sampler_passes_batch_size_through():
       return ",".join(map(str, ids))
 
   texts = [",".join(map(str, p)) for p in prompts]
-  answers = Sampler(model, Ids(), **knobs, batch_size=2)(texts)
-  assert answers == [Ids().decode(t) for t in refusion.generate(model, prompts, **knobs).tokens]
+  answers = Sampler(model, Ids(), **knobs, batch_size=ROWS)(texts)
+  singles = [refusion.generate(model, [p], **knobs).tokens[0] for p in prompts]
+  assert answers == [Ids().decode(t) for t in singles]
 
 
 @pytest.mark.parametrize("name", ["batch_size", "chunk_iterations"])
