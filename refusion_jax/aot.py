@@ -34,7 +34,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import config_flags
 
 from refusion_jax.checkpoints.orbax import abstract_model
-from refusion_jax.decoding.refusion import DecodeKnobs, DecodeSettings, decode_loop
+from refusion_jax.decoding.batching import Batch
+from refusion_jax.decoding.refusion import DecodeKnobs, DecodeSettings, decode_loop, start_rows
+from refusion_jax.decoding.sharding import row_shardings
 from refusion_jax.model.config import ModelConfig, preset
 from refusion_jax.model.transformer import inference_config, init_model
 from refusion_jax.parallel import aot, sharding
@@ -137,20 +139,25 @@ def decode_report(
     eos_id=jnp.int32(model_config.eos_token_id),
   )
   knobs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), knobs)
-  prompt = jax.ShapeDtypeStruct((batch, prompt_length), jnp.int32, sharding=replicated)
-  lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=replicated)
   ev = config.eval
   settings = DecodeSettings(ev.gen_length, ev.slot_size, ev.serial_blocks, sample=False)
+  # `batch` rows over a queue of `batch` prompts: the static batch `generate` runs without batch_size.
+  rows, widths = start_rows(settings, model_config, batch, prompt_length)
+  prompts = jnp.zeros((batch, prompt_length), jnp.int32)
+  state = Batch.create(rows, widths, prompts, jnp.ones((batch,), jnp.int32), batch, ev.gen_length)
+  shardings = state.shardings(lambda tree: row_shardings(tree, mesh, rules), replicated)
+  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+  max_iterations = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
 
   def lower():
     with activation_sharding(mesh, rules):  # the loop is traced here, so its forwards carry the constraints
-      return decode_loop.lower(graphdef, params, prompt, lengths, knobs, settings=settings)
+      return decode_loop.lower(graphdef, params, state, max_iterations, knobs, settings=settings)
 
   name = (
     f"decode (prefill + 1 loop iteration), batch {batch}, prompt {prompt_length} + {ev.gen_length} "
     f"(S={ev.slot_size}, {ev.serial_blocks} blocks), {model_config.param_dtype} weights, mesh {_mesh_text(mesh)}"
   )
-  report = aot.compile_report(name, lower, (params, prompt, lengths, knobs), list(mesh.devices.flat), chip)
+  report = aot.compile_report(name, lower, (params, state, knobs), list(mesh.devices.flat), chip)
   if report.fits is False:
     report.advice = [
       f"decode batch {batch} does not fit: lower --decode_batch, or split the weights over more chips "

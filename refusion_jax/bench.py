@@ -1,8 +1,13 @@
-"""Benchmarks. `decode`: ReFusion against its eager reference and the AR / MDM baselines.
+"""Benchmarks. `decode`: ReFusion against its eager reference and the AR / MDM baselines;
+`throughput`: many prompts one by one, in static batches and by continuous batching.
 
     python -m refusion_jax.bench decode                       # tiny + small, sharpened random weights
     python -m refusion_jax.bench decode --sizes tiny --batch 4 --gen_length 32 --repeats 1
     python -m refusion_jax.bench decode --hf_checkpoint DIR --prompt "What is 3+4?"   # trained weights
+    python -m refusion_jax.bench throughput                   # 8 and 64 prompts, 3-layer tiny model
+    python -m refusion_jax.bench throughput --official_repo CHECKOUT   # + the official PyTorch code, same weights
+    python -m refusion_jax.bench throughput --checkpoint WORKDIR --task_prompts sort,lookup,code \
+        --gen_length 48 --slot_size 8 --serial_blocks 1                      # a trained demo checkpoint
 
 For every model, in one run: the jitted ReFusion decoder and the eager
 reference at batch 1 (same tokens, speed ratio), ReFusion vs AR vs MDM
@@ -17,6 +22,18 @@ ReFusion slot fail its thresholds. The random models are therefore
 predictions, so slots pass verification as a trained model's do) and EOS is
 never predicted (every method writes all G tokens, so the counts compare).
 Pass --hf_checkpoint / --checkpoint to measure trained weights instead.
+
+`throughput` decodes N prompts (--prompts, several N in one run) with
+ReFusion: each prompt alone (B = 1, sequential), the same with every forward
+a whole block wide (the decoder before forwards were fitted to their work),
+static batches of K, and K rows kept busy by continuous batching, with the
+forwards per answer, batched forwards (loop iterations), their average width,
+tokens/s and the ratio to the sequential run. Modes are timed in interleaved
+rounds so that machine noise hits all alike; every mode must give the same
+tokens. It ends with the histogram of the forward widths per stage. With
+--official_repo (a checkout of ML-GSAI/ReFusion) it also times the official
+`generate.py` at B = 1 on the smallest N, on the same weights saved by
+`save_hf` (`refusion_jax.evaluation.official`; torch is imported only then).
 """
 
 from __future__ import annotations
@@ -36,6 +53,7 @@ from flax import nnx
 
 from refusion_jax import sample
 from refusion_jax.checkpoints.load import load
+from refusion_jax.data import tasks
 from refusion_jax.data.special_tokens import SpecialTokens, resolve_special_tokens
 from refusion_jax.data.tokenizer import format_prompt
 from refusion_jax.decoding import defaults
@@ -49,6 +67,7 @@ from refusion_jax.model.cache import kv_cache_bytes
 from refusion_jax.model.transformer import Transformer, init_model
 
 PROMPT_LENGTHS = (8, 16)  # random prompts: lengths drawn in [8, 16], one bucket
+THROUGHPUT_PROMPT_LENGTHS = (20, 27)  # the throughput workload's prompts (issue 12)
 
 
 @dataclasses.dataclass
@@ -91,31 +110,41 @@ def sharpen(model: Transformer, scale: float, never: int) -> Transformer:
   return model
 
 
-def random_prompts(rng: np.random.Generator, count: int, vocab: int) -> list[list[int]]:
-  low, high = PROMPT_LENGTHS
+def random_prompts(
+  rng: np.random.Generator, count: int, vocab: int, lengths: tuple[int, int] = PROMPT_LENGTHS
+) -> list[list[int]]:
+  low, high = lengths
   return [rng.integers(0, vocab, size=int(rng.integers(low, high + 1))).tolist() for _ in range(count)]
 
 
-def random_bench_model(size: str, batch: int, scale: float, seed: int) -> BenchModel:
-  """A Qwen3-shaped preset with random (sharpened) weights; the last three ids are mask, EOS, pad."""
-  base = config_lib.preset(size)
+def random_bench_model(
+  size: str, batch: int, scale: float, seed: int, lengths: tuple[int, int] = PROMPT_LENGTHS, **overrides
+) -> BenchModel:
+  """A Qwen3-shaped preset (with `overrides`) with random (sharpened) weights; the last three ids are mask, EOS, pad."""
+  base = config_lib.preset(size, **overrides)
   vocab = base.vocab_size
   model_config = base.replace(mask_token_id=vocab - 1, eos_token_id=vocab - 2, pad_token_id=vocab - 3)
   model = init_model(model_config, seed)
   if scale != 1.0:
     model = sharpen(model, scale, never=vocab - 2)
-  prompts = random_prompts(np.random.default_rng(seed), batch, vocab - 3)
-  return BenchModel(size, model, prompts, vocab - 1, vocab - 2, vocab - 3)
+  prompts = random_prompts(np.random.default_rng(seed), batch, vocab - 3, lengths)
+  name = size + "".join(f" {k}={v}" for k, v in overrides.items())
+  return BenchModel(name, model, prompts, vocab - 1, vocab - 2, vocab - 3)
 
 
 def trained_bench_model(args: argparse.Namespace) -> BenchModel:
-  """The --hf_checkpoint / --checkpoint model; prompts from --prompt (cycled to fill the batch) or random."""
+  """The --hf_checkpoint / --checkpoint model; prompts from --task_prompts, --prompt (cycled to fill the
+  batch) or random."""
   model, tokenizer = load(**sample.model_request(args))
   special = resolve_special_tokens(SpecialTokens(mask=args.mask_id), tokenizer=tokenizer, config=model.config)
   if special.mask is None:
     raise ValueError("Neither the tokenizer nor the model config names a mask token; pass --mask_id.")
-  if args.prompt:
-    encoded = [tokenizer.encode(format_prompt(tokenizer, p, args.chat_template)) for p in args.prompt]
+  texts = args.prompt
+  if getattr(args, "task_prompts", None):
+    examples = tasks.generate_examples("test", args.batch, tasks=tuple(args.task_prompts.split(",")))
+    texts = [example["query"] for example in examples]
+  if texts:
+    encoded = [tokenizer.encode(format_prompt(tokenizer, p, args.chat_template)) for p in texts]
     prompts = [encoded[i % len(encoded)] for i in range(args.batch)]
   else:
     vocab = min(model.config.vocab_size, tokenizer.vocab_size)
@@ -144,17 +173,16 @@ def measure(label: str, call: Callable[[], DecodeResult], repeats: int) -> tuple
   return result, max(first - median, 0.0), median
 
 
+def refusion_knobs(bench: BenchModel, args: argparse.Namespace) -> dict:
+  """ReFusion's knobs from the flags, with the bench model's mask id."""
+  names = ("gen_length", "slot_size", "serial_blocks", "slot_threshold", "token_threshold")
+  return dict({name: getattr(args, name) for name in names}, mask_id=bench.mask_id)
+
+
 def decoders(bench: BenchModel, args: argparse.Namespace) -> dict[str, Callable[[list[list[int]]], DecodeResult]]:
   """Each method as a function of the prompts, with the run's knobs bound."""
   ids = dict(eos_id=bench.eos_id, pad_id=bench.pad_id)
-  refusion = dict(
-    gen_length=args.gen_length,
-    slot_size=args.slot_size,
-    serial_blocks=args.serial_blocks,
-    slot_threshold=args.slot_threshold,
-    token_threshold=args.token_threshold,
-    mask_id=bench.mask_id,
-  )
+  refusion = refusion_knobs(bench, args)
   return {
     "refusion": lambda p: generate(bench.model, p, **refusion, **ids),
     "refusion eager ref.": lambda p: decode_reference(bench.model, p[0], **refusion, eos_id=bench.eos_id),
@@ -229,6 +257,11 @@ def format_table(rows: Sequence[Measurement]) -> str:
     )
     for r in rows
   ]
+  return _table(header, lines)
+
+
+def _table(header: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
+  """Fixed-width columns: the first two left-aligned (names), the others right-aligned (numbers)."""
   widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
   fmt = lambda cells: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
   rule = "-" * len(fmt(header))
@@ -252,6 +285,153 @@ def summary(rows: Sequence[Measurement]) -> str:
   return "\n".join(out)
 
 
+# ------------------------------------------------------------------ throughput
+
+
+@dataclasses.dataclass
+class ThroughputRow:
+  """One (prompt count, mode) line of the throughput table; counts summed over the mode's decode calls."""
+
+  prompts: int
+  mode: str
+  rows: int  # K: rows decoding at once
+  forwards_per_answer: float  # mean forwards a prompt took part in (prefill included)
+  batch_forwards: int  # loop iterations: batched forwards, prefills not included
+  average_width: float  # mean query width (tokens per row) of those forwards
+  tokens_per_s: float
+  run_s: float  # median over the rounds
+  widths: dict[str, dict[int, int]]
+  tokens: list[list[int]]
+
+
+def throughput_modes(bench: BenchModel, args: argparse.Namespace) -> dict[str, Callable[[list], list[DecodeResult]]]:
+  """Each mode as prompts -> its decode results: one call per prompt, per static batch, or one continuous call."""
+  decode = functools.partial(
+    generate, bench.model, **refusion_knobs(bench, args), eos_id=bench.eos_id, pad_id=bench.pad_id
+  )
+  modes = {
+    "sequential": lambda ps: [decode([p]) for p in ps],
+    "sequential, full width": lambda ps: [decode([p], fit_width=False) for p in ps],
+  }
+  for k in args.batch_sizes:
+    modes[f"static {k}"] = lambda ps, k=k: [decode(ps[i : i + k]) for i in range(0, len(ps), k)]
+  for k in args.batch_sizes:
+    modes[f"continuous {k}"] = lambda ps, k=k: [decode(ps, batch_size=k)]
+  if args.official_repo:
+    from refusion_jax.evaluation.official import OfficialDecoder  # imports torch: only when asked for
+
+    official = OfficialDecoder(bench.model, args.official_repo)
+    knobs = dict(refusion_knobs(bench, args), eos_id=bench.eos_id)
+    modes[OFFICIAL] = lambda ps: [official.decode(ps, **knobs)]
+  return modes
+
+
+# The official PyTorch decoder's mode (B = 1, prompt by prompt); timed on the smallest prompt count only.
+OFFICIAL = "official PyTorch"
+
+
+def _merge_widths(results: Sequence[DecodeResult]) -> dict[str, dict[int, int]]:
+  merged: dict[str, dict[int, int]] = {}
+  for result in results:
+    for name, counts in result.widths.items():
+      for width, count in counts.items():
+        merged.setdefault(name, {})[width] = merged.get(name, {}).get(width, 0) + count
+  return merged
+
+
+def _rows_of(mode: str, count: int) -> int:
+  """K of a mode: 1 one by one (sequential, official), else the mode's batch size."""
+  return 1 if mode.startswith("sequential") or mode == OFFICIAL else min(int(mode.split()[-1]), count)
+
+
+def bench_throughput(bench: BenchModel, args: argparse.Namespace) -> list[ThroughputRow]:
+  """Every mode on the first N prompts for each N of --prompts, timed in interleaved rounds."""
+  modes = throughput_modes(bench, args).items()
+  cells = [(n, mode, call) for n in args.prompts for mode, call in modes if mode != OFFICIAL or n == min(args.prompts)]
+  results, times = {}, {}
+  for n, mode, call in cells:  # warm-up: compiles every shape the timed rounds use
+    start = time.perf_counter()
+    results[n, mode] = call(bench.prompts[:n])
+    _log(f"{n} prompts, {mode}: first call (compile + run) {time.perf_counter() - start:.2f}s")
+  for round_ in range(args.repeats):
+    for n, mode, call in cells:
+      start = time.perf_counter()
+      call(bench.prompts[:n])
+      times.setdefault((n, mode), []).append(time.perf_counter() - start)
+    _log(f"round {round_ + 1}/{args.repeats} done")
+  rows = []
+  for n, mode, _ in cells:
+    calls = results[n, mode]
+    widths = _merge_widths(calls)
+    forward = widths.get("forward", {})
+    tokens = [t for r in calls for t in r.tokens]
+    run_s = statistics.median(times[n, mode])
+    rows.append(
+      ThroughputRow(
+        prompts=n,
+        mode=mode,
+        rows=_rows_of(mode, n),
+        forwards_per_answer=float(np.mean(np.concatenate([r.num_forwards for r in calls]))),
+        batch_forwards=sum(forward.values()),
+        average_width=sum(w * c for w, c in forward.items()) / max(sum(forward.values()), 1),
+        tokens_per_s=sum(map(len, tokens)) / run_s,
+        run_s=run_s,
+        widths=widths,
+        tokens=tokens,
+      )
+    )
+  return rows
+
+
+def format_throughput(rows: Sequence[ThroughputRow]) -> str:
+  """The table, the same-tokens check, and the per-stage width histograms of the largest prompt count."""
+  sequential = {r.prompts: r for r in rows if r.mode == "sequential"}
+  header = ("prompts", "mode", "K", "fwd/answer", "batch fwds", "avg width", "tokens/s", "run s", "vs sequential")
+  lines = [
+    (
+      str(r.prompts),
+      r.mode,
+      str(r.rows),
+      f"{r.forwards_per_answer:.1f}",
+      str(r.batch_forwards),
+      f"{r.average_width:.1f}",
+      f"{r.tokens_per_s:.0f}",
+      f"{r.run_s:.3f}",
+      f"{sequential[r.prompts].run_s / r.run_s:.2f}x",
+    )
+    for r in rows
+  ]
+  out = [_table(header, lines), ""]
+  different = [f"{r.prompts} prompts {r.mode}" for r in rows if r.tokens != sequential[r.prompts].tokens]
+  out.append(f"DIFFERENT tokens from sequential: {different}" if different else "every mode: the same tokens.")
+  for r in rows:
+    if r.mode == OFFICIAL:
+      ratio = r.run_s / sequential[r.prompts].run_s
+      out.append(f"{r.prompts} prompts at B = 1: the jitted decoder is {ratio:.1f}x faster than the official code.")
+  largest = max(sequential)
+  for r in rows:
+    if r.prompts == largest and (r.mode == "sequential" or r.mode.startswith("continuous")):
+      out.append(f"forward widths ({largest} prompts, {r.mode}), width x count:")
+      for name, counts in r.widths.items():
+        out.append(f"  {name:8s}" + "  ".join(f"{w:>3d} x {c:<5d}" for w, c in sorted(counts.items())))
+  return "\n".join(out)
+
+
+def run_throughput(args: argparse.Namespace) -> list[ThroughputRow]:
+  if args.repeats < 1 or min(args.prompts) < 1 or min(args.batch_sizes) < 1:
+    raise ValueError("--repeats, --prompts and --batch_sizes must be at least 1.")
+  check_slot_layout(args.gen_length, args.slot_size, args.serial_blocks)
+  if args.hf_checkpoint or args.checkpoint:
+    args.batch = max(args.prompts)
+    bench = trained_bench_model(args)
+  else:
+    overrides = dict(num_layers=args.num_layers) if args.num_layers else {}
+    lengths = THROUGHPUT_PROMPT_LENGTHS
+    bench = random_bench_model(args.size, max(args.prompts), args.sharpen, args.seed, lengths, **overrides)
+  _log(f"{bench.name}: {len(bench.prompts)} prompts of {min(map(len, bench.prompts))}-{max(map(len, bench.prompts))}")
+  return bench_throughput(bench, args)
+
+
 def reproduce_command(argv: Sequence[str]) -> str:
   return shlex.join(["python", "-m", "refusion_jax.bench", *argv])
 
@@ -266,19 +446,51 @@ def build_parser() -> argparse.ArgumentParser:
   )
   p.add_argument("--sizes", default="tiny,small", help="comma-separated model presets (random weights).")
   p.add_argument("--batch", type=int, default=16, help="the large batch (batch 1 is always measured too).")
-  p.add_argument("--gen_length", type=int, default=defaults.GEN_LENGTH)
   p.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up; the median is reported.")
-  for name, value in defaults.REFUSION.items():
-    p.add_argument(f"--{name}", type=type(value), default=value)
+  _add_refusion_flags(p, serial_blocks=defaults.REFUSION["serial_blocks"])
   p.add_argument("--mdm_block_length", type=int, help="MDM tokens per block (default min(32, gen_length)).")
   p.add_argument("--mdm_steps", type=int, help="MDM unmasking steps in all (default gen_length: one token per step).")
   p.add_argument("--sharpen", type=float, default=128.0, help="LM-head scale of the random models (1: plain init).")
-  p.add_argument("--seed", type=int, default=0, help="weights and prompts of the random models.")
-  sample.add_model_flags(p, random_init=False)
-  p.add_argument("--prompt", action="append", default=[], help="with a checkpoint: prompt text (repeatable).")
-  p.add_argument("--chat_template", action="store_true", help="with a checkpoint: wrap prompts in the chat template.")
-  p.add_argument("--mask_id", type=int, help="with a checkpoint: the mask id if neither tokenizer nor config has it.")
+  _add_source_flags(p)
+
+  t = commands.add_parser(
+    "throughput",
+    help="ReFusion over many prompts: sequential, static batches, continuous batching.",
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  ints = lambda text: [int(x) for x in text.split(",")]
+  t.add_argument("--prompts", type=ints, default=[8, 64], help="comma-separated prompt counts N.")
+  t.add_argument("--batch_sizes", type=ints, default=[8, 16], help="comma-separated K of the batched modes.")
+  t.add_argument("--size", default="tiny", choices=sorted(config_lib.PRESETS), help="random model preset.")
+  t.add_argument("--num_layers", type=int, default=3, help="random model: its layers (the preset's with 0).")
+  t.add_argument("--repeats", type=int, default=3, help="interleaved timed rounds after the warm-up; medians.")
+  _add_refusion_flags(t, serial_blocks=2)
+  t.add_argument("--sharpen", type=float, default=64.0, help="LM-head scale of the random model.")
+  t.add_argument(
+    "--official_repo",
+    help="a checkout of ML-GSAI/ReFusion: also time its generate.py on the same weights (B = 1, smallest N; torch).",
+  )
+  t.add_argument(
+    "--task_prompts",
+    help="with a checkpoint: prompts are the test-split queries of these built-in tasks (comma-separated).",
+  )
+  _add_source_flags(t)
   return parser
+
+
+def _add_refusion_flags(parser: argparse.ArgumentParser, serial_blocks: int) -> None:
+  parser.add_argument("--gen_length", type=int, default=defaults.GEN_LENGTH, help="G, answer tokens at most.")
+  for name, value in dict(defaults.REFUSION, serial_blocks=serial_blocks).items():
+    parser.add_argument(f"--{name}", type=type(value), default=value, help="ReFusion decoding (docs/method.md §2).")
+
+
+def _add_source_flags(parser: argparse.ArgumentParser) -> None:
+  """Random weights' seed, or a trained checkpoint with its prompts (cycled to the count needed)."""
+  parser.add_argument("--seed", type=int, default=0, help="weights and prompts of the random models.")
+  sample.add_model_flags(parser, random_init=False)
+  parser.add_argument("--prompt", action="append", default=[], help="with a checkpoint: prompt text (repeatable).")
+  parser.add_argument("--chat_template", action="store_true", help="with a checkpoint: wrap prompts in the template.")
+  parser.add_argument("--mask_id", type=int, help="with a checkpoint: the mask id if neither tokenizer nor config has.")
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -323,13 +535,15 @@ def main(argv: Sequence[str] | None = None) -> int:
   except SystemExit as exit_:
     return int(exit_.code or 0)
   try:
-    rows = run_decode(args)
+    if args.command == "throughput":
+      report = format_throughput(run_throughput(args))
+    else:
+      rows = run_decode(args)
+      report = "\n\n".join([format_table(rows), summary(rows)])
   except (ValueError, FileNotFoundError) as error:
     print(f"error: {error}", file=sys.stderr)
     return 2
-  print(format_table(rows))
-  print()
-  print(summary(rows))
+  print(report)
   print(f"backend: {jax.default_backend()} ({jax.device_count()} device(s)); reproduce with: {reproduce_command(argv)}")
   return 0
 

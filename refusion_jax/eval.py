@@ -82,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     "decoding (defaults: the config's eval section; comma-separated values sweep every combination)"
   )
   knobs.add_argument("--method", choices=adapters.METHODS, default="refusion")
-  knobs.add_argument("--batch_size", type=int, help="prompts decoded together (default: config eval.batch_size).")
+  knobs.add_argument(
+    "--batch_size", type=int, help="rows decoded at once, by continuous batching (default: config eval.batch_size)."
+  )
   knobs.add_argument("--gen_length", type=_values(int), help="G, answer tokens at most.")
   knobs.add_argument("--slot_size", type=_values(int), help="refusion: S, tokens per slot.")
   knobs.add_argument("--serial_blocks", type=_values(int), help="refusion: NB, blocks decoded left to right.")

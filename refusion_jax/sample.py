@@ -5,7 +5,8 @@
     python -m refusion_jax.sample --checkpoint TUNIX_DIR --model_config HF_DIR --prompt "..."   # tunix / MaxText
     python -m refusion_jax.sample --random_init tiny --prompt "hello" --trace trace.png
 
-All prompts are decoded as one batch. Without --json, each answer is printed
+All prompts are decoded as one batch (with --batch_size K: K rows kept busy,
+a finished row taking the next prompt). Without --json, each answer is printed
 with its statistics (and with --trace, a coloured decode-order trace); with
 --json, one JSON object per prompt. Bad input gives a one-line message and
 exit status 2.
@@ -112,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     "--block_length", type=int, help=f"mdm: tokens per block (default min({defaults.MDM_BLOCK_LENGTH}, G))."
   )
   knobs.add_argument("--steps", type=int, help="mdm: total unmasking steps (default G: one token per step).")
+  knobs.add_argument(
+    "--batch_size", type=int, help="rows decoded at once, a finished row taking the next prompt (default: all)."
+  )
   knobs.add_argument("--temperature", type=float, default=0.0)
   knobs.add_argument("--seed", type=int, default=0)
   knobs.add_argument("--mask_id", type=int, help="default: the tokenizer's, else the model config's.")

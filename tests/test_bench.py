@@ -40,6 +40,29 @@ def test_minimal_bench_reports_every_row(capsys):
   assert "reproduce with: python -m refusion_jax.bench decode --sizes tiny" in out
 
 
+THROUGHPUT_MODES = ["sequential", "sequential, full width", "static 2", "continuous 2"]
+
+
+def test_throughput_bench_reports_every_mode_with_the_same_tokens(capsys):
+  argv = ["throughput", "--prompts", "3", "--batch_sizes", "2", "--num_layers", "1", "--gen_length", "8"]
+  code = bench.main([*argv, "--serial_blocks", "1", "--repeats", "1"])
+  out, err = capsys.readouterr()
+  assert code == 0, err
+  # prompts, mode, K, fwd/answer, batch fwds, avg width, tokens/s, run s, vs sequential
+  cells = [re.split(r"\s{2,}", line.strip()) for line in out.splitlines() if re.match(r"3\s{2,}\S", line)]
+  lines = {row[1]: row for row in cells}
+  assert sorted(lines) == sorted(THROUGHPUT_MODES)
+  assert lines["sequential"][-1] == "1.00x"
+  batch_forwards = {mode: int(row[4]) for mode, row in lines.items()}
+  widths = {mode: float(row[5]) for mode, row in lines.items()}
+  assert widths["sequential, full width"] == 8.0 and widths["sequential"] <= 8.0
+  # Two rows: fewer batched forwards than one by one; continuous no more than static batches.
+  assert batch_forwards["continuous 2"] <= batch_forwards["static 2"] < batch_forwards["sequential"]
+  assert "every mode: the same tokens." in out
+  assert re.search(r"^  plan\s+\d", out, re.M) and "forward widths (3 prompts, continuous 2)" in out
+  assert "reproduce with: python -m refusion_jax.bench throughput --prompts 3" in out
+
+
 def test_bench_rejects_bad_knobs(capsys):
   assert bench.main(["decode", "--gen_length", "10"]) == 2
   assert "multiple of slot_size" in capsys.readouterr().err

@@ -105,17 +105,17 @@ HAND_CASES = {
 }
 
 
+def hand_knobs(case: dict) -> dict:
+  """The decode knobs of a hand-built case (G = 8, S = 4)."""
+  names = ("serial_blocks", "slot_threshold", "token_threshold")
+  return dict(gen_length=8, slot_size=4, **{name: case[name] for name in names})
+
+
 @pytest.mark.parametrize("name", HAND_CASES)
 def test_hand_built_model_decodes_as_derived(name):
   case = HAND_CASES[name]
   model = bigram_model(*case["model"])
-  knobs = dict(
-    gen_length=8,
-    slot_size=4,
-    serial_blocks=case["serial_blocks"],
-    slot_threshold=case["slot_threshold"],
-    token_threshold=case["token_threshold"],
-  )
+  knobs = hand_knobs(case)
   prompts = [[2, 3, 4], [5] * 20]  # the prompt is invisible to this model: both rows decode alike
   result = generate(model, prompts, **knobs)
   reference = decode_reference(model, prompts[0], mask_id=MASK, eos_id=EOS, **knobs)

@@ -1,9 +1,10 @@
 """The autoregressive baseline: plain next-token decoding with the KV cache, on ReFusion's backbone.
 
 One prompt prefill yields the first token, then one forward per further
-token. Batched and jitted end to end as one `lax.while_loop`; the host side is
-`refusion_jax.decoding.common.run_decoder`, whose `DecodeResult` records
-`PHASE_STEP` for every token.
+token. Batched and jitted end to end as one `lax.while_loop` over a
+`refusion_jax.decoding.batching.Batch` (so `batch_size` gives continuous
+batching); the host side is `refusion_jax.decoding.common.run_decoder`, whose
+`DecodeResult` records `PHASE_STEP` for every token.
 """
 
 from __future__ import annotations
@@ -11,13 +12,24 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-import chex
+import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from refusion_jax.decoding.common import (
+from refusion_jax.decoding.batching import (
+  PHASE_STEP,
+  Batch,
   DecodeOutputs,
+  count_width,
+  host_zeros,
+  put_cache_row,
+  put_row,
+  run_rows,
+)
+from refusion_jax.decoding.common import (
+  Decoder,
   DecodeResult,
   check_temperature,
   counts_compilations,
@@ -25,11 +37,87 @@ from refusion_jax.decoding.common import (
   pick_tokens,
   prefill,
   run_decoder,
-  step_outputs,
 )
-from refusion_jax.decoding.sharding import row_sharded_while_loop
 from refusion_jax.model import cache as kv_cache
+from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer
+
+
+@flax.struct.dataclass
+class _Sampling:
+  """The traced knobs: Gumbel-max temperature and key, and the stop id."""
+
+  key: jax.Array
+  temperature: jax.Array
+  eos_id: jax.Array
+
+
+@flax.struct.dataclass
+class _RowState:
+  """Per-row state (K rows).
+
+  cache:         KV cache of prompt + answer, capacity = prompt bucket + G
+  prompt_length: [K] int32
+  token:         [K] int32 the last token, fed by the next forward
+  done:          [K] bool the row has its answer (EOS or G tokens)
+  """
+
+  cache: kv_cache.KVCache
+  prompt_length: jax.Array
+  token: jax.Array
+  done: jax.Array
+
+
+def _record(out: DecodeOutputs, index: jax.Array, step: jax.Array, token: jax.Array) -> DecodeOutputs:
+  """Write `token` [K] at answer offset `step` [K] of prompts `index` [K] (Q: none) as one more step and forward."""
+  return out.replace(
+    answer=out.answer.at[index, step].set(token, mode="drop"),
+    commit_iteration=out.commit_iteration.at[index, step].set(step, mode="drop"),
+    commit_phase=out.commit_phase.at[index, step].set(PHASE_STEP, mode="drop"),
+    num_forwards=out.num_forwards.at[index].add(1, mode="drop"),
+    steps=out.steps.at[index].add(1, mode="drop"),
+  )
+
+
+def _admit(model: Transformer, knobs: _Sampling, gen_length: int, sample: bool, state, out, row, index, tokens, length):
+  """Prefill prompt `index` into row `row`; the prefill yields the first token (a `batching.Admit`)."""
+  logits, one = prefill(model, tokens[None], length[None], state.cache.capacity)
+  last = jax.lax.dynamic_slice_in_dim(logits, length - 1, 1, axis=1)
+  first, _ = pick_tokens(last, knobs.key, index[None], jnp.zeros((1,), jnp.int32), knobs.temperature, sample)
+  first = first[:, 0]
+  fresh = _RowState(
+    cache=None, prompt_length=length[None], token=first, done=(first == knobs.eos_id) | (gen_length == 1)
+  )
+  state = put_row(state.replace(cache=None), row, fresh).replace(cache=put_cache_row(state.cache, row, one))
+  return state, _record(out, index[None], jnp.zeros((1,), jnp.int32), first)
+
+
+def _step(model: Transformer, knobs: _Sampling, gen_length: int, sample: bool, state, out, widths, live, index):
+  """Feed each unfinished row its last token (a `batching.Step`); a row with its answer finishes without one."""
+  working = live & ~state.done
+  step = out.steps.at[index].get(mode="fill", fill_value=0)  # answer tokens so far
+  positions = (state.prompt_length + step - 1)[:, None]
+  mask = kv_cache.block_mask(state.cache, jnp.ones((live.shape[0], 1, 1), bool))
+  logits, kv = model(state.token[:, None], positions, mask, state.cache)
+  cache = kv_cache.append(state.cache, kv, positions, working[:, None])
+  token, _ = pick_tokens(logits, knobs.key, index, step, knobs.temperature, sample)
+  token = token[:, 0]
+  out = _record(out, jnp.where(working, index, out.steps.shape[0]), step, token)
+  done = state.done | (working & ((token == knobs.eos_id) | (step + 1 >= gen_length)))
+  widths = count_width(widths, 1, jnp.any(working)[None])
+  return state.replace(cache=cache, token=jnp.where(working, token, state.token), done=done), out, widths, live & done
+
+
+def _rows(config: ModelConfig, batch: int, capacity: int) -> _RowState:
+  zeros = jnp.zeros((batch,), jnp.int32)
+  cache = kv_cache.KVCache.create(config, batch, capacity)
+  return _RowState(cache=cache, prompt_length=zeros, token=zeros, done=jnp.zeros((batch,), bool))
+
+
+def _start(gen_length: int, config: ModelConfig, batch: int, prompt_width: int):
+  """Idle rows and a zero count of the width-1 forwards (a `Decoder.start`)."""
+
+  return host_zeros(_rows, config, batch, prompt_width + gen_length), np.zeros((1, 2), np.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "gen_length", "sample"))
@@ -37,57 +125,23 @@ from refusion_jax.model.transformer import Transformer
 def ar_loop(
   graphdef: nnx.GraphDef,
   params: nnx.State,
-  prompt: jax.Array,
-  lengths: jax.Array,
-  key: jax.Array,
-  temperature: jax.Array,
-  eos_id: jax.Array,
+  batch: Batch,
+  max_iterations: jax.Array,
+  knobs: _Sampling,
   *,
   gen_length: int,
   sample: bool,
-) -> DecodeOutputs:
-  """Prefill + token-by-token decode.
-
-  Args:
-    prompt: [B, P] right-padded prompt ids; lengths: [B].
+) -> Batch:
+  """Prefill + token-by-token decode over a `Batch`, for up to `max_iterations` iterations (or until done).
 
   Returns:
-    `DecodeOutputs`: answer [B, G] (0 after a row stopped), commit_iteration
-    [B, G] = the token's index, num_forwards = steps [B] = tokens decoded.
+    The `Batch`; its `out` holds, per prompt, the answer, commit_iteration[t] = t,
+    num_forwards = steps = tokens decoded.
   """
   model = nnx.merge(graphdef, params)
-  batch, width = prompt.shape
-  chex.assert_shape(lengths, (batch,))
-  logits, cache = prefill(model, prompt, lengths, width + gen_length)
-  last_logits = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)
-  first, _ = pick_tokens(last_logits, key, 0, temperature, sample)
-  first = first[:, 0]
-
-  out = jnp.zeros((batch, gen_length), jnp.int32).at[:, 0].set(first)
-  done = first == eos_id
-  forwards = jnp.ones((batch,), jnp.int32)
-
-  def cond(carry):
-    step, _, _, _, done = carry
-    return (step < gen_length) & ~jnp.all(done)
-
-  def body(carry):
-    step, cache, out, forwards, done = carry
-    fed = out[:, step - 1][:, None]
-    positions = (lengths + step - 1)[:, None]
-    mask = kv_cache.block_mask(cache, jnp.ones((batch, 1, 1), bool))
-    logits, kv = model(fed, positions, mask, cache)
-    cache = kv_cache.append(cache, kv, positions, ~done[:, None])
-    token, _ = pick_tokens(logits, key, step, temperature, sample)
-    token = token[:, 0]
-    live = ~done
-    out = out.at[:, step].set(jnp.where(live, token, out[:, step]))
-    forwards = forwards + live
-    done = done | (token == eos_id)
-    return step + 1, cache, out, forwards, done
-
-  _, _, out, forwards, _ = row_sharded_while_loop(cond, body, (jnp.int32(1), cache, out, forwards, done))
-  return step_outputs(out, jnp.broadcast_to(jnp.arange(gen_length, dtype=jnp.int32), out.shape), forwards)
+  admit = functools.partial(_admit, model, knobs, gen_length, sample)
+  step = functools.partial(_step, model, knobs, gen_length, sample)
+  return run_rows(batch, max_iterations, admit, step)
 
 
 def ar_generate(
@@ -100,33 +154,36 @@ def ar_generate(
   eos_id: int | None = None,
   pad_id: int | None = None,
   mesh: jax.sharding.Mesh | None = None,
+  batch_size: int | None = None,
+  chunk_iterations: int | None = None,
 ) -> DecodeResult:
   """Batched autoregressive decoding with the KV cache.
 
   The prompt prefill is one forward and yields the first token; each further
-  token costs one forward of the previous token. A row stops at its first EOS;
-  the loop ends when every row has stopped or G tokens exist.
+  token costs one forward of the previous token. A row stops at its first EOS
+  or after G tokens.
 
   Args:
-    prompt_ids: B prompts of integer token ids (any lengths).
-    gen_length: G, the most tokens to generate per row.
+    prompt_ids: N prompts of integer token ids (any lengths).
+    gen_length: G, the most tokens to generate per prompt.
     temperature: 0 for greedy, else Gumbel-max sampling at that temperature.
     eos_id: stop token; defaults to the model config's, none if that is unset.
     pad_id: prompt padding id (never attended); defaults to the config's pad, else its EOS, else 0.
     mesh: decode on this mesh (`refusion_jax.make_mesh`); None: the default device.
+    batch_size: decode on this many rows, a finished row taking the next
+      prompt (continuous batching); None: all N prompts as one batch.
+    chunk_iterations: run the compiled loop this many iterations per call
+      (state in, state out; same results); None: one call.
 
   Returns:
-    A `DecodeResult`: num_forwards = steps = answer tokens per row (prefill
-    included), commit_iteration[b, t] = t.
+    A `DecodeResult` in input order: num_forwards = steps = answer tokens per
+    prompt (prefill included), commit_iteration[b, t] = t.
   """
   temperature = check_temperature(temperature)
   eos = optional_eos_id(eos_id, model.config)
-  loop = functools.partial(
-    ar_loop,
-    key=jax.random.key(seed),
-    temperature=jnp.float32(temperature),
-    eos_id=jnp.int32(eos),
-    gen_length=gen_length,
-    sample=temperature > 0,
+  knobs = _Sampling(key=jax.random.key(seed), temperature=jnp.float32(temperature), eos_id=jnp.int32(eos))
+  loop = functools.partial(ar_loop, knobs=knobs, gen_length=gen_length, sample=temperature > 0)
+  decoder = Decoder(gen_length, eos, functools.partial(_start, gen_length), loop)
+  return run_decoder(
+    model, prompt_ids, decoder, pad_id=pad_id, mesh=mesh, batch_size=batch_size, chunk_iterations=chunk_iterations
   )
-  return run_decoder(model, prompt_ids, loop, gen_length=gen_length, eos_id=eos, pad_id=pad_id, mesh=mesh)

@@ -5,9 +5,9 @@ baselines (`refusion_jax.decoding.ar`, `refusion_jax.decoding.mdm`) all take
 token-id prompts, reject bad input before anything is compiled, pad prompts
 into a few length buckets so new prompts do not recompile, and return a
 `DecodeResult`. The jitted decoders share more: `run_decoder` is their one
-host-side front end (check, pad, split the model, run the compiled loop, read
-the answers back), `prefill` their one prompt forward, and `counts_compilations`
-their one compile counter (docs/method.md §3).
+host-side front end (check, pad, start the rows, run the compiled loop over a
+`batching.Batch`, read the answers back), `prefill` their one prompt forward,
+and `counts_compilations` their one compile counter (docs/method.md §3).
 """
 
 from __future__ import annotations
@@ -19,26 +19,24 @@ import time
 from collections.abc import Callable, Sequence
 
 import chex
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from refusion_jax.data.special_tokens import SpecialTokens, resolve_special_tokens
-from refusion_jax.decoding.sharding import constrain_cache, sharded_loop
+from refusion_jax.decoding.batching import PHASE_INFILL, PHASE_NONE, PHASE_STEP, PHASE_VERIFY, Batch, DecodeOutputs
+from refusion_jax.decoding.sharding import constrain_cache, pad_rows, sharded_loop
 from refusion_jax.model import cache as kv_cache
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer, inference_view
+from refusion_jax.parallel.sharding import batch_parallel_ways
 
 # Prompt lengths are padded up to the smallest bucket that holds them.
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
-# Phase codes recorded in `DecodeResult.commit_phase`.
-PHASE_NONE = -1
-PHASE_VERIFY = 0  # committed as a whole slot by the global verification (docs/method.md §2 step 2)
-PHASE_INFILL = 1  # committed after parallel infill (step 3)
-PHASE_STEP = 2  # baselines: committed by an AR step or an MDM unmasking step
+# Phase codes recorded in `DecodeResult.commit_phase` (`batching.PHASE_*`).
+__all__ = ["PHASE_INFILL", "PHASE_NONE", "PHASE_STEP", "PHASE_VERIFY", "DecodeOutputs"]
 PHASE_NAMES = {PHASE_VERIFY: "verify", PHASE_INFILL: "infill", PHASE_STEP: "step"}
 
 
@@ -56,6 +54,10 @@ class DecodeResult:
       answer position, -1 where nothing was committed.
     commit_phase: [B, G] how each position was committed (`PHASE_*`).
     seconds: wall-clock time of the call, compilation included when it happened.
+    widths: name -> {query width: count}. "forward" counts the batched loop
+      forwards (prefills not included) by their query width (tokens per row);
+      ReFusion adds one entry per stage ("plan", "verify", "draft", "check")
+      counting each row's forwards in that stage by the width they ran at.
   """
 
   tokens: list[list[int]]
@@ -64,6 +66,7 @@ class DecodeResult:
   commit_iteration: np.ndarray
   commit_phase: np.ndarray
   seconds: float = 0.0
+  widths: dict[str, dict[int, int]] = dataclasses.field(default_factory=dict)
 
   @property
   def tpf(self) -> np.ndarray:
@@ -82,24 +85,6 @@ class DecodeResult:
       (pos, tok, int(self.commit_iteration[row, pos]), PHASE_NAMES.get(int(self.commit_phase[row, pos]), "none"))
       for pos, tok in enumerate(self.tokens[row])
     ]
-
-
-@flax.struct.dataclass
-class DecodeOutputs:
-  """What a jitted decode loop returns, per row (read back by `run_decoder`).
-
-  answer:           [B, G] int32 ids by answer offset (anything where none was committed)
-  commit_iteration: [B, G] int32 iteration (0-based) that committed each offset, -1 where none
-  commit_phase:     [B, G] int32 PHASE_* of each offset, PHASE_NONE where none
-  num_forwards:     [B] int32 forwards while the row was unfinished (its prefill included)
-  steps:            [B] int32 decode iterations of the row
-  """
-
-  answer: jax.Array
-  commit_iteration: jax.Array
-  commit_phase: jax.Array
-  num_forwards: jax.Array
-  steps: jax.Array
 
 
 def bucket_length(length: int, buckets: Sequence[int] = PROMPT_BUCKETS) -> int:
@@ -219,14 +204,17 @@ def decoder_special_tokens(
   return dataclasses.replace(ids, pad=0 if ids.padding is None else ids.padding)
 
 
-def row_gumbel_noise(key: jax.Array, steps: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  """Gumbel noise [B, *shape]; row b at its step s_b draws from fold_in(fold_in(key, b), s_b).
+def row_gumbel_noise(key: jax.Array, ids: jax.Array, steps: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """Gumbel noise [B, *shape]: row b (prompt ids_b, at step s_b) draws from fold_in(fold_in(key, ids_b), s_b).
 
-  Keying the noise by row and step keeps sampled decoding reproducible however
-  the rows of a batch advance.
+  Keying the noise by prompt (its index in the call's input) and step keeps
+  sampled decoding reproducible however the rows of a batch advance and
+  whichever row decodes a prompt.
+
+  Args:
+    ids: [B] int32 input index of each row's prompt; steps: [B] int32.
   """
-  rows = np.arange(steps.shape[0])
-  keys = jax.vmap(lambda row, step: jax.random.fold_in(jax.random.fold_in(key, row), step))(rows, steps)
+  keys = jax.vmap(lambda i, step: jax.random.fold_in(jax.random.fold_in(key, i), step))(ids, steps)
   return jax.vmap(lambda k: jax.random.gumbel(k, shape, jax.numpy.float32))(keys)
 
 
@@ -283,21 +271,32 @@ def check_refusion_knobs(
   )
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+  """`jnp.argmax(x, axis=-1)` (the first maximum) as int32, in two plain reductions.
+
+  XLA's CPU backend runs argmax's (value, index) reduction unvectorised, which
+  makes it a costly op of a small model's decode step; max, then the smallest
+  index holding it, gives the same index.
+  """
+  index = jnp.arange(x.shape[-1], dtype=jnp.int32)
+  return jnp.min(jnp.where(x == jnp.max(x, axis=-1, keepdims=True), index, x.shape[-1]), axis=-1)
+
+
 def pick_tokens(
-  logits: jax.Array, key: jax.Array, step: jax.Array, temperature: jax.Array, sample: bool
+  logits: jax.Array, key: jax.Array, ids: jax.Array, steps: jax.Array, temperature: jax.Array, sample: bool
 ) -> tuple[jax.Array, jax.Array]:
   """Greedy or Gumbel-max sampled tokens and their probabilities (the AR and MDM baselines).
 
   Gumbel-max on `logits + temperature * gumbel` samples from
   softmax(logits / temperature), which is what LLaDA's `add_gumbel_noise`
-  computes in another form. Row b at step s draws its noise from
-  fold_in(fold_in(key, b), s), as the ReFusion decoder does. The returned
+  computes in another form. The noise is `row_gumbel_noise` (keyed by prompt
+  and step), as the ReFusion decoder's. The returned
   probability is that of the chosen token under the un-noised softmax
   (LLaDA's confidence).
 
   Args:
     logits: [batch, length, vocab] float32.
-    step: a scalar or [batch] step of each row.
+    ids, steps: [batch] each row's prompt index and step.
     sample: False for greedy (argmax, first maximum); a static switch.
 
   Returns:
@@ -305,9 +304,8 @@ def pick_tokens(
   """
   scores = logits
   if sample:
-    steps = jnp.broadcast_to(step, logits.shape[:1])
-    scores = logits + temperature * row_gumbel_noise(key, steps, logits.shape[1:])
-  tokens = jnp.argmax(scores, axis=-1).astype(jnp.int32)
+    scores = logits + temperature * row_gumbel_noise(key, ids, steps, logits.shape[1:])
+  tokens = first_argmax(scores)
   return tokens, token_probs(logits, log_partition(logits), tokens)
 
 
@@ -333,21 +331,6 @@ def token_probs(logits: jax.Array, log_z: jax.Array, tokens: jax.Array) -> jax.A
   """
   picked = jnp.take_along_axis(logits, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
   return jnp.exp(picked.astype(jnp.float32) - log_z)
-
-
-def step_outputs(answer: jax.Array, commit_iteration: jax.Array, forwards: jax.Array) -> DecodeOutputs:
-  """A baseline's `DecodeOutputs`: every token committed by a step (PHASE_STEP), one step per forward.
-
-  Args:
-    answer, commit_iteration: [B, G]; forwards: [B].
-  """
-  return DecodeOutputs(
-    answer=answer,
-    commit_iteration=commit_iteration,
-    commit_phase=jnp.full(answer.shape, PHASE_STEP, jnp.int32),
-    num_forwards=forwards,
-    steps=forwards,
-  )
 
 
 def prefill(
@@ -403,47 +386,113 @@ def compile_count(loop: Callable | None = None) -> int:
   return _COMPILATIONS[_loop_name(loop)]
 
 
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+  """What `run_decoder` drives: a jitted decode loop with its knobs bound, and how to start its rows.
+
+  Attributes:
+    gen_length: G, answer tokens at most.
+    eos_id: the checked stop id answers are cut after (`NO_TOKEN`: none).
+    start: (model config, rows K, prompt width P) -> (the decoder's idle per-row
+      state, its `Batch.widths` counters [len(width_names), largest width + 1]),
+      all zeros (`batching.host_zeros`).
+    loop: `functools.partial(jitted_loop, **knobs)`, called with (graphdef,
+      params, `Batch`, max_iterations) -> `Batch`; counted by `counts_compilations`.
+    width_names: the names of the `Batch.widths` rows ("forward" first).
+  """
+
+  gen_length: int
+  eos_id: int
+  start: Callable[[ModelConfig, int, int], tuple[object, np.ndarray]]
+  loop: functools.partial
+  width_names: tuple[str, ...] = ("forward",)
+
+
+def _check_positive(name: str, value: int | None, none_means: str) -> None:
+  if value is not None and (
+    isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1
+  ):
+    raise ValueError(f"{name}={value!r} must be a positive integer (or None: {none_means}).")
+
+
+def _round_up(value: int, multiple: int) -> int:
+  return -(-value // multiple) * multiple
+
+
+def queue_size(count: int) -> int:
+  """Queue entries for `count` prompts: the next power of two, so prompt counts share compilations."""
+  return 1 << max(count - 1, 0).bit_length()
+
+
+def start_batch(
+  decoder: Decoder, config: ModelConfig, prompts: np.ndarray, lengths: np.ndarray, rows: int, queued: int
+) -> Batch:
+  """K = `rows` idle rows before a queue of prompts [Q, P] (lengths [Q]) of which the first `queued` are real.
+
+  Host arrays only: starting a batch dispatches no device work.
+  """
+  row_state, widths = decoder.start(config, rows, prompts.shape[1])
+  return Batch.create(row_state, widths, prompts, lengths, queued, decoder.gen_length)
+
+
 def run_decoder(
   model: Transformer,
   prompt_ids: Sequence[Sequence[int]],
-  loop: Callable[[nnx.GraphDef, nnx.State, np.ndarray, np.ndarray], DecodeOutputs],
+  decoder: Decoder,
   *,
-  gen_length: int,
-  eos_id: int,
   pad_id: int | None,
   mesh: jax.sharding.Mesh | None = None,
+  batch_size: int | None = None,
+  chunk_iterations: int | None = None,
 ) -> DecodeResult:
-  """The host side of every jitted decoder: check, pad, split, run the loop, read the answers back.
+  """The host side of every jitted decoder: check, pad, start the rows, run the loop, read the answers back.
 
   Args:
-    prompt_ids: B prompts of integer token ids, any lengths (padded into one bucket).
-    loop: the compiled decode loop with its knobs bound; called with the model's
-      graph and parameters, prompts [B, bucket] int32 and their lengths [B] int32.
-    eos_id: the checked stop id the answers are cut after (`NO_TOKEN`: none).
+    prompt_ids: N prompts of integer token ids, any lengths (padded into one bucket).
     pad_id: prompt padding id (never attended); defaults to the config's pad, else its EOS, else 0.
-    mesh: decode on this mesh (`refusion_jax.decoding.sharding.sharded_loop`); None: the default device.
+    mesh: decode on this mesh (`refusion_jax.decoding.sharding.sharded_loop`; rows and the
+      queue are padded to a multiple of its batch-parallel ways); None: the default device.
+    batch_size: K rows kept busy (continuous batching: a finished row takes the
+      next prompt); None decodes all N prompts as one batch.
+    chunk_iterations: run the compiled loop this many iterations per call
+      (state in, state out), as a server would; None: one call.
 
   Returns:
-    A `DecodeResult` whose trace is blanked past each answer; seconds covers
-    padding, the loop (and its compilation, when it happens) and the read-back.
+    A `DecodeResult` in input order whose trace is blanked past each answer;
+    seconds covers padding, the loop (and its compilation, when it happens)
+    and the read-back.
   """
   config = model.config
-  check_prompts(prompt_ids, config, gen_length)
+  check_prompts(prompt_ids, config, decoder.gen_length)
   pad = check_special_id("pad_id", decoder_special_tokens(config, pad_id=pad_id).pad, config)
+  _check_positive("batch_size", batch_size, "all prompts as one batch")
+  _check_positive("chunk_iterations", chunk_iterations, "run the loop to the end in one call")
   model = inference_view(model)  # every decoder runs without remat, on weights cast once (docs/method.md §5)
+  count = len(prompt_ids)
+  ways = 1 if mesh is None else batch_parallel_ways(mesh)
+  rows = _round_up(min(batch_size or count, count), ways)
   start = time.perf_counter()
-  prompt, lengths = pad_prompts(prompt_ids, pad)
+  tokens, lengths = pad_prompts(prompt_ids, pad)
+  # Queue entries past the real prompts are never admitted (copies of prompt 0, only to fill the shape).
+  tokens, lengths = pad_rows(*pad_rows(tokens, lengths, queue_size(count)), ways)
+  batch = start_batch(decoder, config, tokens, lengths, rows, count)
   graphdef, params = nnx.split(model)
-  call = loop if mesh is None else sharded_loop(loop, mesh)
-  out = jax.device_get(call(graphdef, params, prompt, lengths))
+  call = decoder.loop if mesh is None else sharded_loop(decoder.loop, mesh)
+  batch = call(graphdef, params, batch, np.int32(chunk_iterations or np.iinfo(np.int32).max))
+  # Without chunks the loop returns done: no read-back to check it.
+  while chunk_iterations and not batch.done:
+    batch = call(graphdef, params, batch, np.int32(chunk_iterations))
+  out, widths = jax.device_get((batch.out, batch.widths))
   seconds = time.perf_counter() - start
-  answers = answer_tokens(out.answer, eos_id)
-  iteration, phase = blank_after_answer(answers, np.asarray(out.commit_iteration), np.asarray(out.commit_phase))
+  out = jax.tree.map(lambda x: np.asarray(x)[:count], out)
+  answers = answer_tokens(out.answer, decoder.eos_id)
+  iteration, phase = blank_after_answer(answers, out.commit_iteration, out.commit_phase)
   return DecodeResult(
     tokens=answers,
-    num_forwards=np.asarray(out.num_forwards),
-    steps=np.asarray(out.steps),
+    num_forwards=out.num_forwards,
+    steps=out.steps,
     commit_iteration=iteration,
     commit_phase=phase,
     seconds=seconds,
+    widths={name: {w: int(c) for w, c in enumerate(counts) if c} for name, counts in zip(decoder.width_names, widths)},
   )

@@ -3,24 +3,27 @@
 No cache: every step is one bidirectional forward over prompt + answer. The
 answer is decoded in semi-autoregressive blocks, and per step the most
 confident masked tokens of the current block are unmasked (LLaDA's
-`generate.py`). Batched and jitted end to end as one `lax` loop; the host side
-is `refusion_jax.decoding.common.run_decoder`, whose `DecodeResult` records
-`PHASE_STEP` for every token.
+`generate.py`). Batched and jitted end to end as one `lax.while_loop` over a
+`refusion_jax.decoding.batching.Batch` (so `batch_size` gives continuous
+batching); the host side is `refusion_jax.decoding.common.run_decoder`, whose
+`DecodeResult` records `PHASE_STEP` for every token.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
-import chex
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from refusion_jax.decoding.batching import PHASE_NONE, PHASE_STEP, Batch, count_width, put_row, run_rows
 from refusion_jax.decoding.common import (
-  DecodeOutputs,
+  Decoder,
   DecodeResult,
   check_special_id,
   check_temperature,
@@ -29,9 +32,8 @@ from refusion_jax.decoding.common import (
   optional_eos_id,
   pick_tokens,
   run_decoder,
-  step_outputs,
 )
-from refusion_jax.decoding.sharding import constrain_rows
+from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer
 
 
@@ -70,66 +72,134 @@ def check_mdm_schedule(gen_length: int, block_length: int, steps: int) -> int:
   return steps_per_block
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "gen_length", "block_length", "steps", "sample"))
+@dataclasses.dataclass(frozen=True)
+class _Schedule:
+  """What fixes the compiled program: the block/step split and sampling."""
+
+  gen_length: int
+  block_length: int
+  steps: int
+  sample: bool
+
+  @property
+  def steps_per_block(self) -> int:
+    return self.steps // (self.gen_length // self.block_length)
+
+
+@flax.struct.dataclass
+class _Sampling:
+  """The traced knobs: Gumbel-max temperature and key, and the mask id."""
+
+  key: jax.Array
+  temperature: jax.Array
+  mask_id: jax.Array
+
+
+@flax.struct.dataclass
+class _RowState:
+  """Per-row state (K rows, P = prompt bucket).
+
+  prompt:        [K, P] int32 right-padded prompt
+  prompt_length: [K] int32
+  answer:        [K, G] int32 the answer so far, mask ids where still masked
+  committed_at:  [K, G] int32 step that unmasked each offset, -1 where none
+  """
+
+  prompt: jax.Array
+  prompt_length: jax.Array
+  answer: jax.Array
+  committed_at: jax.Array
+
+
+def _admit(knobs: _Sampling, schedule: _Schedule, state, out, row, index, tokens, length):
+  """Put prompt `index` into row `row` with a fully masked answer (a `batching.Admit`; no forward)."""
+  G = schedule.gen_length
+  fresh = _RowState(
+    prompt=tokens[None],
+    prompt_length=length[None],
+    answer=jnp.full((1, G), knobs.mask_id, jnp.int32),
+    committed_at=jnp.full((1, G), -1, jnp.int32),
+  )
+  return put_row(state, row, fresh), out
+
+
+def _step(model: Transformer, knobs: _Sampling, schedule: _Schedule, state, out, widths, live, index):
+  """One unmasking step of every row: a bidirectional forward over [prompt bucket | answer] (a `batching.Step`).
+
+  The prompt keeps its right padding and the answer follows the bucket, but
+  every token carries its true position (answer j sits at length + j) and no
+  query sees padding, so with bidirectional attention this equals LLaDA's
+  contiguous layout.
+  """
+  batch, width = state.prompt.shape
+  G, per_block = schedule.gen_length, schedule.steps_per_block
+  transfer_counts = jnp.asarray(num_transfer_tokens(schedule.block_length, per_block))
+  step = out.steps.at[index].get(mode="fill", fill_value=0)
+
+  columns = jnp.arange(width)[None, :]
+  positions = jnp.concatenate(
+    [jnp.broadcast_to(columns, (batch, width)), state.prompt_length[:, None] + jnp.arange(G)], 1
+  )
+  key_valid = jnp.concatenate([columns < state.prompt_length[:, None], jnp.ones((batch, G), bool)], 1)
+  mask = jnp.broadcast_to(key_valid[:, None, :], (batch, width + G, width + G))
+  logits, _ = model(jnp.concatenate([state.prompt, state.answer], 1), positions, mask)
+  draft, confidence = pick_tokens(logits[:, width:], knobs.key, index, step, knobs.temperature, schedule.sample)
+  block_of = jnp.arange(G) // schedule.block_length
+  candidate = (state.answer == knobs.mask_id) & (block_of[None, :] == (step // per_block)[:, None])
+  confidence = jnp.where(candidate, confidence, -jnp.inf)
+  # Rank by confidence (stable: ties go to the earlier position) and take the top k.
+  order = jnp.argsort(-confidence, axis=-1, stable=True)
+  rank = jnp.argsort(order, axis=-1)
+  transfer = candidate & (rank < transfer_counts[step % per_block][:, None]) & live[:, None]
+  answer = jnp.where(transfer, draft, state.answer)
+  committed_at = jnp.where(transfer, step[:, None], state.committed_at)
+
+  out = out.replace(
+    answer=out.answer.at[index].set(answer, mode="drop"),
+    commit_iteration=out.commit_iteration.at[index].set(committed_at, mode="drop"),
+    commit_phase=out.commit_phase.at[index].set(jnp.where(committed_at >= 0, PHASE_STEP, PHASE_NONE), mode="drop"),
+    num_forwards=out.num_forwards.at[index].add(1, mode="drop"),
+    steps=out.steps.at[index].add(1, mode="drop"),
+  )
+  widths = count_width(widths, width + G, jnp.ones((1,), jnp.int32))
+  state = state.replace(answer=answer, committed_at=committed_at)
+  return state, out, widths, live & (step + 1 >= schedule.steps)
+
+
+def _start(schedule: _Schedule, config: ModelConfig, batch: int, prompt_width: int):
+  """Idle rows and a zero count of the [prompt | answer]-wide forwards (a `Decoder.start`)."""
+  del config  # no cache
+  G = schedule.gen_length
+  state = _RowState(
+    prompt=np.zeros((batch, prompt_width), np.int32),
+    prompt_length=np.zeros((batch,), np.int32),
+    answer=np.zeros((batch, G), np.int32),
+    committed_at=np.zeros((batch, G), np.int32),
+  )
+  return state, np.zeros((1, prompt_width + G + 1), np.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "schedule"))
 @counts_compilations
 def mdm_loop(
   graphdef: nnx.GraphDef,
   params: nnx.State,
-  prompt: jax.Array,
-  lengths: jax.Array,
-  key: jax.Array,
-  temperature: jax.Array,
-  mask_id: jax.Array,
+  batch: Batch,
+  max_iterations: jax.Array,
+  knobs: _Sampling,
   *,
-  gen_length: int,
-  block_length: int,
-  steps: int,
-  sample: bool,
-) -> DecodeOutputs:
-  """All unmasking steps over a [prompt bucket | answer] sequence.
-
-  The prompt keeps its right padding and the answer follows the bucket, but
-  every token carries its true position (answer j sits at lengths + j) and
-  no query sees padding, so with bidirectional attention this equals LLaDA's
-  contiguous layout.
-
-  Args:
-    prompt: [B, P] right-padded prompt ids; lengths: [B].
+  schedule: _Schedule,
+) -> Batch:
+  """All unmasking steps of every queued prompt, for up to `max_iterations` iterations (or until done).
 
   Returns:
-    `DecodeOutputs`: answer [B, G], commit_iteration [B, G] the step that
-    unmasked each offset, num_forwards = steps [B] = `steps` for every row.
+    The `Batch`; its `out` holds, per prompt, the answer, commit_iteration (the
+    step that unmasked each offset) and num_forwards = steps = `schedule.steps`.
   """
   model = nnx.merge(graphdef, params)
-  batch, width = prompt.shape
-  chex.assert_shape(lengths, (batch,))
-  chex.assert_type([prompt, lengths], int)
-  steps_per_block = steps // (gen_length // block_length)
-  transfer_counts = jnp.asarray(num_transfer_tokens(block_length, steps_per_block))
-
-  answer_positions = lengths[:, None] + jnp.arange(gen_length)[None, :]
-  positions = jnp.concatenate([jnp.broadcast_to(jnp.arange(width), (batch, width)), answer_positions], 1)
-  key_valid = jnp.concatenate([jnp.arange(width)[None, :] < lengths[:, None], jnp.ones((batch, gen_length), bool)], 1)
-  mask = jnp.broadcast_to(key_valid[:, None, :], (batch, width + gen_length, width + gen_length))
-  block_of = jnp.arange(gen_length) // block_length
-
-  def body(step, carry):
-    answer, committed_at = carry
-    logits, _ = model(jnp.concatenate([prompt, answer], 1), positions, mask)
-    draft, confidence = pick_tokens(logits[:, width:], key, step, temperature, sample)
-    candidate = (answer == mask_id) & (block_of == step // steps_per_block)[None, :]
-    confidence = jnp.where(candidate, confidence, -jnp.inf)
-    # Rank by confidence (stable: ties go to the earlier position) and take the top k.
-    order = jnp.argsort(-confidence, axis=-1, stable=True)
-    rank = jnp.argsort(order, axis=-1)
-    transfer = candidate & (rank < transfer_counts[step % steps_per_block])
-    return jnp.where(transfer, draft, answer), jnp.where(transfer, step, committed_at)
-
-  answer = jnp.full((batch, gen_length), mask_id, jnp.int32)
-  committed_at = jnp.full((batch, gen_length), -1, jnp.int32)
-  row_sharded_body = lambda step, carry: constrain_rows(body(step, carry))
-  answer, committed_at = jax.lax.fori_loop(0, steps, row_sharded_body, constrain_rows((answer, committed_at)))
-  return step_outputs(answer, committed_at, jnp.full((batch,), steps, jnp.int32))
+  admit = functools.partial(_admit, knobs, schedule)
+  step = functools.partial(_step, model, knobs, schedule)
+  return run_rows(batch, max_iterations, admit, step)
 
 
 def mdm_generate(
@@ -145,6 +215,8 @@ def mdm_generate(
   temperature: float = 0.0,
   seed: int = 0,
   mesh: jax.sharding.Mesh | None = None,
+  batch_size: int | None = None,
+  chunk_iterations: int | None = None,
 ) -> DecodeResult:
   """Batched LLaDA-style masked diffusion decoding with low-confidence remasking.
 
@@ -155,7 +227,7 @@ def mdm_generate(
   unmasked. Every row runs all `steps` forwards (as LLaDA does).
 
   Args:
-    prompt_ids: B prompts of integer token ids.
+    prompt_ids: N prompts of integer token ids.
     gen_length: G, a multiple of block_length.
     block_length: tokens per semi-autoregressive block.
     steps: total forwards, a multiple of the number of blocks and at most G.
@@ -164,23 +236,23 @@ def mdm_generate(
     pad_id: prompt padding id (never attended); defaults to the config's pad, else its EOS, else 0.
     temperature: 0 for greedy drafts, else Gumbel-max sampled drafts.
     mesh: decode on this mesh (`refusion_jax.make_mesh`); None: the default device.
+    batch_size: decode on this many rows, a finished row taking the next
+      prompt (continuous batching); None: all N prompts as one batch.
+    chunk_iterations: run the compiled loop this many iterations per call
+      (state in, state out; same results); None: one call.
 
   Returns:
-    A `DecodeResult`; commit_iteration is the step that unmasked each position.
+    A `DecodeResult` in input order; commit_iteration is the step that unmasked each position.
   """
   config = model.config
   check_mdm_schedule(gen_length, block_length, steps)
   temperature = check_temperature(temperature)
   mask = check_special_id("mask_id", decoder_special_tokens(config, mask_id=mask_id).mask, config)
   eos = optional_eos_id(eos_id, config)
-  loop = functools.partial(
-    mdm_loop,
-    key=jax.random.key(seed),
-    temperature=jnp.float32(temperature),
-    mask_id=jnp.int32(mask),
-    gen_length=gen_length,
-    block_length=block_length,
-    steps=steps,
-    sample=temperature > 0,
+  knobs = _Sampling(key=jax.random.key(seed), temperature=jnp.float32(temperature), mask_id=jnp.int32(mask))
+  schedule = _Schedule(gen_length, block_length, steps, sample=temperature > 0)
+  loop = functools.partial(mdm_loop, knobs=knobs, schedule=schedule)
+  decoder = Decoder(gen_length, eos, functools.partial(_start, schedule), loop)
+  return run_decoder(
+    model, prompt_ids, decoder, pad_id=pad_id, mesh=mesh, batch_size=batch_size, chunk_iterations=chunk_iterations
   )
-  return run_decoder(model, prompt_ids, loop, gen_length=gen_length, eos_id=eos, pad_id=pad_id, mesh=mesh)

@@ -1,10 +1,10 @@
 """ReFusion plan-and-infill decoding, batched and jitted end to end (docs/method.md §2, §3).
 
 The whole decode is one `jax.jit`-compiled `lax.while_loop`. Every loop
-iteration is ONE model forward for the whole batch over a query block of
-T = G / serial_blocks tokens (one serial block, slots in original order)
-against a fixed-capacity `KVCache`. Each row is in its own *stage* and builds
-its own query from it:
+iteration is ONE model forward for all rows against a fixed-capacity
+`KVCache`. Each row decodes one serial block of T = G / serial_blocks tokens
+at a time, is in its own *stage*, and builds its own query from it, laid out
+by block offset (slots in original order):
 
 | stage  | query tokens                          | a block token sees (besides the cache) |
 | ------ | ------------------------------------- | -------------------------------------- |
@@ -14,11 +14,19 @@ its own query from it:
 | check  | the chosen slots' drafts              | earlier tokens of its own slot         |
 
 The block-diagonal mask of draft/check replaces the official code's
-per-slot copies of the cache. Tokens of other slots sit in the query too but
-no query sees them, so they change nothing. Commits append the kept tokens,
-in slot order, with the KV of the same forward (`refusion_jax.model.cache.append`).
-Rows advance independently; finished rows idle under a mask until every row
-is done.
+per-slot copies of the cache. Only a stage's *active* slots (undecided ones
+for a plan, chosen ones otherwise) matter: no active token sees another
+slot's. So the forward runs only as wide as the work: the active slots are
+moved into the leading columns and the forward runs at the smallest of a few
+compiled widths (S, 2S, 4S, ... up to T) that holds every row's active
+tokens, chosen inside the loop by `lax.switch`; its outputs go back to the
+block layout, where the stage logic reads them. Commits append the kept
+tokens, in slot order, with the KV of the same forward
+(`refusion_jax.model.cache.append`).
+
+Rows advance independently. With `batch_size`, a finished row takes the
+next queued prompt (`refusion_jax.decoding.batching`): continuous batching,
+each prompt decoded exactly as it would be alone.
 """
 
 from __future__ import annotations
@@ -31,30 +39,47 @@ import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from refusion_jax.decoding.common import (
+from refusion_jax.decoding.batching import (
   PHASE_INFILL,
-  PHASE_NONE,
   PHASE_VERIFY,
+  Batch,
   DecodeOutputs,
+  count_width,
+  host_zeros,
+  put_cache_row,
+  put_row,
+  run_rows,
+)
+from refusion_jax.decoding.common import (
+  Decoder,
   DecodeResult,
   check_refusion_knobs,
   counts_compilations,
+  first_argmax,
   log_partition,
   prefill,
   row_gumbel_noise,
   run_decoder,
   token_probs,
 )
-from refusion_jax.decoding.sharding import row_sharded_while_loop
 from refusion_jax.model import cache as kv_cache
+from refusion_jax.model.cache import KVCache
+from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer
 
-__all__ = ["DecodeKnobs", "DecodeSettings", "decode_loop", "generate"]
+__all__ = ["DecodeKnobs", "DecodeSettings", "decode_loop", "generate", "start_rows"]
+
+# Token budget of a width-fitted forward, in slots per row kept busy. Measured on a 2-core CPU (tiny 3-layer
+# Qwen3, 64 prompts, K = 8): 1 slot per row made rows wait too long (1.2x the one-by-one decode), 2 gave
+# 1.6-1.7x, 3-4 and no budget (every row at the widest row's width) less (issue 12).
+ROW_BUDGET_SLOTS = 2
 
 # Stage of a row: what its next forward is.
 STAGE_PLAN, STAGE_VERIFY, STAGE_DRAFT, STAGE_CHECK = 0, 1, 2, 3
+STAGE_NAMES = ("plan", "verify", "draft", "check")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +91,8 @@ class DecodeSettings:
   serial_blocks: int
   # Gumbel noise on the plan step (temperature > 0); the temperature itself is traced.
   sample: bool
+  # Forwards only as wide as the active slots (False: always the whole block, one compiled width).
+  fit_width: bool = True
 
   @property
   def block_length(self) -> int:
@@ -74,6 +101,15 @@ class DecodeSettings:
   @property
   def slots_per_block(self) -> int:
     return self.block_length // self.slot_size
+
+  @property
+  def widths(self) -> tuple[int, ...]:
+    """The compiled query widths: S, 2S, 4S, ... below T, then T (only T without fit_width)."""
+    width, widths = self.slot_size, []
+    while self.fit_width and width < self.block_length:
+      widths.append(width)
+      width *= 2
+    return (*widths, self.block_length)
 
 
 @flax.struct.dataclass
@@ -90,20 +126,22 @@ class DecodeKnobs:
 
 @flax.struct.dataclass
 class _RowState:
-  """The loop carry. N = slots per block, T = block length.
+  """Per-row decode state (K rows). N = slots per block, T = block length.
 
-  cache:     the KV cache, capacity = prompt bucket + G
-  stage:     [B] int32 STAGE_* of the next forward
-  block:     [B] int32 serial block being decoded
-  undecided: [B, N] bool slots of the block not yet committed or dropped
-  chosen:    [B, N] bool slots chosen by the last plan (still alive in the infill)
-  accepted:  [B, N] int32 accepted prefix length of each chosen slot (infill)
-  drafts:    [B, T] int32 current drafts of the chosen slots
-  eos_seen:  [B] bool an EOS was committed: no later block is started
-  finished:  [B] bool
+  cache:         the KV cache, capacity = prompt bucket + G
+  prompt_length: [K] int32 true length of the row's prompt
+  stage:         [K] int32 STAGE_* of the next forward
+  block:         [K] int32 serial block being decoded
+  undecided:     [K, N] bool slots of the block not yet committed or dropped
+  chosen:        [K, N] bool slots chosen by the last plan (still alive in the infill)
+  accepted:      [K, N] int32 accepted prefix length of each chosen slot (infill)
+  drafts:        [K, T] int32 current drafts of the chosen slots
+  eos_seen:      [K] bool an EOS was committed: no later block is started
+  waited:        [K] int32 iterations the row has waited for a forward
   """
 
   cache: kv_cache.KVCache
+  prompt_length: jax.Array
   stage: jax.Array
   block: jax.Array
   undecided: jax.Array
@@ -111,8 +149,25 @@ class _RowState:
   accepted: jax.Array
   drafts: jax.Array
   eos_seen: jax.Array
-  finished: jax.Array
-  out: DecodeOutputs
+  waited: jax.Array
+
+
+def _fresh_rows(settings: DecodeSettings, batch: int) -> _RowState:
+  """Every field but the cache for `batch` rows at the start of a prompt (the cache is set apart)."""
+  N, T = settings.slots_per_block, settings.block_length
+  zeros = jnp.zeros((batch,), jnp.int32)
+  return _RowState(
+    cache=None,
+    prompt_length=zeros,
+    stage=jnp.full((batch,), STAGE_PLAN, jnp.int32),
+    block=zeros,
+    undecided=jnp.ones((batch, N), bool),
+    chosen=jnp.zeros((batch, N), bool),
+    accepted=jnp.zeros((batch, N), jnp.int32),
+    drafts=jnp.zeros((batch, T), jnp.int32),
+    eos_seen=jnp.zeros((batch,), bool),
+    waited=zeros,
+  )
 
 
 def _per_token(per_slot: jax.Array, slot_size: int) -> jax.Array:
@@ -137,16 +192,6 @@ def _first_true(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   return jnp.any(x, axis=-1), jnp.argmax(x, axis=-1)
 
 
-def _previous_token_probs(logits: jax.Array, log_z: jax.Array, tokens: jax.Array) -> jax.Array:
-  """AR probabilities: softmax(logits[b, t - 1])[tokens[b, t]], 1 at t = 0.
-
-  Args:
-    logits: [B, T, vocab]; log_z: [B, T] their `log_partition`; tokens: [B, T].
-  """
-  taken = token_probs(logits[:, :-1], log_z[:, :-1], tokens[:, 1:])
-  return jnp.concatenate([jnp.ones_like(taken[:, :1]), taken], axis=1)
-
-
 def _query(state: _RowState, settings: DecodeSettings, mask_id: jax.Array):
   """Each row's query tokens [B, T] and which block tokens each query sees [B, T, T]."""
   S, T = settings.slot_size, settings.block_length
@@ -167,23 +212,35 @@ def _query(state: _RowState, settings: DecodeSettings, mask_id: jax.Array):
   return tokens, sees
 
 
-def _plan(logits, log_z, state: _RowState, knobs: DecodeKnobs, settings: DecodeSettings):
+@flax.struct.dataclass
+class _TokenScores:
+  """What the stage logic reads from a forward, per block token [B, T] (junk on inactive tokens).
+
+  greedy:        argmax of the logits (the infill drafts)
+  planned:       the plan's draft: argmax of the logits, plus Gumbel noise when sampling
+  planned_prob:  the un-noised probability of `planned`
+  previous_prob: the probability of the token fed at t under the logits at t - 1 (AR
+                 verification; read only where t is not the first of its slot)
+  """
+
+  greedy: jax.Array
+  planned: jax.Array
+  planned_prob: jax.Array
+  previous_prob: jax.Array
+
+
+def _plan(scores: _TokenScores, state: _RowState, knobs: DecodeKnobs, settings: DecodeSettings):
   """Step 1: drafts [B, T] of every slot and the chosen slots [B, N]."""
-  scores = logits
-  if settings.sample:
-    scores = logits + knobs.temperature * row_gumbel_noise(knobs.key, state.out.steps, logits.shape[1:])
-  drafts = jnp.argmax(scores, axis=-1).astype(jnp.int32)
   # Slot confidence: the un-noised probability of the slot's first drafted token.
-  S = settings.slot_size
-  first_prob = token_probs(logits[:, ::S], log_z[:, ::S], drafts[:, ::S])
+  first_prob = scores.planned_prob[:, :: settings.slot_size]
   confident = state.undecided & (first_prob > knobs.slot_threshold)
   best = jnp.argmax(jnp.where(state.undecided, first_prob, -1.0), axis=-1)
   single = jax.nn.one_hot(best, settings.slots_per_block, dtype=bool)
   chosen = jnp.where(jnp.any(confident, axis=-1, keepdims=True), confident, single)
-  return drafts, chosen
+  return scores.planned, chosen
 
 
-def _global_verify(logits, log_z, state: _RowState, knobs: DecodeKnobs, settings: DecodeSettings):
+def _global_verify(scores: _TokenScores, state: _RowState, knobs: DecodeKnobs, settings: DecodeSettings):
   """Step 2 on the chosen drafts, causal over the chosen tokens in slot order.
 
   Returns:
@@ -194,7 +251,7 @@ def _global_verify(logits, log_z, state: _RowState, knobs: DecodeKnobs, settings
   S, T = settings.slot_size, settings.block_length
   chosen_tok = _per_token(state.chosen, S)
   first_of_slot = _offset_in_slot(settings) == 0
-  passes = first_of_slot[None] | (_previous_token_probs(logits, log_z, state.drafts) > knobs.token_threshold)
+  passes = first_of_slot[None] | (scores.previous_prob > knobs.token_threshold)
   # The prefix of the chosen tokens' concatenation: unchosen tokens are skipped, not failed.
   in_prefix = chosen_tok & (jnp.cumsum(chosen_tok & ~passes, axis=-1) == 0)
   has_eos, eos_at = _first_true(in_prefix & (state.drafts == knobs.eos_id))
@@ -204,15 +261,15 @@ def _global_verify(logits, log_z, state: _RowState, knobs: DecodeKnobs, settings
   return take, _leading_run(passes, S)
 
 
-def _infill_draft(logits, state: _RowState, settings: DecodeSettings):
+def _infill_draft(scores: _TokenScores, state: _RowState, settings: DecodeSettings):
   """Step 3a: argmax drafts for the chosen slots' unaccepted tokens."""
   S = settings.slot_size
   unaccepted = _offset_in_slot(settings)[None] >= _per_token(state.accepted, S)
   redraft = _per_token(state.chosen, S) & unaccepted
-  return jnp.where(redraft, jnp.argmax(logits, axis=-1).astype(jnp.int32), state.drafts)
+  return jnp.where(redraft, scores.greedy, state.drafts)
 
 
-def _infill_check(logits, log_z, state: _RowState, knobs: DecodeKnobs, settings: DecodeSettings):
+def _infill_check(scores: _TokenScores, state: _RowState, knobs: DecodeKnobs, settings: DecodeSettings):
   """Steps 3b-c: grow each slot's accepted prefix, stop at the first EOS slot.
 
   Returns:
@@ -224,7 +281,7 @@ def _infill_check(logits, log_z, state: _RowState, knobs: DecodeKnobs, settings:
   offset = _offset_in_slot(settings)
   # Accepted tokens and the first one after them pass without a test.
   forced = offset[None] <= _per_token(state.accepted, S)
-  passes = forced | (_previous_token_probs(logits, log_z, state.drafts) > knobs.token_threshold)
+  passes = forced | (scores.previous_prob > knobs.token_threshold)
   accepted = _leading_run(passes, S)
   is_eos = state.drafts == knobs.eos_id
   accepted_eos = _per_token(state.chosen, S) & (offset[None] < _per_token(accepted, S)) & is_eos
@@ -240,8 +297,128 @@ def _infill_check(logits, log_z, state: _RowState, knobs: DecodeKnobs, settings:
   return chosen, accepted, take & done[:, None]
 
 
-def _commit(state: _RowState, kv, positions, take, settings: DecodeSettings, eos_id):
-  """Append the taken tokens, record them, and take their slots out of the pool.
+def _gather_columns(x: jax.Array, columns: jax.Array, axis: int, batch_axis: int = 0) -> jax.Array:
+  """x[..., columns[b, j], ...] along `axis`, for each b along `batch_axis`; columns: [B, W]."""
+  shape = [1] * x.ndim
+  shape[batch_axis], shape[axis] = columns.shape
+  return jnp.take_along_axis(x, columns.reshape(shape), axis=axis)
+
+
+def _token_scores(logits: jax.Array, tokens: jax.Array, noise: jax.Array | None) -> _TokenScores:
+  """The per-token reads of the stage logic from logits [B, W, vocab] of the fed tokens [B, W]."""
+  log_z = log_partition(logits)  # probabilities of given tokens only, never [B, W, vocab] (docs/method.md §3)
+  greedy = first_argmax(logits)
+  planned = greedy if noise is None else first_argmax(logits + noise)
+  previous = token_probs(logits[:, :-1], log_z[:, :-1], tokens[:, 1:])
+  return _TokenScores(
+    greedy=greedy,
+    planned=planned,
+    planned_prob=token_probs(logits, log_z, planned),
+    previous_prob=jnp.concatenate([jnp.ones_like(previous[:, :1]), previous], axis=1),
+  )
+
+
+def _forward_shapes(settings: DecodeSettings, rows: int) -> tuple[tuple[int, int], ...]:
+  """(rows, width) of each compiled forward over K = `rows` resident rows.
+
+  Widths S, 2S, 4S, ... T, each with as many rows as a budget of
+  max(T, ROW_BUDGET_SLOTS·K·S) tokens holds: a forward costs about its tokens
+  on a CPU, so every shape costs about the same and narrow work is done for
+  many rows at once. Without fit_width: one shape, every row at the whole block.
+  """
+  if not settings.fit_width:
+    return ((rows, settings.block_length),)
+  budget = max(settings.block_length, ROW_BUDGET_SLOTS * rows * settings.slot_size)
+  return tuple((min(rows, budget // width), width) for width in settings.widths)
+
+
+def _take_rows(tree, rows: jax.Array | None, axis: int = 0):
+  """Every leaf's entries `rows` along `axis` (all of them when rows is None)."""
+  return tree if rows is None else jax.tree.map(lambda x: jnp.take(x, rows, axis=axis), tree)
+
+
+def _put_rows(batch: int, part: jax.Array, rows: jax.Array | None, axis: int = 0) -> jax.Array:
+  """`part` scattered at `rows` along `axis` into zeros with `batch` entries there (`part` when rows is None)."""
+  if rows is None:
+    return part
+  shape = (*part.shape[:axis], batch, *part.shape[axis + 1 :])
+  return jnp.zeros(shape, part.dtype).at[(slice(None),) * axis + (rows,)].set(part)
+
+
+def _cache_rows(cache: kv_cache.KVCache, rows: jax.Array | None) -> kv_cache.KVCache:
+  if rows is None:
+    return cache
+  return kv_cache.KVCache(
+    k=jnp.take(cache.k, rows, axis=1),
+    v=jnp.take(cache.v, rows, axis=1),
+    positions=cache.positions[rows],
+    valid=cache.valid[rows],
+    length=cache.length[rows],
+  )
+
+
+def _scheduled_forward(model: Transformer, state: _RowState, tokens, positions, sees, active, noise, live, settings):
+  """One forward of the rows and columns that fit one compiled (rows, width) shape.
+
+  Every shape is scored by the work it would do, each live row's active tokens
+  plus the iterations it has waited, summed over the rows it would take (those
+  whose active tokens fit its width, most work first); the best shape runs.
+  Rows left out wait for a later iteration: their decode is unchanged, since a
+  row's state moves only with its own forwards. In a forward, each row's active
+  tokens (whole slots, stable-sorted into the leading columns) see only active
+  tokens, so dropping the others changes no active output, and a token's
+  predecessor in its slot stays its left neighbour.
+
+  Args:
+    tokens, positions: [K, T]; sees: [K, T, T] block mask; active: [K, T] bool;
+    noise: [K, T, vocab] scaled Gumbel noise of the plan, or None (greedy); live: [K] bool.
+
+  Returns:
+    `_TokenScores` [K, T] (junk on inactive tokens and left-out rows), the block's
+    `BlockKV` ([layers, K, T, ...]), served [K] bool (the rows that ran) and
+    the index of the shape that ran (into `_forward_shapes`).
+  """
+  batch = tokens.shape[0]
+  shapes = _forward_shapes(settings, batch)
+  need = jnp.sum(active, axis=-1)
+  priority = jnp.where(live, need + state.waited, -1)
+  picks, served, work = [], [], []
+  for rows, width in shapes:
+    fits = live & (need <= width)
+    pick = None if rows == batch else jnp.argsort(-jnp.where(fits, priority, -1), stable=True)[:rows]
+    taken = fits if pick is None else jnp.zeros((batch,), bool).at[pick].set(fits[pick])
+    picks.append(pick)
+    served.append(taken)
+    work.append(jnp.sum(jnp.where(taken, priority, 0)))
+  shape_index = jnp.argmax(jnp.stack(work))  # ties: the narrower shape
+  order = jnp.argsort(~active, axis=-1, stable=True)  # active columns first, in block order
+  back = jnp.argsort(order, axis=-1)  # block column -> its compact column
+
+  def forward_at(pick: jax.Array | None, width: int):
+    def run(cache):
+      columns = _take_rows(order, pick)[:, :width]
+      fed = _gather_columns(_take_rows(tokens, pick), columns, 1)
+      block_sees = _gather_columns(_gather_columns(_take_rows(sees, pick), columns, 1), columns, 2)
+      cache = _cache_rows(cache, pick)
+      fed_positions = _gather_columns(_take_rows(positions, pick), columns, 1)
+      logits, kv = model(fed, fed_positions, kv_cache.block_mask(cache, block_sees), cache)
+      scores = _token_scores(
+        logits, fed, None if noise is None else _gather_columns(_take_rows(noise, pick), columns, 1)
+      )
+      to_block = jnp.minimum(_take_rows(back, pick), width - 1)
+      scores = jax.tree.map(lambda x: _put_rows(batch, _gather_columns(x, to_block, 1), pick), scores)
+      kv = jax.tree.map(lambda x: _put_rows(batch, _gather_columns(x, to_block, 2, batch_axis=1), pick, axis=1), kv)
+      return scores, kv
+
+    return run
+
+  branches = [forward_at(pick, width) for pick, (_, width) in zip(picks, shapes)]
+  scores, kv = jax.lax.switch(shape_index, branches, state.cache)
+  return scores, kv, jnp.stack(served)[shape_index], shape_index
+
+
+def _commit(state: _RowState, out: DecodeOutputs, kv, positions, take, settings: DecodeSettings, eos_id, index, phase):
+  """Append the taken tokens, record them under each row's prompt `index` [B], and take their slots out of the pool.
 
   Slots after a committed EOS are dropped too (docs/method.md §2: only those after
   the EOS slot, unlike the official code).
@@ -253,51 +430,63 @@ def _commit(state: _RowState, kv, positions, take, settings: DecodeSettings, eos
   removed = jnp.any(take.reshape(-1, T // S, S), axis=-1)
   removed |= has_eos[:, None] & (slot_index > (eos_at // S)[:, None])
 
-  out = state.out
   target = jnp.where(take, state.block[:, None] * T + jnp.arange(T)[None], settings.gen_length)
-  rows = jnp.arange(take.shape[0])[:, None]
-  phase = jnp.where(state.stage == STAGE_VERIFY, PHASE_VERIFY, PHASE_INFILL)
+  rows = index[:, None]
+  iteration = out.steps.at[index].get(mode="fill", fill_value=0) - 1
   out = out.replace(
     answer=out.answer.at[rows, target].set(state.drafts, mode="drop"),
     commit_iteration=out.commit_iteration.at[rows, target].set(
-      jnp.broadcast_to((out.steps - 1)[:, None], take.shape), mode="drop"
+      jnp.broadcast_to(iteration[:, None], take.shape), mode="drop"
     ),
     commit_phase=out.commit_phase.at[rows, target].set(jnp.broadcast_to(phase[:, None], take.shape), mode="drop"),
   )
-  return state.replace(cache=cache, undecided=state.undecided & ~removed, eos_seen=state.eos_seen | has_eos, out=out)
+  state = state.replace(cache=cache, undecided=state.undecided & ~removed, eos_seen=state.eos_seen | has_eos)
+  return state, out
 
 
-def _step(
-  model: Transformer, state: _RowState, prompt_lengths, knobs: DecodeKnobs, settings: DecodeSettings
-) -> _RowState:
-  """One forward for the whole batch, then each live row advances by its stage."""
-  T = settings.block_length
-  live = ~state.finished
+def _step(model: Transformer, knobs: DecodeKnobs, settings: DecodeSettings, state: _RowState, out, widths, live, index):
+  """One forward for all rows, then each live row advances by its stage (a `batching.Step`)."""
+  S, T = settings.slot_size, settings.block_length
   stage = state.stage
+  steps = out.steps.at[index].get(mode="fill", fill_value=0)
   tokens, sees = _query(state, settings, knobs.mask_id)
-  positions = (prompt_lengths + state.block * T)[:, None] + jnp.arange(T)[None]
-  logits, kv = model(tokens, positions, kv_cache.block_mask(state.cache, sees), state.cache)
-  log_z = log_partition(logits)  # probabilities of given tokens only, never [B, T, vocab] (docs/method.md §3)
+  positions = (state.prompt_length + state.block * T)[:, None] + jnp.arange(T)[None]
+  active = _per_token(jnp.where((stage == STAGE_PLAN)[:, None], state.undecided, state.chosen) & live[:, None], S)
+  noise = None
+  if settings.sample:
+    noise = knobs.temperature * row_gumbel_noise(knobs.key, index, steps, (T, model.config.vocab_size))
+  scores, kv, served, shape_index = _scheduled_forward(
+    model, state, tokens, positions, sees, active, noise, live, settings
+  )
+  waiting = live & ~served
+  live = served  # this iteration, only the rows that ran advance
+  state = state.replace(waited=jnp.where(waiting, state.waited + 1, 0))
+  width = jnp.asarray([w for _, w in _forward_shapes(settings, live.shape[0])])[shape_index]
+  stage_counts = jnp.sum(live[None] & (stage[None] == jnp.arange(len(STAGE_NAMES))[:, None]), axis=-1)
+  widths = count_width(widths, width, jnp.concatenate([jnp.ones(1), stage_counts]))
 
   is_plan, is_verify = live & (stage == STAGE_PLAN), live & (stage == STAGE_VERIFY)
   is_draft, is_check = live & (stage == STAGE_DRAFT), live & (stage == STAGE_CHECK)
-  plan_drafts, plan_chosen = _plan(logits, log_z, state, knobs, settings)
-  verify_take, verify_accepted = _global_verify(logits, log_z, state, knobs, settings)
-  check_chosen, check_accepted, check_take = _infill_check(logits, log_z, state, knobs, settings)
+  plan_drafts, plan_chosen = _plan(scores, state, knobs, settings)
+  verify_take, verify_accepted = _global_verify(scores, state, knobs, settings)
+  check_chosen, check_accepted, check_take = _infill_check(scores, state, knobs, settings)
 
   row = lambda flags: flags[:, None]
   drafts = jnp.where(row(is_plan), plan_drafts, state.drafts)
-  drafts = jnp.where(row(is_draft), _infill_draft(logits, state, settings), drafts)
+  drafts = jnp.where(row(is_draft), _infill_draft(scores, state, settings), drafts)
   take = (row(is_verify) & verify_take) | (row(is_check) & check_take)
   committed = jnp.any(take, axis=-1)
-  out = state.out.replace(num_forwards=state.out.num_forwards + live, steps=state.out.steps + is_plan)
+  out = out.replace(
+    num_forwards=out.num_forwards.at[index].add(live, mode="drop"),
+    steps=out.steps.at[index].add(is_plan, mode="drop"),
+  )
   state = state.replace(
     drafts=drafts,
     chosen=jnp.where(row(is_plan), plan_chosen, jnp.where(row(is_check), check_chosen, state.chosen)),
     accepted=jnp.where(row(is_verify), verify_accepted, jnp.where(row(is_check), check_accepted, state.accepted)),
-    out=out,
   )
-  state = _commit(state, kv, positions, take, settings, knobs.eos_id)
+  phase = jnp.where(stage == STAGE_VERIFY, PHASE_VERIFY, PHASE_INFILL)
+  state, out = _commit(state, out, kv, positions, take, settings, knobs.eos_id, index, phase)
 
   next_stage = jnp.select(
     [is_plan, is_verify | is_check, is_draft],
@@ -307,12 +496,28 @@ def _step(
   block_done = live & committed & ~jnp.any(state.undecided, axis=-1)
   finish = block_done & (state.eos_seen | (state.block == settings.serial_blocks - 1))
   advance = block_done & ~finish
-  return state.replace(
-    stage=next_stage,
-    block=state.block + advance,
-    undecided=state.undecided | row(advance),
-    finished=state.finished | finish,
-  )
+  state = state.replace(stage=next_stage, block=state.block + advance, undecided=state.undecided | row(advance))
+  return state, out, widths, finish
+
+
+def _admit(model: Transformer, settings: DecodeSettings, state: _RowState, out, row, index, tokens, length):
+  """Prefill prompt `index` ([P] tokens, true length) into row `row` and reset its state (a `batching.Admit`)."""
+  _, one = prefill(model, tokens[None], length[None], state.cache.capacity)
+  fresh = _fresh_rows(settings, 1).replace(prompt_length=length[None])
+  state = put_row(state.replace(cache=None), row, fresh).replace(cache=put_cache_row(state.cache, row, one))
+  # The prompt prefill is a forward too; counting it keeps TPF comparable
+  # with the AR baseline, whose prefill yields its first token.
+  return state, out.replace(num_forwards=out.num_forwards.at[index].set(1))
+
+
+def _rows(settings: DecodeSettings, config: ModelConfig, batch: int, capacity: int) -> _RowState:
+  return _fresh_rows(settings, batch).replace(cache=KVCache.create(config, batch, capacity))
+
+
+def start_rows(settings: DecodeSettings, config: ModelConfig, batch: int, prompt_width: int):
+  """Idle rows (cache capacity = prompt bucket + G) and zero width counters (a `Decoder.start`)."""
+  rows = host_zeros(_rows, settings, config, batch, prompt_width + settings.gen_length)
+  return rows, np.zeros((1 + len(STAGE_NAMES), settings.block_length + 1), np.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings"))
@@ -320,61 +525,30 @@ def _step(
 def decode_loop(
   graphdef: nnx.GraphDef,
   params: nnx.State,
-  prompt_tokens: jax.Array,
-  prompt_lengths: jax.Array,
+  batch: Batch,
+  max_iterations: jax.Array,
   knobs: DecodeKnobs,
   *,
   settings: DecodeSettings,
-) -> DecodeOutputs:
-  """Prefill the prompts, then run the plan-and-infill loop until every row is done.
+) -> Batch:
+  """Run the plan-and-infill loop over a `Batch` for up to `max_iterations` iterations (or until done).
 
-  This is the compiled program `generate` calls; a serving loop can call it
-  directly with `nnx.split(model)` and prompts from `decoding.pad_prompts`.
-  Weights and every `DecodeKnobs` field are traced: only the graph, the
-  settings and the shapes (batch, prompt bucket) cause a new compilation.
-
-  Args:
-    params: the model's `nnx.State`.
-    prompt_tokens: [B, P] right-padded prompt ids (P = a prompt bucket).
-    prompt_lengths: [B] int32 true prompt lengths; padding is never attended.
+  This is the compiled program `generate` calls (through `run_decoder`); a
+  server can drive it in chunks, state in and state out. Weights, the batch
+  state, `max_iterations` and every `DecodeKnobs` field are traced: only the
+  graph, the settings and the shapes (rows, queue, prompt bucket) cause a new
+  compilation.
 
   Returns:
-    `DecodeOutputs`: steps counts plan steps, commit_iteration the plan step
-    whose cycle committed each offset, commit_phase PHASE_VERIFY / PHASE_INFILL.
+    The `Batch` after the chunk; its `out` holds, per queued prompt, steps
+    (plan steps), commit_iteration (the plan step whose cycle committed each
+    offset) and commit_phase (PHASE_VERIFY / PHASE_INFILL).
   """
   model = nnx.merge(graphdef, params)
-  batch, width = prompt_tokens.shape
-  G, N = settings.gen_length, settings.slots_per_block
-  chex.assert_shape(prompt_lengths, (batch,))
-  _, cache = prefill(model, prompt_tokens, prompt_lengths, width + G)
-
-  none = jnp.full((batch, G), -1, jnp.int32)
-  state = _RowState(
-    cache=cache,
-    stage=jnp.full((batch,), STAGE_PLAN, jnp.int32),
-    block=jnp.zeros((batch,), jnp.int32),
-    undecided=jnp.ones((batch, N), bool),
-    chosen=jnp.zeros((batch, N), bool),
-    accepted=jnp.zeros((batch, N), jnp.int32),
-    drafts=jnp.zeros((batch, settings.block_length), jnp.int32),
-    eos_seen=jnp.zeros((batch,), bool),
-    finished=jnp.zeros((batch,), bool),
-    out=DecodeOutputs(
-      answer=none,
-      commit_iteration=none,
-      commit_phase=jnp.full((batch, G), PHASE_NONE, jnp.int32),
-      # The prompt prefill is a forward too; counting it keeps TPF
-      # comparable with the AR baseline, whose prefill yields its first token.
-      num_forwards=jnp.ones((batch,), jnp.int32),
-      steps=jnp.zeros((batch,), jnp.int32),
-    ),
-  )
-  state = row_sharded_while_loop(
-    lambda s: ~jnp.all(s.finished),
-    lambda s: _step(model, s, prompt_lengths, knobs, settings),
-    state,
-  )
-  return state.out
+  chex.assert_rank(batch.queue_tokens, 2)
+  admit = functools.partial(_admit, model, settings)
+  step = functools.partial(_step, model, knobs, settings)
+  return run_rows(batch, max_iterations, admit, step)
 
 
 def generate(
@@ -392,17 +566,20 @@ def generate(
   eos_id: int | None = None,
   pad_id: int | None = None,
   mesh: jax.sharding.Mesh | None = None,
+  batch_size: int | None = None,
+  fit_width: bool = True,
+  chunk_iterations: int | None = None,
 ) -> DecodeResult:
   """Batched ReFusion plan-and-infill decoding (docs/method.md §2), one compiled loop.
 
-  Temperature > 0 samples the plan step by Gumbel-max (row b, plan step s
-  draws its noise from fold_in(fold_in(key(seed), b), s), so results are
-  reproducible per seed); slot confidence stays the un-noised probability of
-  the drafted first token. Infill drafts are always argmax: docs/method.md §2 noises
-  only the plan.
+  Temperature > 0 samples the plan step by Gumbel-max (prompt i, plan step s
+  draws its noise from fold_in(fold_in(key(seed), i), s), so results are
+  reproducible per seed whatever the batching); slot confidence stays the
+  un-noised probability of the drafted first token. Infill drafts are always
+  argmax: docs/method.md §2 noises only the plan.
 
   Args:
-    prompt_ids: B prompts of token ids, any lengths (padded into one bucket).
+    prompt_ids: N prompts of integer token ids, any lengths (padded into one bucket).
     gen_length: G, a multiple of slot_size × serial_blocks.
     slot_size: S, tokens per slot.
     serial_blocks: NB, blocks of G / NB tokens decoded left to right.
@@ -412,13 +589,21 @@ def generate(
       config's pad, else its EOS, else 0 (padding is never attended).
     mesh: decode on this mesh (`refusion_jax.make_mesh`): rows split over its
       batch-parallel axes, parameters and cache by their logical axes.
+    batch_size: decode on this many rows, a finished row taking the next
+      prompt (continuous batching); None: all N prompts as one batch.
+    fit_width: run each forward only as wide as the rows' active slots (a few
+      compiled widths); False: always the whole block (one compiled width,
+      which can pay off where a forward costs the same at any small width).
+    chunk_iterations: run the compiled loop this many iterations per call,
+      state in and state out, as a server drives it (same results; None: one call).
 
   Returns:
-    A `DecodeResult`. num_forwards counts the prompt prefill and every plan,
-    verification, infill draft and infill verify pass; steps counts plans;
-    commit_iteration is the plan step whose cycle committed each answer
+    A `DecodeResult` in input order. num_forwards counts the prompt prefill and
+    every plan, verification, infill draft and infill verify pass; steps counts
+    plans; commit_iteration is the plan step whose cycle committed each answer
     position and commit_phase PHASE_VERIFY or PHASE_INFILL (-1 / PHASE_NONE
-    past the answer, also where a slot after the EOS was committed).
+    past the answer, also where a slot after the EOS was committed); widths
+    the forwards by query width, overall and per stage.
   """
   checked = check_refusion_knobs(
     model.config, gen_length, slot_size, serial_blocks, slot_threshold, token_threshold, temperature, mask_id, eos_id
@@ -431,6 +616,11 @@ def generate(
     mask_id=jnp.int32(checked.mask_id),
     eos_id=jnp.int32(checked.eos_id),
   )
-  settings = DecodeSettings(gen_length, slot_size, serial_blocks, sample=checked.temperature > 0)
+  settings = DecodeSettings(gen_length, slot_size, serial_blocks, sample=checked.temperature > 0, fit_width=fit_width)
   loop = functools.partial(decode_loop, knobs=knobs, settings=settings)
-  return run_decoder(model, prompt_ids, loop, gen_length=gen_length, eos_id=checked.eos_id, pad_id=pad_id, mesh=mesh)
+  decoder = Decoder(
+    gen_length, checked.eos_id, functools.partial(start_rows, settings), loop, ("forward", *STAGE_NAMES)
+  )
+  return run_decoder(
+    model, prompt_ids, decoder, pad_id=pad_id, mesh=mesh, batch_size=batch_size, chunk_iterations=chunk_iterations
+  )

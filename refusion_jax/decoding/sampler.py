@@ -5,6 +5,7 @@
     sampler(["a", "b"])                               # -> list[str], one batch
     texts, result = sampler.generate(["a", "b"])      # + the DecodeResult (trace, TPF)
     Sampler(model, tok, method="ar", gen_length=32)   # the baselines, same interface
+    Sampler(model, tok, batch_size=8)(texts)          # many texts, 8 rows kept busy (continuous batching)
 
 Prompts are padded into the length buckets of `refusion_jax.decoding.common`, so
 calls with new prompts of a bucket (and the same batch size) reuse the

@@ -4,9 +4,9 @@
 `sharded_loop`, which runs the same loop body under one `jax.jit` with
 explicit in/out shardings (docs/method.md §5):
 
-- prompt rows are padded to a multiple of the batch-parallel devices (copies
-  of row 0, which decode like row 0 and are dropped from the result) and split
-  over the mesh axes the `batch` rule names;
+- decode rows and queued prompts are padded to a multiple of the
+  batch-parallel devices (`run_decoder`: padded queue entries are never
+  decoded) and split over the mesh axes the `batch` rule names;
 - parameters are placed by their logical axes (`embed` over `fsdp`, heads /
   MLP / vocab over `tensor`, by `LOGICAL_AXIS_RULES`);
 - the loop's knobs (thresholds, PRNG key, ids) are replicated;
@@ -33,7 +33,6 @@ from refusion_jax.parallel.activations import constrain, normalize_rules, sharde
 from refusion_jax.parallel.sharding import (
   LOGICAL_AXIS_RULES,
   Rules,
-  batch_parallel_ways,
   logical_to_spec,
   state_shardings,
 )
@@ -75,6 +74,20 @@ def row_sharded_while_loop(cond: Callable, body: Callable, init: Any) -> Any:
   return jax.lax.while_loop(cond, lambda carry: constrain_rows(body(carry)), constrain_rows(init))
 
 
+def row_shardings(tree: Any, mesh: Mesh, rules: Rules) -> Any:
+  """Shardings of a decode loop's per-row tree: caches by their logical axes, scalars replicated,
+  every other leaf split on its leading (row) axis, the rest replicated."""
+  named = lambda axes: NamedSharding(mesh, logical_to_spec(axes, rules))
+
+  def place(x):
+    if isinstance(x, KVCache):
+      kv, rows = named(_CACHE_KV), named(_CACHE_ROWS)
+      return KVCache(k=kv, v=kv, positions=rows, valid=rows, length=named(("cache_batch",)))
+    return named(()) if np.ndim(x) == 0 else named(("batch",))
+
+  return jax.tree.map(place, tree, is_leaf=lambda x: isinstance(x, KVCache))
+
+
 def pad_rows(prompt: np.ndarray, lengths: np.ndarray, multiple: int) -> tuple[np.ndarray, np.ndarray]:
   """Prompts [B, P] and lengths [B] padded with copies of row 0 to a multiple of `multiple` rows."""
   extra = -prompt.shape[0] % multiple
@@ -102,21 +115,21 @@ _JITTED: dict[tuple, Callable] = {}
 
 
 def _jitted_loop(
-  func: Callable, static: tuple, graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh, rules
+  func: Callable, static: tuple, graphdef: nnx.GraphDef, params: nnx.State, batch: Any, mesh: Mesh, rules
 ) -> Callable:
   key = (func, static, graphdef, mesh, rules)
   if key not in _JITTED:
     # The loop's own jit is replaced by this one (its body, under `counts_compilations`, still counts traces).
     body = getattr(func, "__wrapped__", func)
 
-    def run(params, prompt, lengths, traced):
-      return body(graphdef, params, prompt, lengths, **dict(static), **traced)
+    def run(params, batch, max_iterations, traced):
+      return body(graphdef, params, batch, max_iterations, **dict(static), **traced)
 
-    rows = NamedSharding(mesh, logical_to_spec(("batch",), rules))  # leading dim split, the rest replicated
     replicated = NamedSharding(mesh, PartitionSpec())
+    rows = batch.shardings(functools.partial(row_shardings, mesh=mesh, rules=rules), replicated)
     _JITTED[key] = jax.jit(
       sharded_activations(run, mesh, rules),
-      in_shardings=(state_shardings(params, mesh, rules), rows, rows, replicated),
+      in_shardings=(state_shardings(params, mesh, rules), rows, replicated, replicated),
       out_shardings=rows,
     )
   return _JITTED[key]
@@ -126,19 +139,17 @@ def sharded_loop(loop: functools.partial, mesh: Mesh, rules: Rules = LOGICAL_AXI
   """`loop` (a decoder's jitted loop with its knobs bound by `functools.partial`) run on `mesh`.
 
   Returns:
-    A function of (graphdef, params, prompt [B, P], lengths [B]) that returns
-    the loop's outputs for the B given rows, as host arrays.
+    A function of (graphdef, params, batch, max_iterations) that runs the loop
+    over `batch` (a `batching.Batch` whose rows and queue are multiples of the
+    mesh's batch-parallel ways) and returns the new one, rows split over the mesh.
   """
   if not isinstance(loop, functools.partial) or loop.args:
     raise TypeError(f"sharded_loop needs the loop as functools.partial(loop_fn, **knobs), got {loop!r}.")
   rules = normalize_rules(rules)
   static, traced = _split_keywords(loop.keywords)
 
-  def call(graphdef: nnx.GraphDef, params: nnx.State, prompt: np.ndarray, lengths: np.ndarray):
-    batch = prompt.shape[0]
-    prompt, lengths = pad_rows(np.asarray(prompt), np.asarray(lengths), batch_parallel_ways(mesh, rules))
-    jitted = _jitted_loop(loop.func, static, graphdef, params, mesh, rules)
-    out = jax.device_get(jitted(place_params(params, mesh, rules), prompt, lengths, traced))
-    return jax.tree.map(lambda x: np.asarray(x)[:batch], out)
+  def call(graphdef: nnx.GraphDef, params: nnx.State, batch: Any, max_iterations: np.ndarray):
+    jitted = _jitted_loop(loop.func, static, graphdef, params, batch, mesh, rules)
+    return jitted(place_params(params, mesh, rules), batch, max_iterations, traced)
 
   return call

@@ -1,11 +1,13 @@
-"""Decode a test set in batches, check every answer, and time the decoding with compilation set apart.
+"""Decode a test set by continuous batching, check every answer, and time the decoding with compilation set apart.
 
-Examples are grouped by task before batching (a batch never mixes tasks), so
-each task's tokens per second is measured on batches of that task alone, as a
-benchmark is run on its own. The first call of every new program shape
-(rows × prompt bucket) compiles: that call is timed as compilation and the
-batch is decoded again for the measurement, so compilation never enters
-tokens per second or latency.
+Examples are grouped by task before decoding (a call never mixes tasks), so
+each task's tokens per second is measured on that task alone, as a benchmark
+is run on its own. Each decode call keeps `batch_size` rows busy over up to
+`PROMPTS_PER_ROW` × `batch_size` prompts (a finished row takes the next
+prompt, `refusion_jax.decoding.batching`). The first call of every new program
+shape (rows × queue × prompt bucket) compiles: that call is timed as
+compilation and decoded again for the measurement, so compilation never
+enters tokens per second or latency.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from refusion_jax.decoding.common import DecodeResult
 from refusion_jax.evaluation import adapters
 from refusion_jax.model.transformer import Transformer
 
+# A decode call's prompts per row kept busy: enough to keep the rows full between calls.
+PROMPTS_PER_ROW = 4
+
 
 @dataclasses.dataclass
 class Answer:
@@ -39,9 +44,10 @@ class Answer:
 
 @dataclasses.dataclass
 class BatchTiming:
-  """Wall-clock of one batch's decode call (compilation excluded) and of its compilation, if it had one.
+  """Wall-clock of one decode call (compilation excluded) and of its compilation, if it had one.
 
-  forwards: forwards the batch ran, those of its slowest row (finished rows idle under a mask).
+  rows: prompts the call decoded; forwards: batched forwards it ran (loop
+  iterations and one prefill per prompt).
   """
 
   task: str
@@ -110,7 +116,7 @@ def run(
 
   Args:
     knobs: the decoder's keyword arguments (gen_length, slot_size, ...).
-    batch_size: prompts decoded together.
+    batch_size: rows decoded at once (continuous batching over each call's prompts).
     chat_template: wrap queries in the tokenizer's chat template, as training did.
     repeats: time each batch this many times and keep the fastest (see `timed_decode`).
     progress: show a progress bar.
@@ -121,9 +127,9 @@ def run(
   timings = []
   bar = tqdm.tqdm(total=len(examples), unit="answer", disable=not progress, dynamic_ncols=True)
   done = correct = 0
-  for rows in task_batches(examples, batch_size):
+  for rows in task_batches(examples, batch_size * PROMPTS_PER_ROW):
     prompts = [adapters.prompt_ids(tokenizer, examples[i]["query"], chat_template) for i in rows]
-    call = functools.partial(adapters.decode, model, tokenizer, prompts, method, knobs)
+    call = functools.partial(adapters.decode, model, tokenizer, prompts, method, dict(knobs, batch_size=batch_size))
     result, seconds, compile_seconds = timed_decode(call, repeats)
     task = examples[rows[0]].get("task", "")
     timings.append(
@@ -131,7 +137,7 @@ def run(
         task=task,
         rows=len(rows),
         seconds=seconds,
-        forwards=int(np.max(result.num_forwards)),
+        forwards=sum(result.widths.get("forward", {}).values()) + len(rows),
         compile_seconds=compile_seconds,
       )
     )
@@ -177,10 +183,10 @@ def summarize(run_: EvalRun) -> dict:
 
   accuracy: share of answers judged correct; mean_forwards: forwards per
   answer; tpf: answer tokens ÷ forwards; tokens_per_s: answer tokens ÷ decode
-  seconds (compilation excluded); latency_s: mean wall-clock of a batch call,
-  i.e. how long each of its answers waited; seconds_per_answer: decode seconds
-  ÷ answers; seconds_per_forward: decode seconds ÷ the forwards the batches
-  ran (what one forward of this method's width costs at this batch size);
+  seconds (compilation excluded); latency_s: mean wall-clock of a decode call,
+  i.e. how long the last of its answers waited; seconds_per_answer: decode
+  seconds ÷ answers; seconds_per_forward: decode seconds ÷ the batched forwards
+  the calls ran (what one forward costs at this batch size);
   compile_s: seconds spent compiling (reported apart).
   """
   metrics = _group_metrics(run_.answers, run_.batches)

@@ -26,8 +26,13 @@ from refusion_jax.training.state import Placement
 LOSS_METRICS = ("loss", "ar_loss", "mdm_loss")
 
 
-def decode_answers(model: Transformer, prompts: list[list[int]], config: ml_collections.ConfigDict) -> DecodeResult:
-  """Decode with the method matching `config.objective.kind` and the knobs of `config.eval`."""
+def decode_answers(
+  model: Transformer, prompts: list[list[int]], config: ml_collections.ConfigDict, batch_size: int | None = None
+) -> DecodeResult:
+  """Decode with the method matching `config.objective.kind` and the knobs of `config.eval`.
+
+  batch_size: rows kept busy by continuous batching over all `prompts`; None decodes them as one batch.
+  """
   ev = config.eval
   kind = config.objective.kind
   if kind == "refusion":
@@ -41,14 +46,22 @@ def decode_answers(model: Transformer, prompts: list[list[int]], config: ml_coll
       serial_blocks=ev.serial_blocks,
       slot_threshold=ev.slot_threshold,
       token_threshold=ev.token_threshold,
+      batch_size=batch_size,
     )
   if kind == "ar":
     from refusion_jax.decoding.ar import ar_generate
 
-    return ar_generate(model, prompts, gen_length=ev.gen_length)
+    return ar_generate(model, prompts, gen_length=ev.gen_length, batch_size=batch_size)
   from refusion_jax.decoding.mdm import mdm_generate
 
-  return mdm_generate(model, prompts, gen_length=ev.gen_length, block_length=ev.mdm_block_length, steps=ev.mdm_steps)
+  return mdm_generate(
+    model,
+    prompts,
+    gen_length=ev.gen_length,
+    block_length=ev.mdm_block_length,
+    steps=ev.mdm_steps,
+    batch_size=batch_size,
+  )
 
 
 def is_correct(example: Mapping[str, str], answer: str) -> bool:
@@ -74,19 +87,20 @@ def evaluate_decoding(
   """
   count = min(config.eval.num_examples, len(records))
   examples = [pipeline.decode_record(records[i]) for i in range(count)]
-  samples, answer_tokens, forwards = [], 0, 0
-  for start in range(0, count, config.eval.batch_size):
-    chunk = examples[start : start + config.eval.batch_size]
-    prompts = [tokenizer.encode(format_prompt(tokenizer, ex["query"], config.data.chat_template)) for ex in chunk]
-    result = decode_answers(model, prompts, config)
-    answer_tokens += sum(len(t) for t in result.tokens)
-    forwards += int(np.sum(result.num_forwards))
-    for ex, tokens in zip(chunk, result.tokens):
+  prompts = [tokenizer.encode(format_prompt(tokenizer, ex["query"], config.data.chat_template)) for ex in examples]
+  samples = []
+  if examples:
+    # eval.batch_size rows kept busy over every prompt (continuous batching), not batches waiting for their slowest row.
+    result = decode_answers(model, prompts, config, batch_size=config.eval.batch_size)
+    answer_tokens, forwards = sum(len(t) for t in result.tokens), int(np.sum(result.num_forwards))
+    for ex, tokens in zip(examples, result.tokens):
       answer = tokenizer.decode(tokens)
       correct = is_correct(ex, answer)
       samples.append(
         dict(task=ex.get("task", ""), query=ex["query"], answer=answer, reference=ex["response"], correct=correct)
       )
+  else:
+    answer_tokens = forwards = 0
   metrics = dict(
     exact_match=float(np.mean([s["correct"] for s in samples])) if samples else 0.0,
     tpf=answer_tokens / max(forwards, 1),

@@ -1,0 +1,193 @@
+"""Continuous batching and forwards fitted to their work, for every jitted decoder.
+
+A row's decode must not depend on the other rows, on which row decodes it,
+on how many rows there are, on the compiled width a forward ran at, or on
+whether the loop ran in one call or in chunks: each prompt gets exactly its
+own B = 1 decode. The tests share a few program shapes (K rows over a queue
+of 8 prompts of one bucket) so that they compile once each.
+"""
+
+import numpy as np
+import pytest
+
+from refusion_jax.decoding import ar, mdm, refusion
+from refusion_jax.decoding.common import compile_count
+from refusion_jax.decoding.sampler import Sampler
+from refusion_jax.model.config import tiny
+from refusion_jax.model.transformer import init_model
+from tests.decode_cases import random_weights, same_decode
+from tests.test_decode import HAND_CASES, bigram_model, hand_knobs
+
+VOCAB = 24
+MASK = VOCAB - 1
+ROWS = 3  # K: fewer rows than prompts, so finished rows take new prompts
+
+
+def random_setup(seed: int, count: int = 8, max_prompt: int = 16):
+  """A tiny model with fresh random weights, `count` prompts of random lengths (one bucket) and an EOS id."""
+  rng = np.random.default_rng(seed)
+  model = random_weights(
+    init_model(tiny(vocab_size=VOCAB)), seed, weight_std=0.3, head_std=float(rng.uniform(0.3, 1.2))
+  )
+  prompts = [rng.integers(0, VOCAB - 1, int(n)).tolist() for n in rng.integers(1, max_prompt + 1, count)]
+  return model, prompts, int(rng.integers(0, VOCAB - 1)), rng
+
+
+def refusion_knobs(rng, **changes):
+  knobs = dict(
+    gen_length=16,
+    slot_size=4,
+    serial_blocks=2,
+    slot_threshold=float(rng.uniform(0.1, 0.9)),
+    token_threshold=float(rng.uniform(0.1, 0.9)),
+    mask_id=MASK,
+  )
+  return {**knobs, **changes}
+
+
+def assert_each_row_is_its_own_decode(batched, singles):
+  """Row i of `batched` decodes exactly as the batch-1 result singles[i]."""
+  for row, single in enumerate(singles):
+    assert not same_decode(batched, single, row_a=row), f"row {row}: {same_decode(batched, single, row_a=row)}"
+
+
+def assert_same_rows(a, b):
+  assert len(a.tokens) == len(b.tokens)
+  for row in range(len(a.tokens)):
+    assert not same_decode(a, b, row_a=row, row_b=row), f"row {row}: {same_decode(a, b, row_a=row, row_b=row)}"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_refusion_continuous_batching_gives_each_prompt_its_single_decode(seed):
+  model, prompts, eos, rng = random_setup(seed)
+  knobs = refusion_knobs(rng, eos_id=eos)
+  singles = [refusion.generate(model, [p], **knobs) for p in prompts]
+  continuous = refusion.generate(model, prompts, **knobs, batch_size=ROWS)
+  assert_each_row_is_its_own_decode(continuous, singles)
+  # Rows finish at different iterations, so a finished row really took a new prompt.
+  assert len({int(s.num_forwards[0]) for s in singles}) > 1
+  # One batched forward per loop iteration: fewer than the single decodes' forwards together.
+  assert sum(continuous.widths["forward"].values()) < sum(sum(s.widths["forward"].values()) for s in singles)
+
+
+def test_sampled_refusion_draws_noise_by_prompt_not_by_row():
+  model, prompts, eos, rng = random_setup(2)
+  knobs = refusion_knobs(rng, eos_id=eos, temperature=1.3, seed=11)
+  static = refusion.generate(model, prompts, **knobs)
+  assert_same_rows(refusion.generate(model, prompts, **knobs, batch_size=ROWS), static)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_ar_continuous_batching_matches_static_and_single_decodes(temperature):
+  model, prompts, eos, _ = random_setup(3)
+  knobs = dict(gen_length=10, eos_id=eos, temperature=temperature, seed=5)
+  continuous = ar.ar_generate(model, prompts, **knobs, batch_size=ROWS)
+  if temperature == 0:
+    assert_each_row_is_its_own_decode(continuous, [ar.ar_generate(model, [p], **knobs) for p in prompts])
+  else:
+    assert_same_rows(continuous, ar.ar_generate(model, prompts, **knobs))
+  assert len(set(continuous.num_forwards.tolist())) > 1  # rows stopped at their own EOS
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_mdm_continuous_batching_matches_static_and_single_decodes(temperature):
+  model, prompts, eos, _ = random_setup(4)
+  knobs = dict(gen_length=8, block_length=4, steps=4, mask_id=MASK, eos_id=eos, temperature=temperature, seed=2)
+  continuous = mdm.mdm_generate(model, prompts, **knobs, batch_size=ROWS)
+  if temperature == 0:
+    assert_each_row_is_its_own_decode(continuous, [mdm.mdm_generate(model, [p], **knobs) for p in prompts])
+  else:
+    assert_same_rows(continuous, mdm.mdm_generate(model, prompts, **knobs))
+
+
+def chunkable(method, model, eos, rng):
+  """The method's jitted loop and its decoder with the knobs of the tests above, as prompts -> DecodeResult."""
+  if method == "refusion":
+    knobs = refusion_knobs(rng, eos_id=eos)
+    return refusion.decode_loop, lambda prompts, **options: refusion.generate(model, prompts, **knobs, **options)
+  if method == "ar":
+    return ar.ar_loop, lambda prompts, **options: ar.ar_generate(model, prompts, gen_length=10, eos_id=eos, **options)
+  knobs = dict(gen_length=8, block_length=4, steps=4, mask_id=MASK, eos_id=eos)
+  return mdm.mdm_loop, lambda prompts, **options: mdm.mdm_generate(model, prompts, **knobs, **options)
+
+
+@pytest.mark.parametrize("method", ["refusion", "ar", "mdm"])
+def test_the_loop_runs_in_chunks_state_in_state_out_without_recompiling(method):
+  model, prompts, eos, rng = random_setup(5)
+  loop, decode = chunkable(method, model, eos, rng)
+  whole = decode(prompts, batch_size=ROWS)
+  before = compile_count(loop)
+  for chunk in (1, 3, 7):
+    assert_same_rows(decode(prompts, batch_size=ROWS, chunk_iterations=chunk), whole)
+  # A different prompt count in the same queue bucket (8) and prompt bucket (16) reuses the program too.
+  assert_same_rows(decode(prompts[:6], batch_size=ROWS, chunk_iterations=2), decode(prompts[:6], batch_size=ROWS))
+  assert compile_count(loop) == before
+
+
+HAND_WIDTHS = {
+  # Two undecided slots are planned at width 8; one chosen slot is verified at width 4; the last one alone at 4.
+  "one slot per plan": dict(forward={8: 1, 4: 3}, plan={8: 1, 4: 1}, verify={4: 2}),
+  # Both slots chosen: width 8 throughout, the infill too.
+  "token by token infill": dict(forward={8: 8}, plan={8: 1}, verify={8: 1}, draft={8: 3}, check={8: 3}),
+  # Blocks of one slot each: every forward is one slot wide.
+  "one plan per serial block": dict(forward={4: 4}, plan={4: 2}, verify={4: 2}),
+}
+
+
+@pytest.mark.parametrize("name", HAND_WIDTHS)
+def test_forwards_run_only_as_wide_as_the_active_slots(name):
+  case = HAND_CASES[name]
+  model = bigram_model(*case["model"])
+  knobs = hand_knobs(case)
+  fitted = refusion.generate(model, [[2, 3, 4]], **knobs)
+  full = refusion.generate(model, [[2, 3, 4]], **knobs, fit_width=False)
+  assert fitted.tokens == full.tokens == [case["tokens"]]
+  assert {name: counts for name, counts in fitted.widths.items() if counts} == HAND_WIDTHS[name]
+  block = 8 // case["serial_blocks"]
+  assert full.widths["forward"] == {block: int(full.num_forwards[0]) - 1}  # the prefill is not a loop forward
+
+
+def test_rows_wait_for_a_forward_of_their_width_and_stay_exact():
+  model, prompts, eos, rng = random_setup(6, count=4)
+  # Blocks of 4 slots (widths 4, 8, 16); a high slot threshold makes plans choose few slots.
+  knobs = refusion_knobs(rng, eos_id=eos, serial_blocks=1, slot_threshold=0.95, token_threshold=0.3)
+  fitted = refusion.generate(model, prompts, **knobs)
+  full = refusion.generate(model, prompts, **knobs, fit_width=False)
+  assert_same_rows(fitted, full)
+  assert set(fitted.widths["forward"]) <= {4, 8, 16} and min(fitted.widths["forward"]) < 16
+  # Full width: every iteration is one forward of every unfinished row.
+  assert sum(full.widths["forward"].values()) == int(np.max(full.num_forwards)) - 1
+  # Fitted: a forward takes only the rows whose work fits its shape, the others wait; every row forward
+  # sits in one stage, and forwards of 4 tokens take all 4 rows at once (a budget of 32 tokens).
+  stage_forwards = sum(sum(fitted.widths[s].values()) for s in refusion.STAGE_NAMES)
+  assert stage_forwards == int(np.sum(fitted.num_forwards)) - len(prompts)
+  assert sum(fitted.widths["forward"].values()) >= int(np.max(fitted.num_forwards)) - 1
+  narrow = sum(fitted.widths[s].get(4, 0) for s in refusion.STAGE_NAMES)
+  assert narrow > fitted.widths["forward"][4]
+
+
+def test_sampler_passes_batch_size_through():
+  model, prompts, eos, rng = random_setup(8)
+  knobs = refusion_knobs(rng, eos_id=eos)
+
+  class Ids:  # a tokenizer whose texts are comma-separated ids
+    mask_id = eos_id = pad_id = bos_id = None
+
+    def encode(self, text):
+      return [int(t) for t in text.split(",")]
+
+    def decode(self, ids):
+      return ",".join(map(str, ids))
+
+  texts = [",".join(map(str, p)) for p in prompts]
+  answers = Sampler(model, Ids(), **knobs, batch_size=ROWS)(texts)
+  singles = [refusion.generate(model, [p], **knobs).tokens[0] for p in prompts]
+  assert answers == [Ids().decode(t) for t in singles]
+
+
+@pytest.mark.parametrize("name", ["batch_size", "chunk_iterations"])
+@pytest.mark.parametrize("value", [0, -2, 1.5, True])
+def test_bad_batch_size_or_chunk_is_rejected(name, value):
+  model, prompts, eos, rng = random_setup(9, count=2)
+  with pytest.raises(ValueError, match=f"{name}=.* must be a positive integer"):
+    refusion.generate(model, prompts, **refusion_knobs(rng, eos_id=eos), **{name: value})
