@@ -15,6 +15,23 @@ resized. Parameters and optimizer state are sharded over all devices (FSDP).
 The global batch is not fixed by the recipe notes we follow: 64 x 4096
 tokens is a starting point; scale it with the pod.
 
+Memory (ahead-of-time compile for v5p with `python -m refusion_jax.aot --config
+configs/refusion_qwen3_8b.py --topology ...`, per chip, HBM 95.74 GiB = 102.8 GB;
+gcloud names count TensorCores, two per v5p chip):
+
+| chips (topology)          | grad_accum | temporaries | total   | fits |
+| ------------------------- | ---------- | ----------- | ------- | ---- |
+| 64 (v5p:4x4x4, v5p-128)   | 1          | 26.1 GB     | 27.6 GB | yes  |
+| 8 (v5p:2x2x2, v5p-16)     | 1          | ≥ 144 GB    | ≥ 156 GB | no  |
+| 8                         | 2          | ≥ 116 GB    | ≥ 129 GB | no  |
+| 8                         | 4          | 66.8 GB     | 79.1 GB | yes  |
+
+So the recipe as written fits 64 chips at grad_accum 1, and 8 chips with
+`--config.grad_accum_steps=4` (same global batch). Activations follow each
+chip's rows of the batch, so memory falls as chips are added. Decoding for the
+periodic evaluation (prompt 512, 512 generated, S = 8) fits one chip: 18.9 GB
+at batch 1, 35.6 GB at batch 32.
+
 `init_from_hf` and `data.train_files` are required; the checkpoint must be a
 Qwen3-8B (its config.json is checked against the `qwen3_8b` preset, naming the
 first field that differs). `configs/refusion_qwen3_8b.py:smoke` runs the same
