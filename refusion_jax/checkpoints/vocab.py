@@ -95,7 +95,6 @@ def load_hf_for_training(
   *,
   dtype: str,
   param_dtype: str | None,
-  remat: bool,
   vocab_multiple: int,
   seed: int,
 ) -> HFStart:
@@ -106,7 +105,7 @@ def load_hf_for_training(
   embeddings are resized to hold it, rounded up to a multiple of
   `vocab_multiple` so the vocabulary still shards.
   """
-  model = hf_io.load_hf(path, dtype=dtype, param_dtype=param_dtype, config_overrides=dict(remat=remat))
+  model = hf_io.load_hf(path, dtype=dtype, param_dtype=param_dtype)
   model_config, params = model.config, nnx.state(model)
   start = HFStart(params, model_config, tokenizer_path=path)
   mask_id = model_config.mask_token_id

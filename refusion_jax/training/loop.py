@@ -279,7 +279,6 @@ def _start_from_hf(config: ml_collections.ConfigDict, checkpoint_dir: str) -> _S
     os.path.join(checkpoint_dir, "tokenizer"),
     dtype=config.model.get("dtype", "float32"),
     param_dtype=config.model.get("param_dtype", None),
-    remat=config.model.get("remat", False),
     vocab_multiple=config.vocab_multiple,
     seed=config.seed,
   )
