@@ -19,10 +19,10 @@ for a plan, chosen ones otherwise) matter: no active token sees another
 slot's. So the forward runs only as wide as the work: the active slots are
 moved into the leading columns and the forward runs at the smallest of a few
 compiled widths (S, 2S, 4S, ... up to T) that holds every row's active
-tokens, chosen inside the loop by `lax.switch`; its outputs go back to the
-block layout, where the stage logic reads them. Commits append the kept
-tokens, in slot order, with the KV of the same forward
-(`refusion_jax.model.cache.append`).
+tokens, chosen inside the loop by `lax.switch`; its token scores go back to
+the block layout, where the stage logic reads them. Commits append the kept
+tokens, in slot order, with the KV of the same forward, straight from the
+compact columns (`refusion_jax.model.cache.append`).
 
 Rows advance independently. With `batch_size`, a finished row takes the
 next queued prompt (`refusion_jax.decoding.batching`): continuous batching,
@@ -76,6 +76,10 @@ __all__ = ["DecodeKnobs", "DecodeSettings", "decode_loop", "generate", "start_ro
 # Qwen3, 64 prompts, K = 8): 1 slot per row made rows wait too long (1.2x the one-by-one decode), 2 gave
 # 1.6-1.7x, 3-4 and no budget (every row at the widest row's width) less (issue 12).
 ROW_BUDGET_SLOTS = 2
+# What a forward costs regardless of its size, in tokens of forward width: the scheduler divides the work a
+# shape would serve by its tokens plus this. Fit on the same CPU and workload: a forward costs about
+# 210 us + 18 us per token. With 16, 64 prompts at K = 8 ran 57.9k forward tokens where plain work ran 60.2k (issue 12).
+FORWARD_OVERHEAD_TOKENS = 16
 
 # Stage of a row: what its next forward is.
 STAGE_PLAN, STAGE_VERIFY, STAGE_DRAFT, STAGE_CHECK = 0, 1, 2, 3
@@ -362,7 +366,8 @@ def _scheduled_forward(model: Transformer, state: _RowState, tokens, positions, 
 
   Every shape is scored by the work it would do, each live row's active tokens
   plus the iterations it has waited, summed over the rows it would take (those
-  whose active tokens fit its width, most work first); the best shape runs.
+  whose active tokens fit its width, most work first), per cost (its tokens plus
+  FORWARD_OVERHEAD_TOKENS); the best shape runs.
   Rows left out wait for a later iteration: their decode is unchanged, since a
   row's state moves only with its own forwards. In a forward, each row's active
   tokens (whole slots, stable-sorted into the leading columns) see only active
@@ -374,9 +379,12 @@ def _scheduled_forward(model: Transformer, state: _RowState, tokens, positions, 
     noise: [K, T, vocab] scaled Gumbel noise of the plan, or None (greedy); live: [K] bool.
 
   Returns:
-    `_TokenScores` [K, T] (junk on inactive tokens and left-out rows), the block's
-    `BlockKV` ([layers, K, T, ...]), served [K] bool (the rows that ran) and
-    the index of the shape that ran (into `_forward_shapes`).
+    `_TokenScores` [K, T] in block order (junk on inactive tokens and left-out
+    rows); the `BlockKV` ([layers, K, T, ...]) in compact order, its column j
+    being block column order[k, j] (junk past each row's active tokens: the
+    cache takes active tokens only, and compact order keeps their block order,
+    so nothing is moved back); order [K, T]; served [K] bool (the rows that ran)
+    and the index of the shape that ran (into `_forward_shapes`).
   """
   batch = tokens.shape[0]
   shapes = _forward_shapes(settings, batch)
@@ -389,7 +397,7 @@ def _scheduled_forward(model: Transformer, state: _RowState, tokens, positions, 
     taken = fits if pick is None else jnp.zeros((batch,), bool).at[pick].set(fits[pick])
     picks.append(pick)
     served.append(taken)
-    work.append(jnp.sum(jnp.where(taken, priority, 0)))
+    work.append(jnp.sum(jnp.where(taken, priority, 0)) / (rows * width + FORWARD_OVERHEAD_TOKENS))
   shape_index = jnp.argmax(jnp.stack(work))  # ties: the narrower shape
   order = jnp.argsort(~active, axis=-1, stable=True)  # active columns first, in block order
   back = jnp.argsort(order, axis=-1)  # block column -> its compact column
@@ -407,24 +415,28 @@ def _scheduled_forward(model: Transformer, state: _RowState, tokens, positions, 
       )
       to_block = jnp.minimum(_take_rows(back, pick), width - 1)
       scores = jax.tree.map(lambda x: _put_rows(batch, _gather_columns(x, to_block, 1), pick), scores)
-      kv = jax.tree.map(lambda x: _put_rows(batch, _gather_columns(x, to_block, 2, batch_axis=1), pick, axis=1), kv)
+      padding = [(0, 0), (0, 0), (0, tokens.shape[1] - width), (0, 0), (0, 0)]
+      kv = jax.tree.map(lambda x: _put_rows(batch, jnp.pad(x, padding), pick, axis=1), kv)
       return scores, kv
 
     return run
 
   branches = [forward_at(pick, width) for pick, (_, width) in zip(picks, shapes)]
   scores, kv = jax.lax.switch(shape_index, branches, state.cache)
-  return scores, kv, jnp.stack(served)[shape_index], shape_index
+  return scores, kv, order, jnp.stack(served)[shape_index], shape_index
 
 
-def _commit(state: _RowState, out: DecodeOutputs, kv, positions, take, settings: DecodeSettings, eos_id, index, phase):
+def _commit(state: _RowState, out: DecodeOutputs, kv, order, positions, take, settings, eos_id, index, phase):
   """Append the taken tokens, record them under each row's prompt `index` [B], and take their slots out of the pool.
+
+  kv is in the compact column order `order` [B, T] of `_scheduled_forward`;
+  positions and take [B, T] are in block order.
 
   Slots after a committed EOS are dropped too (docs/method.md §2: only those after
   the EOS slot, unlike the official code).
   """
   S, T = settings.slot_size, settings.block_length
-  cache = kv_cache.append(state.cache, kv, positions, take)
+  cache = kv_cache.append(state.cache, kv, _gather_columns(positions, order, 1), _gather_columns(take, order, 1))
   has_eos, eos_at = _first_true(take & (state.drafts == eos_id))
   slot_index = jnp.arange(T // S)[None]
   removed = jnp.any(take.reshape(-1, T // S, S), axis=-1)
@@ -455,7 +467,7 @@ def _step(model: Transformer, knobs: DecodeKnobs, settings: DecodeSettings, stat
   noise = None
   if settings.sample:
     noise = knobs.temperature * row_gumbel_noise(knobs.key, index, steps, (T, model.config.vocab_size))
-  scores, kv, served, shape_index = _scheduled_forward(
+  scores, kv, order, served, shape_index = _scheduled_forward(
     model, state, tokens, positions, sees, active, noise, live, settings
   )
   waiting = live & ~served
@@ -486,7 +498,7 @@ def _step(model: Transformer, knobs: DecodeKnobs, settings: DecodeSettings, stat
     accepted=jnp.where(row(is_verify), verify_accepted, jnp.where(row(is_check), check_accepted, state.accepted)),
   )
   phase = jnp.where(stage == STAGE_VERIFY, PHASE_VERIFY, PHASE_INFILL)
-  state, out = _commit(state, out, kv, positions, take, settings, knobs.eos_id, index, phase)
+  state, out = _commit(state, out, kv, order, positions, take, settings, knobs.eos_id, index, phase)
 
   next_stage = jnp.select(
     [is_plan, is_verify | is_check, is_draft],
