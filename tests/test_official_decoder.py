@@ -1,0 +1,47 @@
+"""The official PyTorch decoder, run from a checkout through `evaluation.official`, gives our tokens.
+
+Needs a checkout of ML-GSAI/ReFusion named by REFUSION_OFFICIAL_REPO (CI has
+none and no network, so there it is skipped); torch and transformers are the
+test references. Run it with
+
+    REFUSION_OFFICIAL_REPO=/path/to/ReFusion python -m pytest tests/test_official_decoder.py
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+from refusion_jax import bench
+from refusion_jax.decoding.refusion import generate
+
+REPO = os.environ.get("REFUSION_OFFICIAL_REPO", "")
+pytestmark = pytest.mark.skipif(
+  not os.path.isfile(os.path.join(REPO, "generate.py")),
+  reason="set REFUSION_OFFICIAL_REPO to a checkout of ML-GSAI/ReFusion",
+)
+
+
+@pytest.mark.parametrize("slot_size, serial_blocks, slot_threshold", [(4, 2, 0.9), (8, 1, 0.6)])
+def test_official_decoder_gives_our_tokens(slot_size, serial_blocks, slot_threshold):
+  pytest.importorskip("torch")
+  pytest.importorskip("transformers")
+  from refusion_jax.evaluation.official import OfficialDecoder
+
+  seed = int(np.random.default_rng().integers(1 << 16))
+  model = bench.random_bench_model("tiny", 5, 64.0, seed, (6, 20), num_layers=2)
+  knobs = dict(
+    gen_length=32,
+    slot_size=slot_size,
+    serial_blocks=serial_blocks,
+    slot_threshold=slot_threshold,
+    token_threshold=0.5,
+    mask_id=model.mask_id,
+    eos_id=model.eos_id,
+  )
+  official = OfficialDecoder(model.model, REPO).decode(model.prompts, **knobs)
+  ours = generate(model.model, model.prompts, pad_id=model.pad_id, **knobs)
+  assert official.tokens == ours.tokens, f"seed {seed}"
+  assert all(len(t) > 0 for t in official.tokens)
+  # Every official forward is counted by its query width; their sum is the forwards per prompt.
+  assert sum(official.widths["forward"].values()) == int(np.sum(official.num_forwards))
