@@ -73,8 +73,9 @@ from refusion_jax.model.transformer import Transformer
 __all__ = ["DecodeKnobs", "DecodeSettings", "decode_loop", "generate", "start_rows"]
 
 # Token budget of a width-fitted forward, in slots per row kept busy. Measured on a 2-core CPU (tiny 3-layer
-# Qwen3, 64 prompts, K = 8): 1 slot per row made rows wait too long (1.2x the one-by-one decode), 2 gave
-# 1.6-1.7x, 3-4 and no budget (every row at the widest row's width) less (issue 12).
+# Qwen3, 64 prompts, K = 8): 1 slot per row made rows wait too long (1.2x the one-by-one decode), 2 was best,
+# 3-4 and no budget (every row at the widest row's width) less (issue 12). Single runs of 2 varied from 1.3x to
+# 1.7x on the shared machine; the bench's interleaved rounds give 1.43-1.49x.
 ROW_BUDGET_SLOTS = 2
 # What a forward costs regardless of its size, in tokens of forward width: the scheduler divides the work a
 # shape would serve by its tokens plus this. Fit on the same CPU and workload: a forward costs about
