@@ -1,5 +1,6 @@
 """Feeding a sequence in pieces through the KV cache gives the one-shot logits,
-also when the tokens are stored out of position order (ReFusion's reordering)."""
+also when the tokens are stored out of position order (ReFusion's reordering), and
+when a whole block is staged and only its leading tokens are committed."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,7 @@ import pytest
 from flax import nnx
 from hf_utils import assert_logits_close, relative_error
 
-from refusion_jax.model.cache import KVCache, append, write
+from refusion_jax.model.cache import KVCache, append, commit, stage, write
 from refusion_jax.model.config import tiny
 from refusion_jax.model.transformer import causal_mask, init_model
 
@@ -48,12 +49,24 @@ def _forward(model, tokens, positions, mask=None, cache=None):
 _append, _write = jax.jit(append), jax.jit(write)
 
 
+@jax.jit
+def _stage_and_commit(cache, kv, positions, kept):
+  """Stage every token of the block [batch, width] (rows in order), then commit the first `kept` of each row."""
+  batch, width = positions.shape
+  rows = jnp.repeat(jnp.arange(batch), width)
+  offsets = jnp.tile(jnp.arange(width), batch)
+  flat = lambda x: x.reshape(x.shape[0], batch * width, *x.shape[3:])
+  cache = stage(cache, flat(kv.k), flat(kv.v), rows, offsets, positions.reshape(-1))
+  return commit(cache, kept)
+
+
 def _feed_in_pieces(model, tokens, positions, store, junk=0):
   """Logits [batch, length, vocab] of feeding `tokens` piece by piece against the cache.
 
   Args:
     tokens, positions: [batch, length] in the order they are fed (storage order).
-    store: "append", or [batch, length] cache indices to `write` each token at.
+    store: "append", "stage" (the whole block staged, its piece committed), or
+      [batch, length] cache indices to `write` each token at.
     junk: random tokens added after each piece and not stored, as a rejected
       draft would be; the default causal mask hides them from the piece.
   """
@@ -68,7 +81,9 @@ def _feed_in_pieces(model, tokens, positions, store, junk=0):
     out, kv = _forward(model, block_tokens, block_positions, cache=cache)
     take = jnp.arange(size + junk) < size
     take = jnp.broadcast_to(take, (batch, size + junk))
-    if isinstance(store, str):
+    if isinstance(store, str) and store == "stage":
+      cache = _stage_and_commit(cache, kv, block_positions, jnp.full((batch,), size))
+    elif isinstance(store, str):
       cache = _append(cache, kv, block_positions, take)
     else:
       indices = jnp.pad(store[:, piece], ((0, 0), (0, junk)))
@@ -82,13 +97,41 @@ def _random_tokens(seed):
   return jnp.asarray(np.random.default_rng(seed).integers(0, VOCAB, (BATCH, LENGTH)))
 
 
+@pytest.mark.parametrize("store", ["append", "stage"])
 @pytest.mark.parametrize("junk", [0, 2])
-def test_piecewise_causal_feeding_matches_one_shot(model, junk):
+def test_piecewise_causal_feeding_matches_one_shot(model, junk, store):
   tokens = _random_tokens(4)
   positions = jnp.broadcast_to(jnp.arange(LENGTH), tokens.shape)
   one_shot, _ = _forward(model, tokens, positions)
-  pieces = _feed_in_pieces(model, tokens, positions, store="append", junk=junk)
+  pieces = _feed_in_pieces(model, tokens, positions, store=store, junk=junk)
   assert_logits_close(pieces, one_shot, TOLERANCE)
+
+
+def test_staging_drops_what_runs_past_the_capacity_and_touches_only_free_entries():
+  rng = np.random.default_rng(8)
+  config = tiny(vocab_size=VOCAB)
+  capacity, width = 8, 4
+  cache = KVCache.create(config, 2, capacity)
+  full = (config.num_layers, 2, capacity, config.num_kv_heads, config.head_dim)
+  cache = cache.replace(
+    k=jnp.asarray(rng.standard_normal(full), jnp.float32),
+    v=jnp.asarray(rng.standard_normal(full), jnp.float32),
+    length=jnp.asarray([6, 2]),
+    valid=jnp.arange(capacity)[None] < jnp.asarray([[6], [2]]),
+  )
+  block = (config.num_layers, width, config.num_kv_heads, config.head_dim)
+  k, v = (jnp.asarray(rng.standard_normal(block), jnp.float32) for _ in range(2))
+  # Row 0 has 2 free entries for 4 tokens, row 1 gets its last two tokens only (padding offsets).
+  rows, offsets = jnp.asarray([0, 0, 0, 1]), jnp.asarray([0, 1, 2, capacity])
+  staged = stage(cache, k, v, rows, offsets, jnp.asarray([10, 11, 12, 13]))
+  np.testing.assert_array_equal(staged.k[:, 0, 6:], k[:, :2])
+  np.testing.assert_array_equal(staged.k[:, 0, :6], cache.k[:, 0, :6])
+  np.testing.assert_array_equal(staged.v[:, 1], cache.v[:, 1])
+  np.testing.assert_array_equal(staged.positions[0, 6:], [10, 11])
+  np.testing.assert_array_equal(staged.valid, cache.valid)  # staged entries are not attended yet
+  committed = commit(staged, jnp.asarray([2, 0]))
+  np.testing.assert_array_equal(committed.length, [8, 2])
+  np.testing.assert_array_equal(committed.valid, jnp.arange(capacity)[None] < jnp.asarray([[8], [2]]))
 
 
 @pytest.mark.parametrize("store", ["append", "write"])

@@ -7,8 +7,11 @@ own B = 1 decode. The tests share a few program shapes (K rows over a queue
 of 8 prompts of one bucket) so that they compile once each.
 """
 
+import jax
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from refusion_jax.decoding import ar, mdm, refusion
 from refusion_jax.decoding.common import compile_count
@@ -164,6 +167,27 @@ def test_rows_wait_for_a_forward_of_their_width_and_stay_exact():
   assert sum(fitted.widths["forward"].values()) >= int(np.max(fitted.num_forwards)) - 1
   narrow = sum(fitted.widths[s].get(4, 0) for s in refusion.STAGE_NAMES)
   assert narrow > fitted.widths["forward"][4]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(-1, 5), min_size=1, max_size=8), st.data())
+def test_row_picks_are_a_stable_descending_sort(priority, data):
+  """The scheduler's sort-free pick is what argsort would pick, ties included (small values force ties)."""
+  count = data.draw(st.integers(1, len(priority)))
+  priority = np.asarray(priority, np.int32)
+  want = np.argsort(-priority, kind="stable")[:count]
+  np.testing.assert_array_equal(jax.jit(refusion._leading, static_argnums=1)(priority, count), want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.booleans(), min_size=8, max_size=8), min_size=1, max_size=4))
+def test_compact_order_is_the_stable_partition_and_its_inverse(active):
+  active = np.asarray(active)
+  order, back = jax.jit(refusion._compact_order)(active)
+  np.testing.assert_array_equal(order, np.argsort(~active, axis=-1, kind="stable"))
+  np.testing.assert_array_equal(
+    np.take_along_axis(np.asarray(back), np.asarray(order), -1), np.broadcast_to(np.arange(8), active.shape)
+  )
 
 
 def test_sampler_passes_batch_size_through():

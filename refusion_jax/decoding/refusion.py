@@ -20,9 +20,10 @@ slot's. So the forward runs only as wide as the work: the active slots are
 moved into the leading columns and the forward runs at the smallest of a few
 compiled widths (S, 2S, 4S, ... up to T) that holds every row's active
 tokens, chosen inside the loop by `lax.switch`; its token scores go back to
-the block layout, where the stage logic reads them. Commits append the kept
-tokens, in slot order, with the KV of the same forward, straight from the
-compact columns (`refusion_jax.model.cache.append`).
+the block layout, where the stage logic reads them. Each forward's KV is staged
+after the row's cache entries in compact order, and a commit, always a prefix
+of the active tokens, makes that many of them valid
+(`refusion_jax.model.cache.stage` / `commit`).
 
 Rows advance independently. With `batch_size`, a finished row takes the
 next queued prompt (`refusion_jax.decoding.batching`): continuous batching,
@@ -350,6 +351,43 @@ def _put_rows(batch: int, part: jax.Array, rows: jax.Array | None, axis: int = 0
   return jnp.zeros(shape, part.dtype).at[(slice(None),) * axis + (rows,)].set(part)
 
 
+def _leading(priority: jax.Array, count: int) -> jax.Array:
+  """The indices of the `count` largest of priority [K], largest first, ties to the lower index.
+
+  What a stable descending argsort's first `count` entries are, from pairwise
+  comparisons: XLA's CPU sort costs several microseconds per call even on a
+  handful of rows, and the scheduler asks once per shape every iteration.
+  """
+  index = jnp.arange(priority.shape[0])
+  ahead = (priority[None, :] > priority[:, None]) | (
+    (priority[None, :] == priority[:, None]) & (index < index[:, None])
+  )
+  rank = jnp.sum(ahead, axis=1)  # rank[i]: the rows ahead of row i
+  return jnp.sum(jnp.where(rank[None, :] == jnp.arange(count)[:, None], index[None, :], 0), axis=1)
+
+
+def _compact_order(active: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The stable partition of the block columns, active ones first: order [B, T] (compact column -> block
+  column) and its inverse back [B, T] (block column -> compact column), from cumulative sums, not sorts."""
+  length = active.shape[-1]
+  back = jnp.where(
+    active,
+    jnp.cumsum(active, axis=-1) - 1,
+    jnp.sum(active, axis=-1, keepdims=True) + jnp.cumsum(~active, axis=-1) - 1,
+  )
+  at = back[:, None, :] == jnp.arange(length)[None, :, None]  # [B, compact, block]
+  order = jnp.sum(jnp.where(at, jnp.arange(length), 0), axis=-1)
+  return order, back
+
+
+def _token_list(x: jax.Array, axis: int, size: int, fill: int = 0) -> jax.Array:
+  """x with its (rows, width) axes `axis`, `axis` + 1 merged into one of `size` tokens, padded with `fill`."""
+  merged = x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2 :])
+  padding = [(0, 0)] * merged.ndim
+  padding[axis] = (0, size - merged.shape[axis])
+  return jnp.pad(merged, padding, constant_values=fill)
+
+
 def _cache_rows(cache: kv_cache.KVCache, rows: jax.Array | None) -> kv_cache.KVCache:
   if rows is None:
     return cache
@@ -381,11 +419,12 @@ def _scheduled_forward(model: Transformer, state: _RowState, tokens, positions, 
 
   Returns:
     `_TokenScores` [K, T] in block order (junk on inactive tokens and left-out
-    rows); the `BlockKV` ([layers, K, T, ...]) in compact order, its column j
-    being block column order[k, j] (junk past each row's active tokens: the
-    cache takes active tokens only, and compact order keeps their block order,
-    so nothing is moved back); order [K, T]; served [K] bool (the rows that ran)
-    and the index of the shape that ran (into `_forward_shapes`).
+    rows); the cache with the forward's keys and values staged after each row's
+    entries (`kv_cache.stage`), compact column j right after the row's last
+    entry (junk past its active tokens: a commit keeps a prefix of the active
+    tokens, which compact order keeps in block order, so nothing is moved
+    back); served [K] bool (the rows that ran) and the index of the shape that
+    ran (into `_forward_shapes`).
   """
   batch = tokens.shape[0]
   shapes = _forward_shapes(settings, batch)
@@ -394,50 +433,58 @@ def _scheduled_forward(model: Transformer, state: _RowState, tokens, positions, 
   picks, served, work = [], [], []
   for rows, width in shapes:
     fits = live & (need <= width)
-    pick = None if rows == batch else jnp.argsort(-jnp.where(fits, priority, -1), stable=True)[:rows]
+    pick = None if rows == batch else _leading(jnp.where(fits, priority, -1), rows)
     taken = fits if pick is None else jnp.zeros((batch,), bool).at[pick].set(fits[pick])
     picks.append(pick)
     served.append(taken)
     work.append(jnp.sum(jnp.where(taken, priority, 0)) / (rows * width + FORWARD_OVERHEAD_TOKENS))
   shape_index = jnp.argmax(jnp.stack(work))  # ties: the narrower shape
-  order = jnp.argsort(~active, axis=-1, stable=True)  # active columns first, in block order
-  back = jnp.argsort(order, axis=-1)  # block column -> its compact column
+  order, back = _compact_order(active)
 
   def forward_at(pick: jax.Array | None, width: int):
     def run(cache):
       columns = _take_rows(order, pick)[:, :width]
       fed = _gather_columns(_take_rows(tokens, pick), columns, 1)
       block_sees = _gather_columns(_gather_columns(_take_rows(sees, pick), columns, 1), columns, 2)
-      cache = _cache_rows(cache, pick)
       fed_positions = _gather_columns(_take_rows(positions, pick), columns, 1)
-      logits, kv = model(fed, fed_positions, kv_cache.block_mask(cache, block_sees), cache)
+      rows_cache = _cache_rows(cache, pick)
+      logits, kv = model(fed, fed_positions, kv_cache.block_mask(rows_cache, block_sees), rows_cache)
       scores = _token_scores(
         logits, fed, None if noise is None else _gather_columns(_take_rows(noise, pick), columns, 1)
       )
       to_block = jnp.minimum(_take_rows(back, pick), width - 1)
       scores = jax.tree.map(lambda x: _put_rows(batch, _gather_columns(x, to_block, 1), pick), scores)
-      padding = [(0, 0), (0, 0), (0, tokens.shape[1] - width), (0, 0), (0, 0)]
-      kv = jax.tree.map(lambda x: _put_rows(batch, jnp.pad(x, padding), pick, axis=1), kv)
-      return scores, kv
+      # The forward's tokens as one list of `tokens_out` (the same for every branch; unused
+      # entries point past the cache and are dropped): written outside the switch, the cache
+      # is updated in place, where a branch writing it would have to copy it.
+      rows = jnp.broadcast_to((jnp.arange(batch) if pick is None else pick)[:, None], fed.shape)
+      offsets = jnp.broadcast_to(jnp.arange(width), fed.shape)
+      listed = lambda x, axis=0, fill=0: _token_list(x, axis, tokens_out, fill)
+      staged = (listed(kv.k, 1), listed(kv.v, 1), listed(rows), listed(offsets, fill=capacity), listed(fed_positions))
+      return scores, staged
 
     return run
 
+  tokens_out = max(rows * width for rows, width in shapes)
+  capacity = state.cache.capacity
   branches = [forward_at(pick, width) for pick, (_, width) in zip(picks, shapes)]
-  scores, kv = jax.lax.switch(shape_index, branches, state.cache)
-  return scores, kv, order, jnp.stack(served)[shape_index], shape_index
+  scores, staged = jax.lax.switch(shape_index, branches, state.cache)
+  return scores, kv_cache.stage(state.cache, *staged), jnp.stack(served)[shape_index], shape_index
 
 
-def _commit(state: _RowState, out: DecodeOutputs, kv, order, positions, take, settings, eos_id, index, phase):
-  """Append the taken tokens, record them under each row's prompt `index` [B], and take their slots out of the pool.
+def _commit(state: _RowState, out: DecodeOutputs, take, settings, eos_id, index, phase):
+  """Commit the taken tokens [B, T] (block order), record them under each row's prompt `index` [B], and take
+  their slots out of the pool.
 
-  kv is in the compact column order `order` [B, T] of `_scheduled_forward`;
-  positions and take [B, T] are in block order.
+  The cache holds the forward's keys and values staged in compact order
+  (`_scheduled_forward`); the taken tokens are a prefix of them, so
+  committing is making that many entries valid.
 
   Slots after a committed EOS are dropped too (docs/method.md §2: only those after
   the EOS slot, unlike the official code).
   """
   S, T = settings.slot_size, settings.block_length
-  cache = kv_cache.append(state.cache, kv, _gather_columns(positions, order, 1), _gather_columns(take, order, 1))
+  cache = kv_cache.commit(state.cache, jnp.sum(take, axis=-1))
   has_eos, eos_at = _first_true(take & (state.drafts == eos_id))
   slot_index = jnp.arange(T // S)[None]
   removed = jnp.any(take.reshape(-1, T // S, S), axis=-1)
@@ -468,12 +515,12 @@ def _step(model: Transformer, knobs: DecodeKnobs, settings: DecodeSettings, stat
   noise = None
   if settings.sample:
     noise = knobs.temperature * row_gumbel_noise(knobs.key, index, steps, (T, model.config.vocab_size))
-  scores, kv, order, served, shape_index = _scheduled_forward(
+  scores, cache, served, shape_index = _scheduled_forward(
     model, state, tokens, positions, sees, active, noise, live, settings
   )
   waiting = live & ~served
   live = served  # this iteration, only the rows that ran advance
-  state = state.replace(waited=jnp.where(waiting, state.waited + 1, 0))
+  state = state.replace(cache=cache, waited=jnp.where(waiting, state.waited + 1, 0))
   width = jnp.asarray([w for _, w in _forward_shapes(settings, live.shape[0])])[shape_index]
   stage_counts = jnp.sum(live[None] & (stage[None] == jnp.arange(len(STAGE_NAMES))[:, None]), axis=-1)
   widths = count_width(widths, width, jnp.concatenate([jnp.ones(1), stage_counts]))
@@ -499,7 +546,7 @@ def _step(model: Transformer, knobs: DecodeKnobs, settings: DecodeSettings, stat
     accepted=jnp.where(row(is_verify), verify_accepted, jnp.where(row(is_check), check_accepted, state.accepted)),
   )
   phase = jnp.where(stage == STAGE_VERIFY, PHASE_VERIFY, PHASE_INFILL)
-  state, out = _commit(state, out, kv, order, positions, take, settings, knobs.eos_id, index, phase)
+  state, out = _commit(state, out, take, settings, knobs.eos_id, index, phase)
 
   next_stage = jnp.select(
     [is_plan, is_verify | is_check, is_draft],

@@ -124,6 +124,42 @@ def append(cache: KVCache, kv: BlockKV, positions: jax.Array, take: jax.Array) -
   return cache.replace(length=cache.length + take.sum(-1).astype(jnp.int32))
 
 
+def stage(
+  cache: KVCache, k: jax.Array, v: jax.Array, rows: jax.Array, offsets: jax.Array, positions: jax.Array
+) -> KVCache:
+  """Write tokens' keys and values after their rows' last entries, not yet valid (`commit` makes them so).
+
+  For a decoder that keeps a *prefix* of each block it ran (ReFusion keeps
+  the leading active tokens of its compact block): the forward's keys and
+  values go in once, and the commit is a count per row. Staged entries past a
+  row's commit are never attended and are overwritten by the next stage.
+  Entries past the capacity are dropped (a committed prefix always fits).
+
+  Args:
+    k, v: [layers, N, kv_heads, head_dim] of N tokens.
+    rows: [N] the cache row of each token.
+    offsets: [N] its entry after the row's last one (0 = the first free
+      entry); an offset >= capacity drops the token.
+    positions: [N] true positions.
+  """
+  chex.assert_shape([k, v], (cache.k.shape[0], rows.shape[0], *cache.k.shape[3:]))
+  chex.assert_shape([rows, offsets, positions], rows.shape)
+  target = jnp.minimum(cache.length[rows] + offsets, cache.capacity)  # capacity: dropped
+  return cache.replace(
+    k=cache.k.at[:, rows, target].set(k.astype(cache.k.dtype), mode="drop"),
+    v=cache.v.at[:, rows, target].set(v.astype(cache.v.dtype), mode="drop"),
+    positions=cache.positions.at[rows, target].set(positions, mode="drop"),
+  )
+
+
+def commit(cache: KVCache, counts: jax.Array) -> KVCache:
+  """Make the first `counts` [batch] staged entries of each row valid (see `stage`)."""
+  index = jnp.arange(cache.capacity)[None]
+  start = cache.length[:, None]
+  kept = (index >= start) & (index < start + counts[:, None])
+  return cache.replace(valid=cache.valid | kept, length=cache.length + counts.astype(jnp.int32))
+
+
 def block_mask(cache: KVCache, within_block: jax.Array) -> jax.Array:
   """The full attention mask of a block that sees every valid cache entry.
 
