@@ -40,11 +40,11 @@ def test_minimal_bench_reports_every_row(capsys):
   assert "reproduce with: python -m refusion_jax.bench decode --sizes tiny" in out
 
 
-THROUGHPUT_MODES = ["sequential", "sequential, full width", "static 2", "continuous 2"]
+THROUGHPUT_MODES = ["sequential", "sequential, full width", "static 2", "continuous 1", "continuous 2"]
 
 
 def test_throughput_bench_reports_every_mode_with_the_same_tokens(capsys):
-  argv = ["throughput", "--prompts", "3", "--batch_sizes", "2", "--num_layers", "1", "--gen_length", "8"]
+  argv = ["throughput", "--prompts", "3", "--batch_sizes", "1,2", "--num_layers", "1", "--gen_length", "8"]
   code = bench.main([*argv, "--serial_blocks", "1", "--repeats", "1"])
   out, err = capsys.readouterr()
   assert code == 0, err
@@ -58,6 +58,9 @@ def test_throughput_bench_reports_every_mode_with_the_same_tokens(capsys):
   assert widths["sequential, full width"] == 8.0 and widths["sequential"] <= 8.0
   # Two rows: fewer batched forwards than one by one; continuous no more than static batches.
   assert batch_forwards["continuous 2"] <= batch_forwards["static 2"] < batch_forwards["sequential"]
+  # One row in one call: the forwards of one by one, and its histogram is the sequential one (not repeated).
+  assert batch_forwards["continuous 1"] == batch_forwards["sequential"]
+  assert "forward widths (3 prompts, continuous 1)" not in out
   assert "every mode: the same tokens." in out
   assert re.search(r"^  plan\s+\d", out, re.M) and "forward widths (3 prompts, continuous 2)" in out
   assert "reproduce with: python -m refusion_jax.bench throughput --prompts 3" in out

@@ -75,12 +75,13 @@ __all__ = ["DecodeKnobs", "DecodeSettings", "decode_loop", "generate", "start_ro
 
 # Token budget of a width-fitted forward, in slots per row kept busy. Measured on a 2-core CPU (tiny 3-layer
 # Qwen3, 64 prompts, K = 8): 1 slot per row made rows wait too long (1.2x the one-by-one decode), 2 was best,
-# 3-4 and no budget (every row at the widest row's width) less (issue 12). Single runs of 2 varied from 1.3x to
-# 1.7x on the shared machine; the bench's interleaved rounds give 1.43-1.49x.
+# 3-4 and no budget (every row at the widest row's width) less (issue 12). Rechecked after the step stopped
+# scattering whole blocks: budgets 3 and 4 and extra half- or quarter-row shapes were again no faster.
 ROW_BUDGET_SLOTS = 2
 # What a forward costs regardless of its size, in tokens of forward width: the scheduler divides the work a
-# shape would serve by its tokens plus this. Fit on the same CPU and workload: a forward costs about
-# 210 us + 18 us per token. With 16, 64 prompts at K = 8 ran 57.9k forward tokens where plain work ran 60.2k (issue 12).
+# shape would serve by its tokens plus this. Fit on the same CPU and workload: a forward cost about
+# 210 us + 18 us per token. With 16, 64 prompts at K = 8 ran 57.9k forward tokens where plain work ran 60.2k;
+# 0 and 48 were no faster (issue 12).
 FORWARD_OVERHEAD_TOKENS = 16
 
 # Stage of a row: what its next forward is.
