@@ -441,6 +441,8 @@ def _scheduled_forward(model: Transformer, state: _RowState, tokens, positions, 
     work.append(jnp.sum(jnp.where(taken, priority, 0)) / (rows * width + FORWARD_OVERHEAD_TOKENS))
   shape_index = jnp.argmax(jnp.stack(work))  # ties: the narrower shape
   order, back = _compact_order(active)
+  tokens_out = max(rows * width for rows, width in shapes)
+  capacity = state.cache.capacity
 
   def forward_at(pick: jax.Array | None, width: int):
     def run(cache):
@@ -458,16 +460,14 @@ def _scheduled_forward(model: Transformer, state: _RowState, tokens, positions, 
       # The forward's tokens as one list of `tokens_out` (the same for every branch; unused
       # entries point past the cache and are dropped): written outside the switch, the cache
       # is updated in place, where a branch writing it would have to copy it.
-      rows = jnp.broadcast_to((jnp.arange(batch) if pick is None else pick)[:, None], fed.shape)
+      token_rows = jnp.broadcast_to((jnp.arange(batch) if pick is None else pick)[:, None], fed.shape)
       offsets = jnp.broadcast_to(jnp.arange(width), fed.shape)
       listed = lambda x, axis=0, fill=0: _token_list(x, axis, tokens_out, fill)
-      staged = (listed(kv.k, 1), listed(kv.v, 1), listed(rows), listed(offsets, fill=capacity), listed(fed_positions))
-      return scores, staged
+      staged = (listed(kv.k, 1), listed(kv.v, 1), listed(token_rows), listed(offsets, fill=capacity))
+      return scores, (*staged, listed(fed_positions))
 
     return run
 
-  tokens_out = max(rows * width for rows, width in shapes)
-  capacity = state.cache.capacity
   branches = [forward_at(pick, width) for pick, (_, width) in zip(picks, shapes)]
   scores, staged = jax.lax.switch(shape_index, branches, state.cache)
   return scores, kv_cache.stage(state.cache, *staged), jnp.stack(served)[shape_index], shape_index

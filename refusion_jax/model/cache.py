@@ -96,16 +96,16 @@ def write(
   # Out-of-range indices are dropped by the scatter: that is the mask.
   target = jnp.where(write_mask, indices, capacity)
   batch_idx = jnp.arange(target.shape[0])[:, None]
+  cache = _put_entries(cache, kv.k, kv.v, batch_idx, target, positions)
+  return cache.replace(valid=cache.valid.at[batch_idx, target].set(True, mode="drop"))
 
-  def scatter(dst, src):
-    # dst [layers, batch, capacity, ...], src [layers, batch, block, ...]
-    return dst.at[:, batch_idx, target].set(src.astype(dst.dtype), mode="drop")
 
+def _put_entries(cache: KVCache, k: jax.Array, v: jax.Array, rows, target, positions) -> KVCache:
+  """Keys, values [layers, *index, kv_heads, head_dim] and positions [*index] at entries (rows, target),
+  indices broadcast together; a target of `capacity` drops the entry. Validity is left alone."""
+  put = lambda dst, src: dst.at[:, rows, target].set(src.astype(dst.dtype), mode="drop")
   return cache.replace(
-    k=scatter(cache.k, kv.k),
-    v=scatter(cache.v, kv.v),
-    positions=cache.positions.at[batch_idx, target].set(positions, mode="drop"),
-    valid=cache.valid.at[batch_idx, target].set(True, mode="drop"),
+    k=put(cache.k, k), v=put(cache.v, v), positions=cache.positions.at[rows, target].set(positions, mode="drop")
   )
 
 
@@ -145,11 +145,7 @@ def stage(
   chex.assert_shape([k, v], (cache.k.shape[0], rows.shape[0], *cache.k.shape[3:]))
   chex.assert_shape([rows, offsets, positions], rows.shape)
   target = jnp.minimum(cache.length[rows] + offsets, cache.capacity)  # capacity: dropped
-  return cache.replace(
-    k=cache.k.at[:, rows, target].set(k.astype(cache.k.dtype), mode="drop"),
-    v=cache.v.at[:, rows, target].set(v.astype(cache.v.dtype), mode="drop"),
-    positions=cache.positions.at[rows, target].set(positions, mode="drop"),
-  )
+  return _put_entries(cache, k, v, rows, target, positions)
 
 
 def commit(cache: KVCache, counts: jax.Array) -> KVCache:
