@@ -52,7 +52,10 @@ def test_logits_and_block_kv_match_the_dense_path(impl, chunk):
     want_logits, want_kv = forward(dense, *args)
     got_logits, got_kv = forward(other, *args)
     np.testing.assert_allclose(got_logits, want_logits, rtol=2e-5, atol=2e-5, err_msg=f"seed {seed}")
-    np.testing.assert_allclose(got_kv.k, want_kv.k, rtol=1e-6, atol=1e-6)
+    # The first layer's keys come before any attention: equal. Later layers' keys take the attention
+    # output's rounding (up to 1.5e-6 over 60 seeds; a bound of 1e-6 failed now and then), as logits do.
+    np.testing.assert_array_equal(got_kv.k[0], want_kv.k[0], err_msg=f"seed {seed}")
+    np.testing.assert_allclose(got_kv.k, want_kv.k, rtol=2e-5, atol=2e-5, err_msg=f"seed {seed}")
 
 
 def test_chunked_gradients_match_the_dense_path():
