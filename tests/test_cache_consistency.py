@@ -121,7 +121,7 @@ def test_staging_drops_what_runs_past_the_capacity_and_touches_only_free_entries
   )
   block = (config.num_layers, width, config.num_kv_heads, config.head_dim)
   k, v = (jnp.asarray(rng.standard_normal(block), jnp.float32) for _ in range(2))
-  # Row 0 has 2 free entries for 4 tokens, row 1 gets its last two tokens only (padding offsets).
+  # Row 0 has 2 free entries for its 3 tokens; the token of row 1 is padding (offset = capacity: dropped).
   rows, offsets = jnp.asarray([0, 0, 0, 1]), jnp.asarray([0, 1, 2, capacity])
   staged = stage(cache, k, v, rows, offsets, jnp.asarray([10, 11, 12, 13]))
   np.testing.assert_array_equal(staged.k[:, 0, 6:], k[:, :2])

@@ -344,12 +344,11 @@ def _take_rows(tree, rows: jax.Array | None, axis: int = 0):
   return tree if rows is None else jax.tree.map(lambda x: jnp.take(x, rows, axis=axis), tree)
 
 
-def _put_rows(batch: int, part: jax.Array, rows: jax.Array | None, axis: int = 0) -> jax.Array:
-  """`part` scattered at `rows` along `axis` into zeros with `batch` entries there (`part` when rows is None)."""
+def _put_rows(batch: int, part: jax.Array, rows: jax.Array | None) -> jax.Array:
+  """`part` scattered at `rows` into zeros with `batch` leading entries (`part` when rows is None)."""
   if rows is None:
     return part
-  shape = (*part.shape[:axis], batch, *part.shape[axis + 1 :])
-  return jnp.zeros(shape, part.dtype).at[(slice(None),) * axis + (rows,)].set(part)
+  return jnp.zeros((batch, *part.shape[1:]), part.dtype).at[rows].set(part)
 
 
 def _leading(priority: jax.Array, count: int) -> jax.Array:
