@@ -294,8 +294,30 @@ class Transformer(nnx.Module):
     positions: jax.Array | None = None,
     mask: jax.Array | None = None,
     cache: KVCache | None = None,
+    *,
+    segment_ids: jax.Array | None = None,
+    bidirectional: bool = False,
   ) -> tuple[jax.Array, BlockKV]:
-    """Forward a block of tokens.
+    """Forward a block of tokens: `features` then `logits` (arguments as in `features`).
+
+    Returns:
+      logits [batch, block, vocab] in float32, and the block's keys and values
+      `BlockKV` ([layers, batch, block, kv_heads, head_dim]).
+    """
+    hidden, kv = self.features(tokens, positions, mask, cache, segment_ids=segment_ids, bidirectional=bidirectional)
+    return self.logits(hidden), kv
+
+  def features(
+    self,
+    tokens: jax.Array,
+    positions: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    cache: KVCache | None = None,
+    *,
+    segment_ids: jax.Array | None = None,
+    bidirectional: bool = False,
+  ) -> tuple[jax.Array, BlockKV]:
+    """The final-normed hidden states of a block of tokens (everything but the LM head).
 
     Args:
       tokens: [batch, block] int token ids.
@@ -303,19 +325,28 @@ class Transformer(nnx.Module):
       mask: [batch, block, capacity + block] bool with a cache, [batch, block,
         block] without; entry [b, i, j] says whether query i sees key j (cache
         entries first, then the block). Defaults to causal over the block (and
-        every valid cache entry).
+        every valid cache entry), or to `segment_ids`' mask.
       cache: an optional `KVCache` the block attends to. It is only read; use
         `refusion_jax.model.cache.append` / `write` to store the returned keys.
+      segment_ids: [batch, block] int, the training layout of packed rows (no
+        cache, no mask): a token sees only tokens of its own segment, the
+        earlier ones (or, with `bidirectional`, all of them). Id 0 marks padding.
+      bidirectional: with `segment_ids`, attention is full within a segment (the MDM baseline).
 
     Returns:
-      logits [batch, block, vocab] in float32, and the block's keys and values
-      `BlockKV` ([layers, batch, block, kv_heads, head_dim]).
+      hidden [batch, block, embed] in the compute dtype, and the block's keys
+      and values `BlockKV` ([layers, batch, block, kv_heads, head_dim]).
     """
     c = self.config
     chex.assert_rank(tokens, 2)
     batch, block = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(block, dtype=jnp.int32), (batch, block))
+    if segment_ids is not None:
+      if mask is not None or cache is not None:
+        raise ValueError("segment_ids describe the attention of a training forward: pass no mask and no cache.")
+      chex.assert_shape(segment_ids, (batch, block))
+      mask = segment_mask(segment_ids, bidirectional)
     if mask is None:
       mask = causal_mask(batch, block)
       if cache is not None:
@@ -337,11 +368,30 @@ class Transformer(nnx.Module):
       x, (k, v) = call(layer, x, positions, mask, cached)
       keys.append(k)
       values.append(v)
-    x = self.norm(x)
-    head = self.embed_tokens[...].T if c.tie_embeddings else self.lm_head[...]
-    logits = jnp.einsum("bte,ev->btv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
-    logits = constrain(logits, _LOGITS)
-    return logits, BlockKV(k=jnp.stack(keys), v=jnp.stack(values))
+    return self.norm(x), BlockKV(k=jnp.stack(keys), v=jnp.stack(values))
+
+  def head_matrix(self) -> jax.Array:
+    """The LM head [embed, vocab] in the compute dtype (the embedding's transpose when tied)."""
+    head = self.embed_tokens[...].T if self.config.tie_embeddings else self.lm_head[...]
+    return head.astype(self.config.compute_dtype)
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    """[batch, length, embed] final-normed hidden states -> [batch, length, vocab] float32 logits."""
+    logits = jnp.einsum("bte,ev->btv", hidden, self.head_matrix(), preferred_element_type=jnp.float32)
+    return constrain(logits, _LOGITS)
+
+
+def segment_mask(segment_ids: jax.Array, bidirectional: bool = False) -> jax.Array:
+  """[batch, length, length] bool: query i sees key j of the same segment, j <= i unless `bidirectional`.
+
+  Args:
+    segment_ids: [batch, length] int (0 = padding, which then sees only padding).
+  """
+  same = segment_ids[:, :, None] == segment_ids[:, None, :]
+  if bidirectional:
+    return same
+  length = segment_ids.shape[1]
+  return same & jnp.tril(jnp.ones((length, length), bool))[None]
 
 
 def init_model(config: ModelConfig, seed: int = 0) -> Transformer:

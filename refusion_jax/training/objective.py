@@ -278,19 +278,14 @@ def reorganize(batch: Mapping[str, jax.Array], key: jax.Array, config: Objective
   return build_inputs(batch, draw_randomness(key, batch_size, length, config), config)
 
 
-def attention_mask(inputs: TrainingInputs, config: ObjectiveConfig) -> jax.Array | None:
-  """[batch, length, length] bool for "mdm" (every real key); None = the model's causal default."""
-  if config.kind != "mdm":
-    # Causal over storage order: padding is stored last, so no query that
-    # carries a label ever sees it.
-    return None
-  batch_size, length = inputs.tokens.shape
-  return jnp.broadcast_to(inputs.valid[:, None, :], (batch_size, length, length))
-
-
 def forward(model: nnx.Module, inputs: TrainingInputs, config: ObjectiveConfig) -> jax.Array:
-  """Logits [batch, length, vocab] float32 of the objective's forward."""
-  logits, _ = model(inputs.tokens, inputs.positions, attention_mask(inputs, config))
+  """Logits [batch, length, vocab] float32 of the objective's forward.
+
+  Attention stays inside each row's example (`valid`; padding sees only
+  padding and carries no label): causal over storage order, or full for "mdm".
+  """
+  segment_ids = inputs.valid.astype(jnp.int32)
+  logits, _ = model(inputs.tokens, inputs.positions, segment_ids=segment_ids, bidirectional=config.kind == "mdm")
   return logits
 
 
