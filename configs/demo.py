@@ -23,10 +23,10 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.seed = 0  # parameter init, data shuffling and objective randomness
   config.tokenizer = "bytes"  # "bytes" (pad 256, bos 257, eos 258, mask 259) or a HF tokenizer directory
-  config.init_from_hf = ""  # HF checkpoint to fine-tune from; config.model must describe it (preset "": any)
-  config.init_from_checkpoint = ""  # workdir of another run to take parameters from
-  # any checkpoint to start from: HF directory, run of ours, tunix / MaxText (root, step or item folder);
-  # tunix and MaxText store no config, so config.model (and config.tokenizer) must describe the model
+  # Where a run starts: resuming from the workdir's checkpoints comes first, then this checkpoint, then a random
+  # init of config.model. Any format the loaders read: a Hugging Face directory to fine-tune (config.model.preset
+  # must describe it; "" accepts any), a run of ours, tunix / MaxText (root, step or item folder; they store no
+  # config, so config.model and config.tokenizer must describe the model).
   config.init_from = ""
   config.init_format = "auto"  # "auto" (detect), "hf", "refusion", "tunix" or "maxtext"
   config.vocab_multiple = 128  # a vocabulary grown for a new mask token is rounded up to this

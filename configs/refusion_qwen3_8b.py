@@ -1,11 +1,11 @@
 """The paper's recipe: fine-tune Qwen3-8B into ReFusion on query/response JSON data, on a TPU pod.
 
     launch/tpu_pod.sh my-tpu us-central2-b configs/refusion_qwen3_8b.py gs-mounted/workdir \\
-        --config.init_from_hf=/mnt/models/Qwen3-8B \\
+        --config.init_from=/mnt/models/Qwen3-8B \\
         --config.data.train_files=/mnt/data/refusion_train.json
 
 (on one host: `python -m refusion_jax.train --config configs/refusion_qwen3_8b.py
---workdir DIR --config.init_from_hf=... --config.data.train_files=...`).
+--workdir DIR --config.init_from=... --config.data.train_files=...`).
 
 Recipe: initialised from Qwen3-8B, learning rate 2e-5 with cosine decay and
 no warmup, no weight decay, bfloat16 compute, sequences up to 4096 tokens,
@@ -35,7 +35,7 @@ chip's rows of the batch, so memory falls as chips are added. Decoding for the
 periodic evaluation (prompt 512, 512 generated, S = 8) fits one chip: 18.9 GB
 at batch 1, 35.6 GB at batch 32.
 
-`init_from_hf` and `data.train_files` are required; the checkpoint must be a
+`init_from` and `data.train_files` are required; the checkpoint must be a
 Qwen3-8B (its config.json is checked against the `qwen3_8b` preset, naming the
 first field that differs). `configs/refusion_qwen3_8b.py:smoke` runs the same
 path (HF init, added mask token, chat template, JSON data, FSDP, remat) for a
@@ -55,10 +55,10 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   if variant not in ("", "smoke"):
     raise ValueError(f"Unknown config variant {variant!r}; use '' or 'smoke'.")
   config = load_config(pathlib.Path(__file__).with_name("demo.py"))  # every field is documented there
-  config.init_from_hf = ""  # REQUIRED: a Qwen3-8B Hugging Face directory (config.json, safetensors, tokenizer.json)
-  config.tokenizer = ""  # unused: the tokenizer comes from init_from_hf
-  config.model = ml_collections.ConfigDict()  # shapes come from init_from_hf's config.json
-  config.model.preset = "qwen3_8b"  # the architecture init_from_hf must have (checked; "" accepts any)
+  config.init_from = ""  # REQUIRED: a Qwen3-8B Hugging Face directory (config.json, safetensors, tokenizer.json)
+  config.tokenizer = ""  # unused: the tokenizer comes from init_from
+  config.model = ml_collections.ConfigDict()  # shapes come from init_from's config.json
+  config.model.preset = "qwen3_8b"  # the architecture init_from must have (checked; "" accepts any)
   config.model.dtype = "bfloat16"  # compute in bf16
   config.model.param_dtype = "float32"  # float32 master weights for AdamW
   config.model.remat = True  # 36 layers x 4096 tokens: recompute activations in the backward pass

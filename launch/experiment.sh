@@ -57,7 +57,7 @@ evaluate() {
 train ar "configs/ar_baseline.py$SUFFIX" "$STEPS"
 train mdm "configs/mdm_baseline.py$SUFFIX" "$STEPS"
 train refusion "$CONFIG" "$STEPS"
-train refusion_from_ar "$CONFIG" "$HALF" --config.init_from_checkpoint="$OUT/ar"
+train refusion_from_ar "$CONFIG" "$HALF" --config.init_from="$OUT/ar"
 
 # A batch is one task's examples of the split (EXAMPLES / 3 of each) or the whole JSON set: few program shapes;
 # each batch is timed three times and the fastest kept (the machine may be shared).

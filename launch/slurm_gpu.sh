@@ -6,7 +6,7 @@
 #   launch/slurm_gpu.sh [--dry_run] logs|stop JOB_ID WORKDIR
 #
 #   e.g. launch/slurm_gpu.sh --nodes=4 --gpus_per_node=8 --partition=gpu configs/refusion_qwen3_8b.py \
-#          /shared/refusion --config.init_from_hf=/shared/Qwen3-8B --config.data.train_files=/shared/train.json
+#          /shared/refusion --config.init_from=/shared/Qwen3-8B --config.data.train_files=/shared/train.json
 #
 # Training (the first form), from a login node:
 #   1. set-up: a virtualenv in $VENV (default WORKDIR/venv) with this checkout and jax[cuda12] (skip with INSTALL=0);

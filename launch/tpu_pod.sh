@@ -9,7 +9,7 @@
 #   e.g. launch/tpu_pod.sh --accelerator=v5p-128 --spot \
 #          --setup='sudo mkdir -p /mnt/b && sudo chmod 777 /mnt/b && gcsfuse --implicit-dirs my-bucket /mnt/b' \
 #          refusion-pod us-east5-a configs/refusion_qwen3_8b.py /mnt/b/refusion \
-#          --config.init_from_hf=/mnt/b/Qwen3-8B --config.data.train_files=/mnt/b/train.json
+#          --config.init_from=/mnt/b/Qwen3-8B --config.data.train_files=/mnt/b/train.json
 #
 # Training (the first form):
 #   1. with --accelerator: creates the TPU as a queued resource (TYPE as gcloud names it: v5p-128 is 64

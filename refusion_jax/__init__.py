@@ -14,11 +14,10 @@ _EXPORTS = {
   "preset": "refusion_jax.model.config",
   "Transformer": "refusion_jax.model.transformer",
   "init_model": "refusion_jax.model.transformer",
-  # Checkpoints and tokenizers: `load` is the front door for every source.
-  "load_checkpoint": "refusion_jax.checkpoints.load",
-  "inspect_checkpoint": "refusion_jax.checkpoints.load",
+  # Checkpoints and tokenizers: `load` (model and tokenizer) and `load_model` are the front door for every source.
   "load": "refusion_jax.checkpoints.load",
-  "load_hf": "refusion_jax.checkpoints.hf",
+  "load_model": "refusion_jax.checkpoints.load",
+  "inspect_checkpoint": "refusion_jax.checkpoints.load",
   "save_hf": "refusion_jax.checkpoints.hf",
   "load_tokenizer": "refusion_jax.data.tokenizer",
   # Decoding.
@@ -31,10 +30,18 @@ _EXPORTS = {
   "make_mesh": "refusion_jax.parallel.sharding",
 }
 
+# Names of earlier versions -> what replaced them (asking for one says so).
+_RENAMED = {
+  "load_checkpoint": "load_model(path, ...) (same arguments)",
+  "load_hf": 'load_model(path, format="hf", dtype=..., config=...) (config replaces config_overrides)',
+}
+
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name):
   if name in _EXPORTS:
     return getattr(importlib.import_module(_EXPORTS[name]), name)
+  if name in _RENAMED:
+    raise AttributeError(f"refusion_jax.{name} was renamed: use refusion_jax.{_RENAMED[name]}.")
   raise AttributeError(f"module 'refusion_jax' has no attribute {name!r}")

@@ -16,13 +16,14 @@ compiled FLOPs and bytes, and a roofline *estimate* of its time; it exits with
 status 1, saying what to change, when something does not fit.
 
 Shapes come from `config.model` (preset + overrides), not from
-`init_from_hf`; special token ids the config leaves unset get placeholders
+`init_from`; special token ids the config leaves unset get placeholders
 (they do not change the compiled program).
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 
 import jax
@@ -33,23 +34,16 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import config_flags
 
-from refusion_jax.checkpoints.orbax import abstract_model
+from refusion_jax.cli import report_errors
 from refusion_jax.decoding.batching import Batch
 from refusion_jax.decoding.refusion import DecodeKnobs, DecodeSettings, decode_loop, start_rows
 from refusion_jax.decoding.sharding import row_shardings
 from refusion_jax.model.config import ModelConfig, preset
-from refusion_jax.model.transformer import inference_config, init_model
-from refusion_jax.parallel import aot, sharding
+from refusion_jax.model.transformer import abstract_model, inference_config, init_model
+from refusion_jax.parallel import compiled, sharding
 from refusion_jax.parallel.activations import activation_sharding, normalize_rules, sharded_activations
-
-# The training step's builders, in one place (training/ is being split into modules).
-from refusion_jax.training.loop import (
-  init_state_fn,
-  make_optimizer,
-  make_placement,
-  make_train_step,
-  objective_config_from,
-)
+from refusion_jax.training.run_config import objective_config_from
+from refusion_jax.training.state import init_state_fn, make_optimizer, make_placement, make_train_step
 
 
 def model_config_of(config: ml_collections.ConfigDict) -> ModelConfig:
@@ -88,14 +82,14 @@ def _abstract(tree, shardings):
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
 
-def train_report(config: ml_collections.ConfigDict, devices: Sequence[jax.Device], chip: aot.Chip | None):
+def train_report(config: ml_collections.ConfigDict, devices: Sequence[jax.Device], chip: compiled.Chip | None):
   """Compile the training step as `refusion_jax.train` would run it, with the activations sharded like the batch."""
   model_config = model_config_of(config)
   rules = normalize_rules(config.sharding_rules)
   mesh = sharding.make_mesh(dict(config.mesh), mesh_devices(dict(config.mesh), devices))
-  sharding.check_batch_divisible(config.batch_size, mesh, rules)
   ways, accum = sharding.batch_parallel_ways(mesh, rules), config.grad_accum_steps
-  sharding.check_microbatches(config.batch_size, accum, mesh, rules)
+  # One process compiles for the whole topology; the job's processes do not change the per-device split.
+  sharding.check_batch_split(config.batch_size, accum, mesh, rules, processes=1)
   tx, schedule = make_optimizer(config.optimizer, total_steps=max(config.num_train_steps, 1))
   placement = make_placement(init_state_fn(model_config, tx, config.seed), mesh, rules)
   graphdef, _ = abstract_model(model_config)
@@ -110,7 +104,9 @@ def train_report(config: ml_collections.ConfigDict, devices: Sequence[jax.Device
   }
   name = f"train step, batch {config.batch_size} x {config.data.seq_len}, grad_accum {accum}, mesh {_mesh_text(mesh)}"
   args = (placement.abstract_state, batch)
-  report = aot.compile_report(name, lambda: step.lower(*args), args, list(mesh.devices.flat), chip, loop_count=accum)
+  report = compiled.compile_report(
+    name, lambda: step.lower(*args), args, list(mesh.devices.flat), chip, loop_count=accum
+  )
   report.advice = train_advice(report, config, model_config, ways)
   return report
 
@@ -118,7 +114,7 @@ def train_report(config: ml_collections.ConfigDict, devices: Sequence[jax.Device
 def decode_report(
   config: ml_collections.ConfigDict,
   devices: Sequence[jax.Device],
-  chip: aot.Chip | None,
+  chip: compiled.Chip | None,
   batch: int,
   prompt_length: int,
   mesh_shape: dict[str, int],
@@ -157,7 +153,7 @@ def decode_report(
     f"decode (prefill + 1 loop iteration), batch {batch}, prompt {prompt_length} + {ev.gen_length} "
     f"(S={ev.slot_size}, {ev.serial_blocks} blocks), {model_config.param_dtype} weights, mesh {_mesh_text(mesh)}"
   )
-  report = aot.compile_report(name, lower, (params, state, knobs), list(mesh.devices.flat), chip)
+  report = compiled.compile_report(name, lower, (params, state, knobs), list(mesh.devices.flat), chip)
   if report.fits is False:
     report.advice = [
       f"decode batch {batch} does not fit: lower --decode_batch, or split the weights over more chips "
@@ -166,7 +162,7 @@ def decode_report(
   return report
 
 
-def train_advice(report: aot.Report, config, model_config: ModelConfig, ways: int) -> list[str]:
+def train_advice(report: compiled.Report, config, model_config: ModelConfig, ways: int) -> list[str]:
   """What to change when the training step does not fit (empty when it fits or the HBM is unknown)."""
   if report.fits is not False:
     return []
@@ -205,46 +201,49 @@ def _mesh_text(mesh: jax.sharding.Mesh) -> str:
 def run(
   config: ml_collections.ConfigDict,
   devices: Sequence[jax.Device],
-  chip: aot.Chip | None,
+  chip: compiled.Chip | None,
   *,
   programs: Sequence[str],
   decode_batches: Sequence[int],
   decode_prompt_length: int,
   decode_mesh: dict[str, int],
-) -> list[aot.Report]:
+) -> list[compiled.Report]:
   """Compile the requested programs one at a time (big compiles are CPU-heavy) and return their reports."""
   reports = []
   if "train" in programs:
     reports.append(train_report(config, devices, chip))
-    print(aot.format_table(reports[-1:]), flush=True)
+    print(compiled.format_table(reports[-1:]), flush=True)
   if "decode" in programs:
     for batch in decode_batches:
       reports.append(decode_report(config, devices, chip, batch, decode_prompt_length, decode_mesh))
-      print(aot.format_table(reports[-1:]), flush=True)
+      print(compiled.format_table(reports[-1:]), flush=True)
   return reports
 
 
 def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  f = flags.FLAGS
-  try:
-    devices = aot.topology_devices(f.topology) if f.topology else jax.devices()
-    chip = aot.chip_of(devices[0], f.hbm_gib)
-    decode_mesh = parse_mesh(f.decode_mesh) if f.decode_mesh else dict(f.config.mesh)
-    print(f"{len(devices)} devices ({devices[0].device_kind}){'' if chip else ', HBM unknown (pass --hbm_gib)'}")
-    reports = run(
-      f.config,
-      devices,
-      chip,
-      programs=f.programs,
-      decode_batches=[int(b) for b in f.decode_batch],
-      decode_prompt_length=f.decode_prompt_length,
-      decode_mesh=decode_mesh,
-    )
-  except ValueError as error:
-    raise SystemExit(f"error: {error}") from None
-  print("\n" + aot.format_table(reports))
+  status = report_errors(lambda: report(flags.FLAGS))
+  if status:
+    sys.exit(status)
+
+
+def report(f: flags.FlagValues) -> None:
+  """Compile what the flags ask for and print the reports; exits with status 1 when something does not fit."""
+  devices = compiled.topology_devices(f.topology) if f.topology else jax.devices()
+  chip = compiled.chip_of(devices[0], f.hbm_gib)
+  decode_mesh = parse_mesh(f.decode_mesh) if f.decode_mesh else dict(f.config.mesh)
+  print(f"{len(devices)} devices ({devices[0].device_kind}){'' if chip else ', HBM unknown (pass --hbm_gib)'}")
+  reports = run(
+    f.config,
+    devices,
+    chip,
+    programs=f.programs,
+    decode_batches=[int(b) for b in f.decode_batch],
+    decode_prompt_length=f.decode_prompt_length,
+    decode_mesh=decode_mesh,
+  )
+  print("\n" + compiled.format_table(reports))
   print(
     "Per device; GB = 1e9 bytes. TFLOP and GB accessed are the compiler's counts (a loop body counted once, "
     "times grad_accum for the training step); 'estimated s' is a roofline estimate (max of compute at peak "

@@ -55,8 +55,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from refusion_jax import sample
 from refusion_jax.checkpoints.load import load
+from refusion_jax.cli import add_model_flags, has_model, model_request, run_argparse
 from refusion_jax.data import tasks
 from refusion_jax.data.special_tokens import SpecialTokens, resolve_special_tokens
 from refusion_jax.data.tokenizer import format_prompt
@@ -139,7 +139,7 @@ def random_bench_model(
 def trained_bench_model(args: argparse.Namespace) -> BenchModel:
   """The --hf_checkpoint / --checkpoint model; prompts from --task_prompts, --prompt (cycled to fill the
   batch) or random."""
-  model, tokenizer = load(**sample.model_request(args))
+  model, tokenizer = load(**model_request(args))
   special = resolve_special_tokens(SpecialTokens(mask=args.mask_id), tokenizer=tokenizer, config=model.config)
   if special.mask is None:
     raise ValueError("Neither the tokenizer nor the model config names a mask token; pass --mask_id.")
@@ -426,7 +426,7 @@ def run_throughput(args: argparse.Namespace) -> list[ThroughputRow]:
   if args.repeats < 1 or min(args.prompts) < 1 or min(args.batch_sizes) < 1:
     raise ValueError("--repeats, --prompts and --batch_sizes must be at least 1.")
   check_slot_layout(args.gen_length, args.slot_size, args.serial_blocks)
-  if args.hf_checkpoint or args.checkpoint:
+  if has_model(args):
     args.batch = max(args.prompts)
     bench = trained_bench_model(args)
   else:
@@ -492,7 +492,7 @@ def _add_refusion_flags(parser: argparse.ArgumentParser, serial_blocks: int) -> 
 def _add_source_flags(parser: argparse.ArgumentParser) -> None:
   """Random weights' seed, or a trained checkpoint with its prompts (cycled to the count needed)."""
   parser.add_argument("--seed", type=int, default=0, help="weights and prompts of the random models.")
-  sample.add_model_flags(parser, random_init=False)
+  add_model_flags(parser, random_init=False, required=False)
   parser.add_argument("--prompt", action="append", default=[], help="with a checkpoint: prompt text (repeatable).")
   parser.add_argument("--chat_template", action="store_true", help="with a checkpoint: wrap prompts in the template.")
   parser.add_argument("--mask_id", type=int, help="with a checkpoint: the mask id if neither tokenizer nor config has.")
@@ -510,13 +510,13 @@ def check_args(args: argparse.Namespace) -> None:
   unknown = [s for s in args.sizes.split(",") if s not in config_lib.PRESETS]
   if unknown:
     raise ValueError(f"Unknown --sizes {unknown}; choose among {sorted(config_lib.PRESETS)}.")
-  if args.prompt and not (args.hf_checkpoint or args.checkpoint):
+  if args.prompt and not has_model(args):
     raise ValueError("--prompt needs --hf_checkpoint or --checkpoint (random models get random prompts).")
 
 
 def run_decode(args: argparse.Namespace) -> list[Measurement]:
   check_args(args)
-  if args.hf_checkpoint or args.checkpoint:
+  if has_model(args):
     benches = [lambda: trained_bench_model(args)]
   else:
     benches = [
@@ -533,24 +533,21 @@ def run_decode(args: argparse.Namespace) -> list[Measurement]:
   return rows
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  argv = list(sys.argv[1:] if argv is None else argv)
-  try:
-    args = build_parser().parse_args(argv)
-  except SystemExit as exit_:
-    return int(exit_.code or 0)
-  try:
-    if args.command == "throughput":
-      report = format_throughput(run_throughput(args))
-    else:
-      rows = run_decode(args)
-      report = "\n\n".join([format_table(rows), summary(rows)])
-  except (ValueError, FileNotFoundError) as error:
-    print(f"error: {error}", file=sys.stderr)
-    return 2
+def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
+  """Run the benchmark the flags (`argv`, parsed into `args`) name and print its report."""
+  if args.command == "throughput":
+    report = format_throughput(run_throughput(args))
+  else:
+    rows = run_decode(args)
+    report = "\n\n".join([format_table(rows), summary(rows)])
   print(report)
   print(f"backend: {jax.default_backend()} ({jax.device_count()} device(s)); reproduce with: {reproduce_command(argv)}")
-  return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Entry point; returns the exit status (2 on bad input)."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  return run_argparse(build_parser(), lambda args: run(args, argv), argv)
 
 
 if __name__ == "__main__":

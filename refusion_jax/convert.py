@@ -26,9 +26,9 @@ from flax import nnx
 from refusion_jax.checkpoints import orbax as refusion
 from refusion_jax.checkpoints.detect import FORMATS, Found
 from refusion_jax.checkpoints.hf import save_hf
-from refusion_jax.checkpoints.load import inspect_checkpoint, load, locate
+from refusion_jax.checkpoints.load import inspect_checkpoint, load_model, locate
+from refusion_jax.cli import run_argparse
 from refusion_jax.data.tokenizer import load_tokenizer
-from refusion_jax.sample import run_main
 
 # What a tokenizer directory holds beside tokenizer.json.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> str:
   if not args.out or not args.to:
     raise ValueError("Give SRC OUT --to hf|refusion, or SRC --inspect.")
   found = locate(args.source, args.format, args.step)
-  model, _ = load(args.source, format=found.format, config=args.config, step=args.step, dtype=args.dtype)
+  model = load_model(args.source, format=found.format, config=args.config, step=args.step, dtype=args.dtype)
   tokenizer = _tokenizer_source(args, found)
   if args.to == "hf":
     save_hf(model, args.out)
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
   """Entry point; returns the exit status (2 on bad input)."""
-  return run_main(build_parser(), lambda args: print(run(args)), argv)
+  return run_argparse(build_parser(), lambda args: print(run(args)), argv)
 
 
 if __name__ == "__main__":

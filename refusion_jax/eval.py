@@ -27,7 +27,11 @@ from collections.abc import Callable, Sequence
 
 import ml_collections
 
-from refusion_jax.evaluation import adapters, curve, report, runner
+from refusion_jax.checkpoints.load import load
+from refusion_jax.cli import UsageError, add_model_flags, model_request, run_argparse
+from refusion_jax.data.tasks import generate_examples
+from refusion_jax.decoding.sampler import METHODS, decoder_options
+from refusion_jax.evaluation import curve, report, runner
 from refusion_jax.training.config_file import load_config
 
 SPLITS = ("train", "validation", "test")
@@ -41,10 +45,6 @@ _CONFIG_KNOBS = dict(
   block_length="mdm_block_length",
   steps="mdm_steps",
 )
-
-
-class UsageError(ValueError):
-  """Bad command-line input, reported without a traceback."""
 
 
 def _values(kind: type) -> Callable[[str], list]:
@@ -65,10 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     description=__doc__.split("\n\n")[0] + " (`report DIR` turns result files into a table and a plot).",
     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
-  model = parser.add_argument_group("model")
-  model.add_argument("--checkpoint", required=True, help="a training workdir or a Hugging Face directory.")
-  model.add_argument("--step", type=int, help="training workdir: the step to load (default: the latest).")
-  model.add_argument("--tokenizer", help="'bytes' or a tokenizer directory (default: the checkpoint's).")
+  add_model_flags(parser, random_init=False)
 
   data = parser.add_argument_group("test set (a built-in split, or --data)")
   data.add_argument(
@@ -81,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
   knobs = parser.add_argument_group(
     "decoding (defaults: the config's eval section; comma-separated values sweep every combination)"
   )
-  knobs.add_argument("--method", choices=adapters.METHODS, default="refusion")
+  knobs.add_argument("--method", choices=sorted(METHODS), default="refusion")
   knobs.add_argument(
     "--batch_size", type=int, help="rows decoded at once, by continuous batching (default: config eval.batch_size)."
   )
@@ -138,7 +135,7 @@ def read_config(spec: str) -> ml_collections.ConfigDict:
 
 def decode_settings(args: argparse.Namespace, config: ml_collections.ConfigDict) -> list[dict]:
   """Every combination of the chosen method's decoder arguments: the flags' values, else the config's eval settings."""
-  options = adapters.decode_options(args.method)
+  options = decoder_options(METHODS[args.method])
   grid = {}
   for name in options:
     values = getattr(args, name, None)
@@ -160,13 +157,15 @@ def load_examples(args: argparse.Namespace, config: ml_collections.ConfigDict) -
   if args.data:
     if not os.path.isfile(args.data):
       raise UsageError(f"--data {args.data!r} is not a file; pass a JSON list of query/response records.")
-    examples, source = adapters.json_examples(args.data), dict(file=os.path.abspath(args.data))
+    from refusion_jax.data.builders import read_query_response_json  # imports tensorflow-datasets: JSON only
+
+    examples, source = read_query_response_json(args.data), dict(file=os.path.abspath(args.data))
   else:
     data = config.data
     if data.dataset != "tasks":
       raise UsageError(f"--config {args.config} trains on data.dataset={data.dataset!r}; pass its test file as --data.")
     size = data.get(f"num_{args.split}")
-    examples = adapters.task_examples(args.split, size, seed=data.seed, task_names=data.tasks)
+    examples = generate_examples(args.split, size, seed=data.seed, tasks=tuple(data.tasks))
     source = dict(split=args.split, tasks=sorted(set(data.tasks)), seed=data.seed, split_size=size)
   if args.num_examples is not None:
     if args.num_examples < 1:
@@ -199,7 +198,8 @@ def evaluate(args: argparse.Namespace) -> list[dict]:
   if len(settings) > 1 and (args.out or args.label):
     raise UsageError(f"The flags sweep {len(settings)} decode settings: use --out_dir instead of --out / --label.")
   examples, source = load_examples(args, config)
-  model, tokenizer = adapters.load_checkpoint(args.checkpoint, args.step, args.tokenizer)
+  model, tokenizer = load(**model_request(args))
+  checkpoint = os.path.abspath(args.checkpoint or args.hf_checkpoint)
   batch_size = args.batch_size or config.eval.batch_size
   records = []
   for knobs in settings:
@@ -215,9 +215,9 @@ def evaluate(args: argparse.Namespace) -> list[dict]:
       progress=not args.no_progress,
     )
     record = dict(
-      model=args.model_name or os.path.basename(os.path.abspath(args.checkpoint)),
+      model=args.model_name or os.path.basename(checkpoint),
       label=args.label or default_label(args.method, knobs),
-      checkpoint=os.path.abspath(args.checkpoint),
+      checkpoint=checkpoint,
       step=args.step,
       method=args.method,
       knobs=knobs,
@@ -276,14 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   subcommand = _SUBCOMMANDS.get(argv[0]) if argv else None
   build, action = subcommand or (build_parser, evaluate)
-  try:
-    action(build().parse_args(argv[1:] if subcommand else argv))
-  except SystemExit as exit_:  # argparse has printed its message
-    return int(exit_.code or 0)
-  except (ValueError, FileNotFoundError) as error:
-    print(f"error: {error}", file=sys.stderr)
-    return 2
-  return 0
+  return run_argparse(build(), action, argv[1:] if subcommand else argv)
 
 
 if __name__ == "__main__":

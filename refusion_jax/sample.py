@@ -18,56 +18,15 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from refusion_jax.checkpoints.detect import FORMATS
 from refusion_jax.checkpoints.load import load
+from refusion_jax.cli import UsageError, add_model_flags, model_request, run_argparse
 from refusion_jax.data.tokenizer import Tokenizer
 from refusion_jax.decoding import defaults
 from refusion_jax.decoding.common import DecodeResult
 from refusion_jax.decoding.sampler import METHODS, Sampler, decoder_options
 from refusion_jax.decoding.trace_plot import format_trace_terminal, plot_trace
-from refusion_jax.model import config as config_lib
-
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-def add_model_flags(parser: argparse.ArgumentParser, random_init: bool = True) -> None:
-  """The flags `model_request` reads: where the model and tokenizer come from, and the dtype."""
-  source = parser.add_argument_group("model (exactly one)" if random_init else "trained model (optional)")
-  source.add_argument(
-    "--hf_checkpoint", metavar="DIR", help="Hugging Face checkpoint directory (config.json + safetensors)."
-  )
-  source.add_argument(
-    "--checkpoint",
-    metavar="PATH",
-    help="any checkpoint: a training workdir, a tunix or MaxText checkpoint (root, step or item folder), or a "
-    "Hugging Face directory; the format is detected (see --format).",
-  )
-  source.add_argument(
-    "--format", default="auto", choices=("auto", *FORMATS), help="with --checkpoint: its format (default: detect)."
-  )
-  source.add_argument(
-    "--model_config",
-    metavar="CONFIG",
-    help="with --checkpoint: the architecture (a preset name or a Hugging Face directory with config.json, whose "
-    "tokenizer is then used too); required for tunix and MaxText, which store none.",
-  )
-  source.add_argument("--step", type=int, help="with --checkpoint: the step to load (default: the latest).")
-  if random_init:
-    source.add_argument(
-      "--random_init",
-      metavar="PRESET",
-      choices=sorted(config_lib.PRESETS),
-      help="demo on a randomly initialised model of this preset with the byte tokenizer.",
-    )
-    source.add_argument("--init_seed", type=int, default=0, help="with --random_init: the weights' seed.")
-  parser.add_argument(
-    "--tokenizer",
-    help="'bytes' or a directory with tokenizer.json (default: the checkpoint's tokenizer; without one, "
-    "prompts must be --prompt_ids; 'bytes' with --random_init).",
-  )
-  parser.add_argument("--dtype", choices=DTYPES, help="activation and parameter dtype (default: as stored).")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,10 +92,6 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
-class UsageError(ValueError):
-  """Bad command-line input, reported without a traceback."""
-
-
 def _parse_ids(text: str) -> list[int]:
   try:
     return [int(piece) for piece in text.split(",") if piece.strip()]
@@ -144,32 +99,6 @@ def _parse_ids(text: str) -> list[int]:
     raise UsageError(
       f"--prompt_ids {text!r} is not a comma-separated list of integers, e.g. --prompt_ids 1,2,3."
     ) from None
-
-
-def model_request(args: argparse.Namespace) -> dict:
-  """The keyword arguments of `refusion_jax.checkpoints.load.load` that the model flags ask for."""
-  sources = {
-    "hf": getattr(args, "hf_checkpoint", None),
-    args.format: getattr(args, "checkpoint", None),
-    "preset": getattr(args, "random_init", None),
-  }
-  given = {format: source for format, source in sources.items() if source}
-  if len(given) != 1 or (args.hf_checkpoint and args.checkpoint):
-    raise UsageError("Give exactly one of --hf_checkpoint DIR, --checkpoint PATH or --random_init PRESET.")
-  if (args.step is not None or args.model_config) and not args.checkpoint:
-    raise UsageError("--step and --model_config only apply to --checkpoint.")
-  ((format, source),) = given.items()
-  if format == "hf" and not os.path.isdir(source):
-    raise UsageError(f"--hf_checkpoint {source!r} is not a directory.")
-  return dict(
-    source=source,
-    format=format,
-    config=args.model_config,
-    step=args.step,
-    tokenizer=args.tokenizer,
-    dtype=args.dtype,
-    seed=getattr(args, "init_seed", 0),
-  )
 
 
 def decode_kwargs(args: argparse.Namespace) -> dict:
@@ -221,23 +150,9 @@ def run(args: argparse.Namespace) -> None:
   report(result, shown, answers, args, tokenizer)
 
 
-def run_main(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], None], argv) -> int:
-  """Parse `argv` and `run`; bad input (or a checkpoint we cannot read) is one line on stderr and status 2."""
-  try:
-    args = parser.parse_args(argv)
-  except SystemExit as exit_:  # argparse has printed its message
-    return int(exit_.code or 0)
-  try:
-    run(args)
-  except (ValueError, FileNotFoundError, NotImplementedError) as error:
-    print(f"error: {error}", file=sys.stderr)
-    return 2
-  return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
   """Entry point; returns the exit status (2 on bad input)."""
-  return run_main(build_parser(), run, argv)
+  return run_argparse(build_parser(), run, argv)
 
 
 if __name__ == "__main__":

@@ -18,13 +18,16 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from refusion_jax.checkpoints.orbax import CheckpointDamagedError, CheckpointMismatchError, CheckpointSaveError
+from refusion_jax.cli import BAD_INPUT, report_errors
 from refusion_jax.data.pipeline import DataError
 from refusion_jax.training.interrupts import RunInterrupted
 from refusion_jax.training.loop import NonFiniteLossError, train_and_evaluate
+from refusion_jax.training.run_config import RENAMED_FIELDS
 from refusion_jax.training.run_lock import WorkdirLockedError
 
-# Failures the run explains itself: their message is the report, a traceback would only bury it.
+# Failures the run explains itself: their message is the report (exit status 1), a traceback would only bury it.
 _REPORTED = (
+  *BAD_INPUT,
   NonFiniteLossError,
   RunInterrupted,
   DataError,
@@ -52,22 +55,31 @@ def main(argv: Sequence[str]) -> None:
     logging.set_verbosity(logging.WARNING)  # orbax and grain log every save at INFO
   if os.environ.get("REFUSION_DISTRIBUTED"):
     initialize_distributed()
-  try:
-    result = train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
-  except _REPORTED as error:
-    _exit(f"error: {error}", 1)
-  if result.stopped_by == "preempted":
-    _exit("", 0)
+
+  def train() -> None:
+    if train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir).stopped_by == "preempted":
+      _exit(0)
+
+  status = report_errors(train, errors=_REPORTED, status=1)
+  if status:
+    _exit(status)
 
 
-def _exit(message: str, status: int) -> None:
-  """Print `message` and end the process now.
+def refuse_renamed_flags(argv: Sequence[str]) -> None:
+  """Exit with status 2 naming the replacement when `argv` overrides a config field that was renamed."""
+  for arg in argv:
+    field = arg.removeprefix("--config.").split("=")[0]
+    if arg.startswith("--config.") and field in RENAMED_FIELDS:
+      print(f"error: --config.{field} was replaced by {RENAMED_FIELDS[field]}.", file=sys.stderr)
+      sys.exit(2)
+
+
+def _exit(status: int) -> None:
+  """End the process now.
 
   A stopped run may leave data-reader threads busy (grain's prefetch keeps
   filtering); their work is moot, and waiting for them would delay the exit.
   """
-  if message:
-    print(message, file=sys.stderr)
   sys.stdout.flush()
   sys.stderr.flush()
   logging.flush()
@@ -75,6 +87,7 @@ def _exit(message: str, status: int) -> None:
 
 
 if __name__ == "__main__":
+  refuse_renamed_flags(sys.argv[1:])
   # Flags are defined only when run as a program, so importing this module stays side-effect free.
   config_flags.DEFINE_config_file("config", None, "Training config file (see configs/).", lock_config=True)
   flags.DEFINE_string("workdir", None, "Directory for checkpoints, TensorBoard events and the built data.")

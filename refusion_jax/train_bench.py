@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 
@@ -23,8 +24,9 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from refusion_jax.checkpoints.orbax import abstract_model
+from refusion_jax.cli import report_errors
 from refusion_jax.data.tokenizer import load_tokenizer
+from refusion_jax.model.transformer import abstract_model
 from refusion_jax.parallel import sharding
 from refusion_jax.training import state as train_state
 from refusion_jax.training.run_config import model_config_from, objective_config_from
@@ -77,8 +79,15 @@ def time_objectives(config: ml_collections.ConfigDict, objectives: list[str], st
 
 
 def main(argv: Sequence[str]) -> None:
-  del argv
-  config, objectives, steps = flags.FLAGS.config, flags.FLAGS.objectives, flags.FLAGS.steps
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  status = report_errors(lambda: report(flags.FLAGS.config, flags.FLAGS.objectives, flags.FLAGS.steps))
+  if status:
+    sys.exit(status)
+
+
+def report(config: ml_collections.ConfigDict, objectives: list[str], steps: int) -> None:
+  """Time the objectives' steps and print one line per objective with its ratio to the first."""
   times = time_objectives(config, objectives, steps)
   reference = objectives[0]
   print(

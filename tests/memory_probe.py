@@ -93,7 +93,7 @@ def _status(field: str) -> int:
 def load(directory: str) -> dict:
   from flax import nnx
 
-  from refusion_jax.checkpoints.load import load_checkpoint
+  from refusion_jax.checkpoints.load import load_model
   from refusion_jax.model.config import ModelConfig
 
   config = ModelConfig(**json.loads((__import__("pathlib").Path(directory) / "probe_config.json").read_text()))
@@ -101,7 +101,7 @@ def load(directory: str) -> dict:
   before = _status("VmRSS")
   with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # reset VmHWM to the current resident size
-  model = load_checkpoint(directory, config=config)
+  model = load_model(directory, config=config)
   arrays = [variable.get_value() for _, variable in nnx.to_flat_state(nnx.state(model))]
   jax.block_until_ready(arrays)
   peak = _status("VmHWM")

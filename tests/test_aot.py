@@ -14,9 +14,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from refusion_jax.aot import train_advice
 from refusion_jax.model.config import tiny
-from refusion_jax.parallel import aot
+from refusion_jax.parallel import compiled
 from refusion_jax.parallel.activations import activation_sharding, constrain
-from refusion_jax.parallel.sharding import check_microbatches, make_mesh
+from refusion_jax.parallel.sharding import check_batch_split, make_mesh
 from refusion_jax.training.config_file import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,11 +40,11 @@ _SCALING = textwrap.dedent("""
     jax.config.update("jax_default_matmul_precision", "highest")
     import numpy as np
     from refusion_jax import aot as entry
-    from refusion_jax.parallel import aot, sharding
+    from refusion_jax.parallel import compiled, sharding
     from refusion_jax.parallel.activations import sharded_activations
     from refusion_jax.training import loop as train
     from refusion_jax.training.config_file import load_config
-    from refusion_jax.checkpoints.orbax import abstract_model
+    from refusion_jax.model.transformer import abstract_model
 
     config = load_config("configs/demo.py", "smoke")
     config.model.update(vocab_size=1024, num_kv_heads=2, remat=True)
@@ -115,19 +115,19 @@ def test_aot_cli_reports_memory_and_exits_1_saying_what_does_not_fit():
 def test_train_advice_names_the_knobs():
   config = load_config(os.path.join(REPO, "configs/demo.py"))
   config.batch_size, config.grad_accum_steps, config.data.seq_len = 64, 1, 4096
-  chip = aot.Chip("test", 10e9, 1e12, 1e11)
-  report = aot.Report("train", 8, chip, arguments=2e9, outputs=2e9, aliased=2e9, temporaries=30e9)
+  chip = compiled.Chip("test", 10e9, 1e12, 1e11)
+  report = compiled.Report("train", 8, chip, arguments=2e9, outputs=2e9, aliased=2e9, temporaries=30e9)
   advice = " ".join(train_advice(report, config, tiny(), ways=8))
   assert "remat=True" in advice and "attention_impl=chunked" in advice
   # 30 GB of activations into the 7 GB left after the state: 5 microbatches, rounded to a divisor of 8 rows.
   assert "grad_accum_steps to 8" in advice
   assert (
-    train_advice(aot.Report("train", 8, chip, arguments=1, outputs=1, aliased=1, temporaries=1), config, tiny(), 8)
+    train_advice(compiled.Report("train", 8, chip, arguments=1, outputs=1, aliased=1, temporaries=1), config, tiny(), 8)
     == []
   )
   mesh = make_mesh({"data": 1}, jax.devices()[:1])
   with pytest.raises(ValueError, match="grad_accum_steps=3"):
-    check_microbatches(64, 3, mesh)
+    check_batch_split(64, 3, mesh)
 
 
 def test_out_of_memory_compile_becomes_a_report_that_does_not_fit():
@@ -141,10 +141,10 @@ def test_out_of_memory_compile_becomes_a_report_that_does_not_fit():
   def lower():
     raise RuntimeError(message)
 
-  report = aot.compile_report("step", lower, (state,), list(mesh.devices.flat), aot.CHIPS["TPU v5"])
+  report = compiled.compile_report("step", lower, (state,), list(mesh.devices.flat), compiled.CHIPS["TPU v5"])
   assert report.fits is False and report.arguments == 1_000_000
-  assert report.total == 1_000_000 + 128 * aot.GIB
-  assert "| 0.001 | – | >= 137 | >= 137 | 103 | NO |" in aot.format_table([report])
+  assert report.total == 1_000_000 + 128 * compiled.GIB
+  assert "| 0.001 | – | >= 137 | >= 137 | 103 | NO |" in compiled.format_table([report])
 
 
 def test_constraints_are_the_identity_without_a_mesh_and_skip_axes_that_do_not_divide():

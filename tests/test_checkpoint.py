@@ -13,16 +13,18 @@ import pytest
 from flax import nnx
 from train_utils import REPO, smoke_config
 
-from refusion_jax.checkpoints.orbax import Checkpoints, abstract_model, load_model_from_checkpoint, model_meta
+from refusion_jax.checkpoints.load import load
+from refusion_jax.checkpoints.orbax import Checkpoints, model_meta
+from refusion_jax.data.tokenizer import ByteTokenizer
 from refusion_jax.model.config import tiny
-from refusion_jax.model.transformer import init_model
+from refusion_jax.model.transformer import abstract_model, init_model
 from refusion_jax.training import loop as train
 
 pytestmark = pytest.mark.usefixtures("compilation_cache")
 
 
 def _params_of(workdir: str) -> dict:
-  model, _ = load_model_from_checkpoint(workdir)
+  model, _ = load(workdir)
   return {path: np.asarray(v) for path, v in nnx.to_flat_state(nnx.state(model))}
 
 
@@ -119,11 +121,11 @@ def test_restore_returns_params_and_moves_the_data_iterator(tmp_path):
   assert restored.meta["tokenizer"] == "bytes"
 
 
-def test_load_model_from_checkpoint_rebuilds_the_model(tmp_path):
+def test_load_rebuilds_the_model_and_its_tokenizer_from_a_run(tmp_path):
   model_config = tiny(vocab_size=64, num_layers=3)
   original = _tiny_checkpoint(str(tmp_path), model_config)
-  model, tokenizer = load_model_from_checkpoint(str(tmp_path))
-  assert model.config == model_config and tokenizer == "bytes"
+  model, tokenizer = load(str(tmp_path))
+  assert model.config == model_config and isinstance(tokenizer, ByteTokenizer)
   tokens = np.random.default_rng(8).integers(0, 64, (2, 5))
   np.testing.assert_array_equal(np.asarray(model(tokens)[0]), np.asarray(original(tokens)[0]))
 
@@ -171,5 +173,5 @@ def test_url_workdirs_are_refused_before_anything_is_written(tmp_path, monkeypat
   with pytest.raises(ValueError, match="'gs://bucket/run' is a URL.*gcsfuse"):
     train.train_and_evaluate(smoke_config(str(tmp_path / "data")), "gs://bucket/run")
   with pytest.raises(ValueError, match="is a URL"):
-    load_model_from_checkpoint("gs://bucket/run")
+    load("gs://bucket/run")
   assert os.listdir(tmp_path) == []

@@ -23,14 +23,15 @@ from train_utils import smoke_config
 from tunix_layout import save_tunix_layout
 
 from refusion_jax import convert, sample
-from refusion_jax.checkpoints.hf import config_to_hf, load_hf, save_hf
-from refusion_jax.checkpoints.load import inspect_checkpoint, load, load_checkpoint
+from refusion_jax.checkpoints.hf import config_to_hf, save_hf
+from refusion_jax.checkpoints.load import inspect_checkpoint, load, load_model
 from refusion_jax.convert import write_refusion
 from refusion_jax.data.tokenizer import ByteTokenizer
 from refusion_jax.decoding.ar import ar_generate
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import init_model
-from refusion_jax.training.loop import model_config_from, train_and_evaluate
+from refusion_jax.training.loop import train_and_evaluate
+from refusion_jax.training.run_config import model_config_from
 
 REPO = str(pathlib.Path(__file__).parent.parent)
 TUNIX = pathlib.Path(__file__).parent / "fixtures" / "tunix"
@@ -65,7 +66,7 @@ def test_tunix_checkpoint_reproduces_tunix_logits(family, where):
     "step folder": TUNIX / family / "3",
     "item folder": TUNIX / family / "3" / "model_params",
   }
-  model = load_checkpoint(str(path[where]), config=config)
+  model = load_model(str(path[where]), config=config)
   ratio = relative_error(_logits(model, reference["tokens"], reference["positions"]), reference["logits"])
   print(f"\n[tunix parity] {family} ({where}): max|diff| / max|logit| = {ratio:.2e}")
   assert ratio <= TOLERANCE
@@ -74,12 +75,12 @@ def test_tunix_checkpoint_reproduces_tunix_logits(family, where):
 
 def test_tunix_without_a_config_asks_for_one():
   with pytest.raises(ValueError, match="does not store the model's config.*pass config="):
-    load_checkpoint(str(TUNIX / "qwen3"))
+    load_model(str(TUNIX / "qwen3"))
 
 
 def test_lora_only_tunix_checkpoint_is_refused_saying_so():
   with pytest.raises(ValueError, match=r"LoRA-only \(saved with save_only_lora_params=True\).*w_lora_a"):
-    load_checkpoint(str(TUNIX / "lora"), config=_tunix("qwen3")[0])
+    load_model(str(TUNIX / "lora"), config=_tunix("qwen3")[0])
 
 
 @pytest.mark.parametrize(
@@ -94,12 +95,12 @@ def test_lora_only_tunix_checkpoint_is_refused_saying_so():
 def test_config_that_disagrees_with_the_arrays_is_refused_naming_the_field(changes, message):
   config, _ = _tunix("qwen3")
   with pytest.raises(ValueError, match=message):
-    load_checkpoint(str(TUNIX / "qwen3"), config=config.replace(**changes))
+    load_model(str(TUNIX / "qwen3"), config=config.replace(**changes))
 
 
 def test_format_asked_for_must_be_the_one_found():
   with pytest.raises(ValueError, match="format='maxtext' was asked for.*tunix checkpoint"):
-    load_checkpoint(str(TUNIX / "qwen3"), format="maxtext", config="tiny")
+    load_model(str(TUNIX / "qwen3"), format="maxtext", config="tiny")
 
 
 def test_inspect_reports_format_arrays_and_inferred_fields():
@@ -153,11 +154,11 @@ def _maxtext_case(tmp_path, case, **writer):
 @pytest.mark.parametrize("case", sorted(MAXTEXT_CASES))
 def test_maxtext_checkpoint_matches_our_reference_and_transformers(case, tmp_path):
   hf_model = _maxtext_case(tmp_path, case)
-  model = load_checkpoint(str(tmp_path / "maxtext"), config=str(tmp_path / "hf"))
+  model = load_model(str(tmp_path / "maxtext"), config=str(tmp_path / "hf"))
   tokens = _random_tokens()
   positions = np.random.default_rng().integers(0, 1500, (2, 1)) + np.arange(tokens.shape[1])
   ours = _logits(model, tokens, positions)
-  reference = _logits(load_hf(tmp_path / "hf"), tokens, positions)
+  reference = _logits(load_model(tmp_path / "hf"), tokens, positions)
   ratio = relative_error(ours, reference)
   print(f"\n[maxtext parity] {case}: vs our HF load {ratio:.2e}", end="")
   assert ratio <= TOLERANCE
@@ -175,7 +176,7 @@ def test_maxtext_checkpoint_matches_our_reference_and_transformers(case, tmp_pat
 def test_maxtext_scan_axis_that_does_not_match_is_named(tmp_path):
   _maxtext_case(tmp_path, "qwen3_scanned_padded_vocab", scan_axis=0)
   with pytest.raises(ValueError, match=r"layer axis at param_scan_axis=1.*embedding width is 32"):
-    load_checkpoint(str(tmp_path / "maxtext"), config=str(tmp_path / "hf"))
+    load_model(str(tmp_path / "maxtext"), config=str(tmp_path / "hf"))
 
 
 def test_missing_and_unexpected_arrays_are_named_by_their_stored_name(tmp_path):
@@ -184,13 +185,13 @@ def test_missing_and_unexpected_arrays_are_named_by_their_stored_name(tmp_path):
   del params["decoder"]["layers_1"]["mlp"]["wo"]
   save_maxtext(tmp_path / "missing", params)
   with pytest.raises(ValueError, match=r"lacks 1 tensors.*params\.params\.decoder\.layers_1\.mlp\.wo\.kernel"):
-    load_checkpoint(str(tmp_path / "missing"), config=str(tmp_path / "hf"))
+    load_model(str(tmp_path / "missing"), config=str(tmp_path / "hf"))
 
   params = maxtext_params(hf_model, scanned=False)
   params["decoder"]["layers_0"]["mlp"]["wi_2"] = {"kernel": np.ones((32, 48), np.float32)}
   save_maxtext(tmp_path / "extra", params)
   with pytest.raises(ValueError, match=r"params\.params\.decoder\.layers_0\.mlp\.wi_2\.kernel has no counterpart"):
-    load_checkpoint(str(tmp_path / "extra"), config=str(tmp_path / "hf"))
+    load_model(str(tmp_path / "extra"), config=str(tmp_path / "hf"))
 
 
 def test_inspect_reads_maxtext_without_its_optimizer_state(tmp_path):
@@ -247,7 +248,7 @@ _ON_A_MESH = textwrap.dedent("""
     jax.config.update("jax_default_matmul_precision", "highest")
     import numpy as np
     from flax import nnx
-    from refusion_jax.checkpoints.load import load_checkpoint
+    from refusion_jax.checkpoints.load import load_model
     from refusion_jax.model.config import ModelConfig
     from refusion_jax.model.transformer import abstract_model
     from refusion_jax.parallel import sharding
@@ -260,8 +261,8 @@ _ON_A_MESH = textwrap.dedent("""
       config = case["config"] if not isinstance(case["config"], dict) else ModelConfig(**case["config"])
       reference = np.load(case["reference"])
       tokens, positions = reference["tokens"], reference["positions"].astype(np.int32)
-      single = load_checkpoint(case["path"], config=config)
-      sharded = load_checkpoint(case["path"], config=config, mesh=mesh)
+      single = load_model(case["path"], config=config)
+      sharded = load_model(case["path"], config=config, mesh=mesh)
       expected = sharding.state_shardings(abstract_model(single.config)[1], mesh)
       misplaced = [
         ".".join(map(str, path)) for (path, var), (_, want) in zip(
@@ -300,7 +301,7 @@ def _mesh_case(tmp_path, fmt: str, family: str, tokens, positions) -> dict:
     save_maxtext(path, maxtext_params(hf_model, scanned=scanned, padded_vocab=padded))
     case.update(path=str(path), config=str(hf_dir))
   elif fmt == "refusion":
-    write_refusion(load_hf(hf_dir), str(path), step=1, tokenizer=None)
+    write_refusion(load_model(hf_dir), str(path), step=1, tokenizer=None)
     case.update(path=str(path))
   return case
 
@@ -374,7 +375,7 @@ def test_sample_cli_decodes_from_a_tunix_checkpoint(tmp_path, capsys):
   argv = ["--checkpoint", TUNIX / "qwen3", "--model_config", tmp_path / "config", "--prompt_ids", "5,9,2"]
   assert sample.main([str(a) for a in [*argv, "--method", "ar", "--gen_length", 6, "--json"]]) == 0
   tokens = json.loads(capsys.readouterr().out)["tokens"]
-  model = load_checkpoint(str(TUNIX / "qwen3"), config=config)
+  model = load_model(str(TUNIX / "qwen3"), config=config)
   assert tokens == ar_generate(model, [[5, 9, 2]], gen_length=6, eos_id=47, pad_id=46).tokens[0]
   assert sample.main([str(a) for a in argv[:2] + ["--prompt_ids", "5"]]) == 2
   assert "does not store the model's config" in capsys.readouterr().err

@@ -61,7 +61,7 @@ def test_task_batches_never_mix_tasks_and_cover_every_example():
 def test_timed_decode_reruns_only_calls_that_compiled(monkeypatch, repeats):
   compiled = [0]
   calls = []
-  monkeypatch.setattr(runner.adapters, "compile_count", lambda: compiled[0])
+  monkeypatch.setattr(runner, "compile_count", lambda: compiled[0])
 
   def call(compiles: bool):
     calls.append(compiles)

@@ -16,14 +16,10 @@ import orbax.checkpoint as ocp
 import pytest
 from train_utils import REPO, smoke_config
 
-from refusion_jax.checkpoints.orbax import (
-  CheckpointDamagedError,
-  Checkpoints,
-  CheckpointSaveError,
-  load_model_from_checkpoint,
-)
+from refusion_jax.checkpoints.load import load
+from refusion_jax.checkpoints.orbax import CheckpointDamagedError, Checkpoints, CheckpointSaveError
 from refusion_jax.data.pipeline import DataError
-from refusion_jax.training import loop, run_lock
+from refusion_jax.training import inputs, loop, run_lock, start
 from refusion_jax.training.interrupts import RunInterrupted
 
 pytestmark = pytest.mark.usefixtures("compilation_cache")
@@ -72,13 +68,13 @@ class _StallingIterator:
 
 
 def _stall_training_data(monkeypatch, after: int, signum: int = signal.SIGTERM):
-  real = loop.batches
+  real = inputs.batches
 
   def batches(source, tokenizer, config, *, train):
     dataset = real(source, tokenizer, config, train=train)
     return _Stalling(dataset, after, signum) if train else dataset
 
-  monkeypatch.setattr(loop, "batches", batches)
+  monkeypatch.setattr(inputs, "batches", batches)
 
 
 def test_sigterm_while_waiting_for_data_saves_the_last_step(tmp_path, data_dir, monkeypatch, capsys):
@@ -355,7 +351,7 @@ def test_damaged_newest_step_is_set_aside_and_the_run_resumes_from_the_one_befor
   assert "Checkpoint step 4 in" in out and "could not be read" in out and "Resumed from" in out
   # Resumed exactly from step 2: steps 3 and 4 repeat the first run's losses bit for bit.
   assert result.losses == {s: trained_workdir[1][s] for s in (3, 4)}
-  moved = os.path.join(workdir, loop.DAMAGED_SUBDIR, "4")
+  moved = os.path.join(workdir, start.DAMAGED_SUBDIR, "4")
   assert os.path.isdir(os.path.join(moved, "params"))  # kept, not deleted
   assert _steps(workdir) == [2, 4]  # step 4 written anew
 
@@ -375,7 +371,7 @@ def test_every_step_damaged_never_starts_from_scratch(trained_workdir, tmp_path,
   for _ in range(2):  # the second attempt finds only the set-aside steps, and still refuses
     with pytest.raises(CheckpointDamagedError, match="refusing to start from scratch"):
       loop.train_and_evaluate(config, workdir)
-  assert sorted(os.listdir(os.path.join(workdir, loop.DAMAGED_SUBDIR))) == ["2", "4"]
+  assert sorted(os.listdir(os.path.join(workdir, start.DAMAGED_SUBDIR))) == ["2", "4"]
   assert _steps(workdir) == []
 
 
@@ -404,6 +400,6 @@ def test_failing_writer_keeps_the_last_good_checkpoint_and_stops(tmp_path, data_
     loop.train_and_evaluate(config, str(tmp_path))
   monkeypatch.undo()
   assert _steps(str(tmp_path)) == [2]
-  model, _ = load_model_from_checkpoint(str(tmp_path))  # readable
+  model, _ = load(str(tmp_path))  # readable
   assert model.config.num_layers == config.model.num_layers
   assert not os.path.exists(os.path.join(tmp_path, run_lock.LOCK_NAME))

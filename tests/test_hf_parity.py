@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hf_utils import assert_logits_close, hf_logits, relative_error, save_tiny_hf_model
 
-from refusion_jax.checkpoints.hf import load_hf
+from refusion_jax.checkpoints.load import load_model
 
 TOLERANCE = 1e-4
 
@@ -81,7 +81,7 @@ CASES = {
 def test_logits_match_transformers(case, tmp_path):
   family, fields = CASES[case]
   hf_model = save_tiny_hf_model(tmp_path, family, seed=len(case), **fields)
-  model = load_hf(tmp_path)
+  model = load_model(tmp_path)
 
   rng = np.random.default_rng(len(case))
   batch, length = 2, 17

@@ -7,8 +7,7 @@ import pytest
 from fake_devices import run_json
 from train_utils import smoke_config
 
-from refusion_jax.parallel.sharding import make_mesh
-from refusion_jax.training import loop as train
+from refusion_jax.parallel.sharding import check_batch_split, make_mesh
 
 _SHARDS = textwrap.dedent("""
     import json, os
@@ -39,7 +38,7 @@ def test_microbatches_are_split_evenly_over_devices():
 def test_microbatches_that_do_not_split_over_the_devices_are_refused(data_dir):
   config = smoke_config(data_dir, batch_size=8, grad_accum_steps=4)
   mesh = make_mesh({"data": 1}, jax.devices()[:1])
-  train._check_batch_size(config, mesh)  # one device: 8 rows, 4 microbatches of 2
+  check_batch_split(config.batch_size, config.grad_accum_steps, mesh)  # one device: 8 rows, 4 microbatches of 2
   mesh = type("FakeMesh", (), {"shape": {"data": 4, "fsdp": 1, "tensor": 1}})()
-  with pytest.raises(ValueError, match=r"batch_size=8 .*grad_accum_steps=4 .*4 batch-parallel"):
-    train._check_batch_size(config, mesh)
+  with pytest.raises(ValueError, match=r"batch_size=8 .*grad_accum_steps=4 times the 4 batch-parallel"):
+    check_batch_split(config.batch_size, config.grad_accum_steps, mesh)

@@ -9,9 +9,21 @@ import refusion_jax as rj
 LIBRARY_PACKAGES = ("model", "checkpoints", "decoding", "training", "evaluation", "data", "parallel")
 
 
+ENTRY_POINTS = ("train", "sample", "bench", "train_bench", "eval", "aot", "convert")
+
+
 @pytest.mark.parametrize("name", rj.__all__)
-def test_every_exported_name_resolves(name):
-  assert getattr(rj, name) is not None
+def test_every_exported_name_is_the_object_its_module_defines(name):
+  exported = getattr(rj, name)
+  module = importlib.import_module(rj._EXPORTS[name])
+  assert exported is getattr(module, name)
+  assert callable(exported) and exported.__module__.startswith("refusion_jax.")
+
+
+@pytest.mark.parametrize("old", ["load_checkpoint", "load_hf"])
+def test_renamed_names_say_what_replaced_them(old):
+  with pytest.raises(AttributeError, match=rf"refusion_jax.{old} was renamed: use refusion_jax.load_model"):
+    getattr(rj, old)
 
 
 def test_internals_are_not_exported():
@@ -49,6 +61,22 @@ def test_imports_run_one_way():
           offenders.append(f"{package}/{path.name} imports refusion_jax.{target}")
   assert not offenders, offenders
   assert set(ALLOWED_IMPORTS) == set(LIBRARY_PACKAGES)
+
+
+def test_no_module_imports_an_entry_point():
+  import pathlib
+  import re
+
+  root = pathlib.Path(rj.__file__).parent
+  names = "|".join(ENTRY_POINTS)
+  pattern = re.compile(rf"(?:from|import) refusion_jax\.({names})\b|from refusion_jax import .*\b({names})\b")
+  offenders = [
+    f"{path.relative_to(root)} imports refusion_jax.{match.group(1) or match.group(2)}"
+    for path in root.rglob("*.py")
+    for match in pattern.finditer(path.read_text(encoding="utf-8"))
+  ]
+  assert not offenders, offenders
+  assert {p.stem for p in root.glob("*.py")} == {"__init__", "cli", *ENTRY_POINTS}
 
 
 def test_sub_packages_import_on_their_own():

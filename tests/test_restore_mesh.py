@@ -16,7 +16,7 @@ _MOVE_MESH = textwrap.dedent("""
     import numpy as np
     from flax import nnx
     import refusion_jax as rj
-    from refusion_jax.checkpoints.orbax import load_model_from_checkpoint
+    from refusion_jax.checkpoints.load import load
     from refusion_jax.training import loop as train
     from refusion_jax.training.config_file import load_config
 
@@ -34,7 +34,7 @@ _MOVE_MESH = textwrap.dedent("""
     moved = run("moved", {"data": 8}, stop_after_step=2)  # saved at step 2 on data=8
     moved.update(run("moved", {"fsdp": 2, "tensor": 4}))  # resumed on fsdp=2 x tensor=4
     straight = run("straight", {"data": 8})
-    model, _ = load_model_from_checkpoint(os.path.join(root, "moved"))  # onto one device
+    model, _ = load(os.path.join(root, "moved"))  # onto one device
     leaves = jax.tree.leaves(nnx.state(model))
     prompts = [[5, 6, 7], [8, 9]]
     kwargs = dict(gen_length=8, slot_size=4, serial_blocks=1, slot_threshold=0.5, token_threshold=0.3)

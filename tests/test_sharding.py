@@ -60,7 +60,7 @@ _SHARDED_VS_SINGLE = textwrap.dedent("""
     from flax import nnx
     from refusion_jax.parallel import sharding
     from refusion_jax.training import state as train
-    from refusion_jax.checkpoints.orbax import abstract_model
+    from refusion_jax.model.transformer import abstract_model
     from refusion_jax.model.config import tiny
     from refusion_jax.training.objective import ObjectiveConfig
 

@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -10,14 +12,14 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from train_utils import load_config, smoke_config, write_hf_checkpoint
+from train_utils import REPO, load_config, smoke_config, write_hf_checkpoint
 
-from refusion_jax.checkpoints import hf as hf_io
-from refusion_jax.checkpoints.orbax import Checkpoints, abstract_model, load_model_from_checkpoint
+from refusion_jax.checkpoints.load import load, load_model
+from refusion_jax.checkpoints.orbax import Checkpoints
 from refusion_jax.checkpoints.vocab import resize_vocab
 from refusion_jax.data.tokenizer import load_tokenizer
 from refusion_jax.model.config import preset, tiny
-from refusion_jax.model.transformer import init_model
+from refusion_jax.model.transformer import abstract_model, init_model
 from refusion_jax.parallel.sharding import LOGICAL_AXIS_RULES, make_mesh
 from refusion_jax.training import loop as train
 from refusion_jax.training import run_config
@@ -76,7 +78,7 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, dat
   with Checkpoints(str(tmp_path / "checkpoints")) as checkpoints:
     assert checkpoints.all_steps()[-1] == bad_step - 1  # nothing at or after the bad step
   assert not (tmp_path / "checkpoints" / str(bad_step)).exists()
-  model, _ = load_model_from_checkpoint(str(tmp_path))  # intact and readable
+  model, _ = load(str(tmp_path))  # intact and readable
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(nnx.state(model)))
 
 
@@ -135,11 +137,11 @@ def test_resize_vocab_keeps_old_rows_and_starts_new_rows_near_the_mean():
   assert float(jnp.std(embed[50:] - old.mean(0))) > 0  # the new rows are not identical
 
 
-def test_init_from_hf_adds_a_mask_token_and_resizes_the_embeddings(tmp_path, data_dir):
+def test_init_from_a_hf_checkpoint_adds_a_mask_token_and_resizes_the_embeddings(tmp_path, data_dir):
   hf_dir = str(tmp_path / "hf")
   vocab = write_hf_checkpoint(hf_dir)
-  hf_embed = np.asarray(hf_io.load_hf(hf_dir).embed_tokens.get_value())
-  config = smoke_config(data_dir, num_train_steps=1, eval_every=0, init_from_hf=hf_dir, vocab_multiple=8)
+  hf_embed = np.asarray(load_model(hf_dir).embed_tokens.get_value())
+  config = smoke_config(data_dir, num_train_steps=1, eval_every=0, init_from=hf_dir, vocab_multiple=8)
   config.model = ml_collections.ConfigDict(
     dict(preset="tiny", vocab_size=vocab, tie_embeddings=False)
   )  # the checkpoint
@@ -147,13 +149,12 @@ def test_init_from_hf_adds_a_mask_token_and_resizes_the_embeddings(tmp_path, dat
   result = train.train_and_evaluate(config, str(tmp_path / "run"))
   assert result.step == 1
 
-  model, tokenizer_path = load_model_from_checkpoint(str(tmp_path / "run"))
+  model, tokenizer = load(str(tmp_path / "run"))
   new_vocab = -(-(vocab + 1) // 8) * 8
   assert model.config.vocab_size == new_vocab and model.config.mask_token_id == vocab
   assert model.lm_head.get_value().shape == (model.config.hidden_size, new_vocab)
   embed = np.asarray(model.embed_tokens.get_value())
   np.testing.assert_allclose(embed[:vocab], hf_embed, atol=1e-4)
-  tokenizer = load_tokenizer(tokenizer_path)
   assert tokenizer.mask_id == vocab
   assert tokenizer.encode("add: 1+2") == load_tokenizer(hf_dir).encode("add: 1+2")
 
@@ -189,7 +190,7 @@ def test_parameter_without_a_decay_role_is_named():
 
 def test_recipe_config_names_its_missing_fields(tmp_path):
   config = load_config("refusion_qwen3_8b", "")
-  with pytest.raises(ValueError, match=r"config.init_from_hf .*; config.data.train_files") as error:
+  with pytest.raises(ValueError, match=r"config.init_from .*; config.data.train_files") as error:
     train.train_and_evaluate(config, str(tmp_path))
   assert "Unknown tokenizer" not in str(error.value)
 
@@ -216,7 +217,7 @@ def test_recipe_smoke_variant_fine_tunes_a_small_checkpoint_on_json_data(tmp_pat
   for split, chunk in (("train", records[:16]), ("validation", records[16:])):
     (tmp_path / f"{split}.json").write_text(json.dumps(chunk))
   config = load_config("refusion_qwen3_8b")  # :smoke
-  config.init_from_hf = hf_dir
+  config.init_from = hf_dir
   config.data.update(
     data_dir=str(tmp_path / "data"),
     train_files=str(tmp_path / "train.json"),
@@ -243,3 +244,29 @@ def test_execution_fields_of_the_config_apply_to_whatever_checkpoint_the_run_sta
   ran = run_as_configured(saved, config.model)
   assert (ran.attention_impl, ran.attention_chunk, ran.remat) == ("chunked", 256, True)
   assert ran.replace(attention_impl="xla", attention_chunk=saved.attention_chunk, remat=False) == saved
+
+
+def test_start_fields_of_earlier_versions_are_refused_naming_their_replacement(tmp_path, data_dir):
+  for old in ("init_from_hf", "init_from_checkpoint"):
+    config = smoke_config(data_dir)
+    config[old] = str(tmp_path / "somewhere")
+    with pytest.raises(ValueError, match=rf"config.{old} was replaced by config.init_from"):
+      train.train_and_evaluate(config, str(tmp_path / old))
+  command = [sys.executable, "-m", "refusion_jax.train", "--config=configs/demo.py:smoke", f"--workdir={tmp_path}"]
+  out = subprocess.run(
+    [*command, "--config.init_from_hf=/models/Qwen3-8B"],
+    cwd=REPO,
+    env=dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu"),
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert out.returncode == 2 and "--config.init_from_hf was replaced by config.init_from" in out.stderr
+
+
+def test_init_format_that_does_not_match_the_checkpoint_is_refused(tmp_path, data_dir):
+  hf_dir = str(tmp_path / "hf")
+  write_hf_checkpoint(hf_dir)
+  config = smoke_config(data_dir, init_from=hf_dir, init_format="tunix")
+  with pytest.raises(ValueError, match=r"format='tunix' was asked for, but .* holds a Hugging Face checkpoint"):
+    train.train_and_evaluate(config, str(tmp_path / "run"))

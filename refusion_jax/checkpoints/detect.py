@@ -105,7 +105,10 @@ def detect(path: str, step: int | None = None) -> Found:
   """
   path = refusion.local_path(path)
   if not os.path.exists(path):
-    raise FileNotFoundError(f"No checkpoint directory at {path!r}.")
+    raise FileNotFoundError(
+      f"No checkpoint directory at {path!r}: it does not exist. Pass a training workdir, a Hugging Face directory "
+      "or a tunix / MaxText checkpoint."
+    )
   if _is_hf(path):
     if step is not None:
       raise ValueError(f"step={step} was given, but {path} is a Hugging Face checkpoint, which has no steps.")

@@ -5,11 +5,12 @@ parameter, what its axes mean and how its layout changes. Loading reads the
 table from the Hugging Face side, saving from ours, so the two directions
 cannot drift.
 
-Loading never holds two copies of the model: the module is built abstractly
-and its parameters are filled one tensor at a time, each placed straight onto
-its target sharding (`refusion_jax.checkpoints.restore`). Anything that does
-not fit (an unmapped tensor, a shape that disagrees with config.json, a
-parameter left unfilled, a truncated file) is an error naming the culprit.
+Loading (`refusion_jax.checkpoints.load.load_model`, format "hf") never holds
+two copies of the model: the module is built abstractly and its parameters
+are filled one tensor at a time, each placed straight onto its target sharding
+(`refusion_jax.checkpoints.restore`). Anything that does not fit (an unmapped
+tensor, a shape that disagrees with config.json, a parameter left unfilled, a
+truncated file) is an error naming the culprit.
 """
 
 from __future__ import annotations
@@ -24,16 +25,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from refusion_jax.checkpoints.mapping import Rule, Table, split_heads
-from refusion_jax.checkpoints.restore import Fetch, Source, build_model, dotted
+from refusion_jax.checkpoints.restore import Fetch, Source, dotted
 from refusion_jax.data.special_tokens import discover_special_tokens
 from refusion_jax.model.config import ModelConfig, family_switches
 from refusion_jax.model.transformer import Transformer
-from refusion_jax.parallel.sharding import Rules
 
 # Hugging Face class name of each family we load and save.
 _HF_CLASSES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
@@ -411,31 +410,6 @@ def hf_source(path: str | pathlib.Path, config: ModelConfig) -> Source:
     fetch=_fetcher(tensors),
     where=lambda name: f"{tensors[name][2].name}: " if name in tensors else "",
   )
-
-
-def load_hf(
-  path: str | pathlib.Path,
-  dtype: str = "float32",
-  param_dtype: str | None = None,
-  config_overrides: dict | None = None,
-  mesh: Mesh | None = None,
-  rules: Rules | None = None,
-) -> Transformer:
-  """Load a Hugging Face Qwen3 / Qwen2 / Llama checkpoint directory.
-
-  Args:
-    path: a directory with config.json and model.safetensors, or shards
-      listed in model.safetensors.index.json.
-    dtype: activation dtype of the model.
-    param_dtype: parameter dtype (defaults to `dtype`); tensors are cast to it.
-    config_overrides: `ModelConfig` fields replacing the ones from config.json.
-    mesh, rules: place every parameter by its logical axes on this mesh (default: the first device).
-
-  Returns:
-    The model, its parameters filled from the checkpoint tensor by tensor.
-  """
-  config = load_hf_config(path, dtype=dtype, param_dtype=param_dtype or dtype, **(config_overrides or {}))
-  return build_model(hf_source(path, config), config, mesh, rules)
 
 
 # --------------------------------------------------------------------------

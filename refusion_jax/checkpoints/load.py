@@ -1,11 +1,14 @@
 """One front door for loading a model (and its tokenizer) from any supported checkpoint, straight onto a mesh.
 
-    model = load_checkpoint("/ckpt/Qwen3-0.6B")                          # Hugging Face directory
-    model = load_checkpoint("/runs/demo", step=500)                      # our training workdir
-    model = load_checkpoint("/tunix/ckpts", config="/ckpt/Qwen3-0.6B")   # tunix root, step or item folder
-    model = load_checkpoint("/maxtext/run/checkpoints", config="qwen3_0p6b", mesh=mesh)
-    model, tokenizer = load("tiny", format="preset")                     # random init, byte tokenizer
-    print(inspect_checkpoint("/tunix/ckpts"))                            # format, arrays, inferred fields
+    model, tokenizer = load("/ckpt/Qwen3-0.6B")                     # Hugging Face directory
+    model = load_model("/runs/demo", step=500)                      # our training workdir
+    model = load_model("/tunix/ckpts", config="/ckpt/Qwen3-0.6B")   # tunix root, step or item folder
+    model = load_model("/maxtext/run/checkpoints", config="qwen3_0p6b", mesh=mesh)
+    model, tokenizer = load("tiny", format="preset")                # random init, byte tokenizer
+    print(inspect_checkpoint("/tunix/ckpts"))                       # format, arrays, inferred fields
+
+`load` and `load_model` take the same arguments; every loader of the package
+(the sampler, evaluation, conversion, the trainer's `init_from`) goes through them.
 
 `format="auto"` finds the format from the files and the orbax metadata
 (`refusion_jax.checkpoints.detect`) and logs what it found. Whatever the stored
@@ -117,7 +120,7 @@ def _with_dtypes(config: ModelConfig, dtype: str | None, param_dtype: str | None
   return config.replace(**changes)
 
 
-def load_checkpoint(
+def load_model(
   path: str,
   *,
   format: str = "auto",
@@ -127,13 +130,15 @@ def load_checkpoint(
   param_dtype: str | None = None,
   mesh: Mesh | None = None,
   rules: Rules | None = None,
+  seed: int = 0,
 ) -> Transformer:
   """Load the model a checkpoint holds, each parameter restored straight onto its sharding.
 
   Args:
     path: a Hugging Face directory, a training workdir, or a tunix / MaxText
-      checkpoint root, step folder or item folder.
-    format: "auto" (detect), "hf", "refusion", "tunix" or "maxtext".
+      checkpoint root, step folder or item folder; with format "preset" (or
+      "auto" when no such path exists), a preset name: a random model.
+    format: "auto" (detect), "hf", "refusion", "tunix", "maxtext" or "preset".
     config: the architecture (`ModelConfig`, preset name, or directory with an
       HF config.json). Required for tunix and MaxText, which store none;
       otherwise it replaces the stored one. Checked against the arrays.
@@ -143,6 +148,7 @@ def load_checkpoint(
     param_dtype: parameter dtype; stored arrays are cast to it as they are read.
     mesh, rules: the mesh and logical-axis rules to place parameters by
       (default: everything on the first device).
+    seed: with a preset, the seed of the random weights.
 
   Returns:
     The `Transformer` (`model(tokens)` gives logits).
@@ -155,10 +161,18 @@ def load_checkpoint(
       that does not match.
     NotImplementedError: an architecture feature we do not implement (e.g. a RoPE type).
   """
+  if format == "preset" or (format == "auto" and detect_format(path) == "preset"):
+    return _random_model(path, load_tokenizer("bytes"), config, step, dtype, param_dtype, seed)
   found = locate(path, format, step)
+  return _model_of(found, resolve_config(config), dtype, param_dtype, mesh, rules)
+
+
+def _model_of(
+  found: Found, config: ModelConfig | None, dtype: str | None, param_dtype: str | None, mesh, rules
+) -> Transformer:
+  """The model of a located checkpoint; `config` replaces (and is checked against) what it stores."""
   logger.info("Loading %s", found.description)
-  explicit = resolve_config(config)
-  base = explicit or (hf.load_hf_config(found.path) if found.format == "hf" else None)
+  base = config or (hf.load_hf_config(found.path) if found.format == "hf" else None)
   source = _open(found, base)
   base = base or source.config
   if base is None:
@@ -167,13 +181,14 @@ def load_checkpoint(
       "special ids): pass config= the one of the model it was trained from (a ModelConfig, a preset name, or "
       "a directory holding its Hugging Face config.json)."
     )
-  if explicit is not None:
-    check_config(source, explicit)
+  if config is not None:
+    check_config(source, config)
   return build_model(source, _with_dtypes(base, dtype, param_dtype), mesh, rules)
 
 
-def _checkpoint_tokenizer(found: Found, config: ConfigLike) -> str | None:
-  """The tokenizer a checkpoint names (HF: its own tokenizer.json; tunix / MaxText: the config directory's)."""
+def checkpoint_tokenizer(found: Found, config: ConfigLike = None) -> str | None:
+  """The tokenizer a checkpoint names (HF: its own tokenizer.json; ours: the one its run recorded; tunix /
+  MaxText: the config directory's), as a name or path for `load_tokenizer`; None when it names none."""
   if found.format == "refusion":
     return refusion.refusion_source(found.path, found.step)[1]
   directory = found.path if found.format == "hf" else config if isinstance(config, str) else None
@@ -202,32 +217,38 @@ def load(
   rules: Rules | None = None,
   seed: int = 0,
 ) -> tuple[Transformer, Tokenizer]:
-  """`load_checkpoint` plus the tokenizer; also format "preset": a random model of a preset name.
+  """`load_model` plus the tokenizer that goes with the model.
 
   Args:
-    source: a checkpoint (see `load_checkpoint`) or, with format "preset" (or
-      "auto" when no such path exists), a preset name.
     tokenizer: "bytes" or a directory with tokenizer.json, replacing the checkpoint's own.
-    seed: with a preset, the seed of the random weights.
-    The other arguments are `load_checkpoint`'s.
+    The other arguments are `load_model`'s.
 
   Returns:
     The model and its tokenizer (a `NoTokenizer` when the checkpoint names none
     and none was given; the byte tokenizer for presets unless given).
   """
   if format == "preset" or (format == "auto" and detect_format(source) == "preset"):
-    if step is not None or config is not None:
-      raise ValueError(f"step / config do not apply to the random preset {source!r}.")
     chosen = load_tokenizer(tokenizer or "bytes")
-    model_config = config_lib.preset(source).replace(
-      vocab_size=chosen.vocab_size, mask_token_id=chosen.mask_id, eos_token_id=chosen.eos_id, pad_token_id=chosen.pad_id
-    )
-    return init_model(_with_dtypes(model_config, dtype, param_dtype), seed), chosen
-  model = load_checkpoint(
-    source, format=format, config=config, step=step, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules
-  )
-  name = tokenizer or _checkpoint_tokenizer(locate(source, format, step), config)
+    return _random_model(source, chosen, config, step, dtype, param_dtype, seed), chosen
+  found = locate(source, format, step)
+  model = _model_of(found, resolve_config(config), dtype, param_dtype, mesh, rules)
+  name = tokenizer or checkpoint_tokenizer(found, config)
   return model, (load_tokenizer(name) if name else NoTokenizer(source, model.config))
+
+
+def _random_model(
+  name: str, tokenizer: Tokenizer, config, step, dtype: str | None, param_dtype: str | None, seed: int
+) -> Transformer:
+  """A random model of preset `name` whose vocabulary and special ids are the tokenizer's."""
+  if step is not None or config is not None:
+    raise ValueError(f"step / config do not apply to the random preset {name!r}.")
+  model_config = config_lib.preset(name).replace(
+    vocab_size=tokenizer.vocab_size,
+    mask_token_id=tokenizer.mask_id,
+    eos_token_id=tokenizer.eos_id,
+    pad_token_id=tokenizer.pad_id,
+  )
+  return init_model(_with_dtypes(model_config, dtype, param_dtype), seed)
 
 
 @dataclasses.dataclass
@@ -268,29 +289,3 @@ def inspect_checkpoint(path: str, *, format: str = "auto", step: int | None = No
     arrays, table, stored = source.arrays, source.table, stored or source.config
   entries, unknown = table.entries(arrays)
   return Inspection(found.format, found.description, arrays, mapping.infer_fields(entries), unknown, stored)
-
-
-def initial_model(
-  path: str,
-  *,
-  format: str = "auto",
-  config: ModelConfig | None = None,
-  dtype: str | None = None,
-  param_dtype: str | None = None,
-) -> tuple[Transformer, str | None]:
-  """A training run's starting model from any non-Hugging Face source, and the tokenizer it names.
-
-  `config` (the run's own model config) is used only for tunix and MaxText,
-  which store none; Hugging Face starts go through the trainer's mask-token
-  and vocabulary handling instead. The model lands on the default device;
-  the trainer places it.
-  """
-  found = locate(path, format)
-  model = load_checkpoint(
-    path,
-    format=found.format,
-    config=config if found.format in ("tunix", "maxtext") else None,
-    dtype=dtype,
-    param_dtype=param_dtype,
-  )
-  return model, _checkpoint_tokenizer(found, None)

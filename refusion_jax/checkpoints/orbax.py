@@ -17,7 +17,7 @@ stored shapes have been checked against it.
 
 To rebuild a model alone (sampling, `init_from`, conversion), `refusion_source`
 opens a step's `params` and `meta` for the loading front door
-(`refusion_jax.checkpoints.load`); `save_model` writes just those two items.
+(`refusion_jax.checkpoints.load.load_model`); `save_model` writes just those two items.
 
 What can go wrong has a type: a step that cannot be read (truncated, corrupt)
 is a `CheckpointDamagedError` and can be moved aside (`move_aside`) so that an
@@ -46,9 +46,9 @@ from jax.experimental import multihost_utils
 
 from refusion_jax.checkpoints import orbax_tree
 from refusion_jax.checkpoints.mapping import Rule, Table
-from refusion_jax.checkpoints.restore import Source, build_model, dotted
+from refusion_jax.checkpoints.restore import Source, dotted
 from refusion_jax.model.config import ModelConfig
-from refusion_jax.model.transformer import Transformer, abstract_model
+from refusion_jax.model.transformer import abstract_model
 
 PARAMS, TRAIN, DATA, META = "params", "train", "data", "meta"
 # Name of the checkpoint directory inside a workdir.
@@ -91,28 +91,33 @@ class CheckpointSaveError(RuntimeError):
   """Writing a step failed; the steps saved before it are intact."""
 
 
-def _silence_closed_event_loop_noise() -> None:
-  """Drop the "Event loop is closed" reports that follow a failed read; pass every other one on.
+def quiet_checkpoint_noise() -> None:
+  """Keep the checkpoint libraries' noise about failures we report ourselves out of a program's output.
 
-  After a failed read, tensorstore completes its futures into orbax's already
-  closed asyncio loop, and Python reports each as an unraisable exception:
-  tracebacks after our own message that say nothing more.
+  Process-wide, so the entry points call it (`refusion_jax.cli`), not the library:
+  - after a failed read, tensorstore completes its futures into orbax's already
+    closed asyncio loop, and Python reports each as an unraisable "Event loop is
+    closed" exception: those are dropped, every other one passes on;
+  - orbax logs each failed background write with its traceback, which
+    `CheckpointSaveError` already reports: the traceback is dropped from the record.
   """
   previous = sys.unraisablehook
-  if getattr(previous, "drops_closed_event_loop_noise", False):
-    return
+  if not getattr(previous, "drops_closed_event_loop_noise", False):
 
-  def hook(unraisable: Any) -> None:
-    if isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed":
-      return
-    previous(unraisable)
+    def hook(unraisable: Any) -> None:
+      if isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed":
+        return
+      previous(unraisable)
 
-  hook.drops_closed_event_loop_noise = True
-  sys.unraisablehook = hook
+    hook.drops_closed_event_loop_noise = True
+    sys.unraisablehook = hook
+  absl_logger = logging.getLogger("absl")
+  if not any(isinstance(f, _NoOrbaxTracebacks) for f in absl_logger.filters):
+    absl_logger.addFilter(_NoOrbaxTracebacks())
 
 
 class _NoOrbaxTracebacks(logging.Filter):
-  """Orbax logs each failed background write with its traceback; `CheckpointSaveError` reports the failure."""
+  """Drops the traceback of a record orbax logs (the failure itself is reported by our error)."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     if record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname:
@@ -124,10 +129,6 @@ class Checkpoints:
   """Keep-N, asynchronous checkpoints of (params, train state, data state, metadata)."""
 
   def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
-    _silence_closed_event_loop_noise()
-    absl_logger = logging.getLogger("absl")
-    if not any(isinstance(f, _NoOrbaxTracebacks) for f in absl_logger.filters):
-      absl_logger.addFilter(_NoOrbaxTracebacks())
     self.directory = local_path(directory)
     self._saving: int | None = None  # the step whose save may still be in flight
     options = ocp.CheckpointManagerOptions(
@@ -331,12 +332,13 @@ def model_meta(model_config: ModelConfig, tokenizer: str, **extra) -> dict:
   return dict(model_config=dataclasses.asdict(model_config), tokenizer=tokenizer, **extra)
 
 
-def local_path(path: str) -> str:
+def local_path(path: str | os.PathLike) -> str:
   """`path` made absolute; a URL is refused rather than taken for a relative path.
 
   `os.path.abspath("gs://b/run")` is `./gs:/b/run`: checkpoints would land on the
   host's disk and vanish with it at preemption.
   """
+  path = os.fspath(path)
   if "://" in path:
     raise ValueError(
       f"{path!r} is a URL, but refusion_jax reads and writes workdirs through the file system. "
@@ -394,19 +396,3 @@ def refusion_source(path: str, step: int | None = None) -> tuple[Source, str | N
   tokenizer = meta.get("tokenizer")
   local = os.path.join(directory, tokenizer or "")
   return source, (local if tokenizer and os.path.isdir(local) else tokenizer)
-
-
-def load_model_from_checkpoint(path: str, step: int | None = None) -> tuple[Transformer, str | None]:
-  """Rebuild the trained model from a workdir or checkpoint directory.
-
-  Args:
-    path: a training workdir or its `checkpoints/` directory.
-    step: the step to load; defaults to the latest.
-
-  Returns:
-    The model on the default device, and the tokenizer name or path to pass to
-    `refusion_jax.data.tokenizer.load_tokenizer` (relative paths are resolved
-    against the checkpoint directory).
-  """
-  source, tokenizer = refusion_source(path, step)
-  return build_model(source, source.config), tokenizer

@@ -26,12 +26,13 @@ import dataclasses
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 
 import tensorflow_datasets as tfds
 
 from refusion_jax.data import tasks
-from refusion_jax.data.pipeline import DataError
+from refusion_jax.data.pipeline import DataError, decode_record
 
 _FILE_FORMAT = "array_record"
 
@@ -215,6 +216,14 @@ def build_query_response_json(
   )
   config = QueryResponseJsonConfig(name=_content_name("files", stamps), split_files=resolved)
   return _prepare(QueryResponseJson, config, data_dir)
+
+
+def read_query_response_json(path: str) -> list[dict[str, str]]:
+  """The {query, response, task} records of one JSON file, read and checked exactly as training reads its files
+  (built into a temporary array_record data set)."""
+  with tempfile.TemporaryDirectory() as data_dir:
+    source = build_query_response_json(data_dir, {"test": [path]})["test"]
+    return [decode_record(source[i]) for i in range(len(source))]
 
 
 def _prepare(builder_cls, config, data_dir: str) -> dict[str, Sequence[dict[str, bytes]]]:

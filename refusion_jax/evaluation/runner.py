@@ -20,9 +20,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tqdm
 
+from refusion_jax.data.tasks import is_correct
 from refusion_jax.data.tokenizer import Tokenizer
-from refusion_jax.decoding.common import DecodeResult
-from refusion_jax.evaluation import adapters
+from refusion_jax.decoding.common import DecodeResult, compile_count
+from refusion_jax.decoding.sampler import Sampler
 from refusion_jax.model.transformer import Transformer
 
 # A decode call's prompts per row kept busy: enough to keep the rows full between calls.
@@ -87,11 +88,11 @@ def timed_decode(call: Callable[[], DecodeResult], repeats: int = 1) -> tuple[De
   """
   if repeats < 1:
     raise ValueError(f"repeats={repeats} must be at least 1.")
-  before = adapters.compile_count()
+  before = compile_count()
   start = time.perf_counter()
   result = call()
   first = time.perf_counter() - start
-  compiled = adapters.compile_count() != before
+  compiled = compile_count() != before
   runs = [] if compiled else [first]
   while len(runs) < repeats:
     start = time.perf_counter()
@@ -127,9 +128,10 @@ def run(
   timings = []
   bar = tqdm.tqdm(total=len(examples), unit="answer", disable=not progress, dynamic_ncols=True)
   done = correct = 0
+  sampler = Sampler(model, tokenizer, method=method, chat_template=chat_template, **dict(knobs, batch_size=batch_size))
   for rows in task_batches(examples, batch_size * PROMPTS_PER_ROW):
-    prompts = [adapters.prompt_ids(tokenizer, examples[i]["query"], chat_template) for i in rows]
-    call = functools.partial(adapters.decode, model, tokenizer, prompts, method, dict(knobs, batch_size=batch_size))
+    prompts = [sampler.encode(examples[i]["query"]) for i in rows]
+    call = functools.partial(sampler.decode_ids, prompts)
     result, seconds, compile_seconds = timed_decode(call, repeats)
     task = examples[rows[0]].get("task", "")
     timings.append(
@@ -149,7 +151,7 @@ def run(
         query=example["query"],
         reference=example["response"],
         answer=text,
-        correct=adapters.is_correct(example, text),
+        correct=is_correct(example, text),
         num_tokens=len(result.tokens[row]),
         num_forwards=int(result.num_forwards[row]),
       )

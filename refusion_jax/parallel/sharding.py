@@ -145,28 +145,31 @@ def batch_parallel_ways(mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES) -> int:
   return math.prod(mesh.shape[a] for a in axes)
 
 
-def check_microbatches(global_batch: int, grad_accum_steps: int, mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES) -> None:
-  """Under gradient accumulation each device splits its own rows into microbatches, so they must divide.
+def check_batch_split(
+  global_batch: int, grad_accum_steps: int, mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES, processes: int | None = None
+) -> None:
+  """The global batch must split evenly over the batch-parallel devices, the processes and the microbatches.
 
-  A microbatch then still spans every batch-parallel device (activations stay
-  split like the batch) and no row moves between devices.
+  Under gradient accumulation each device splits its own rows into
+  microbatches (strided, so that every device keeps its own rows in every
+  microbatch and no row moves between devices), so each device's and each
+  process's rows must be a multiple of `grad_accum_steps`.
+
+  Args:
+    processes: the processes feeding the batch (default: `jax.process_count()`).
+
+  Raises:
+    ValueError: naming the sizes and what to change.
   """
   ways = batch_parallel_ways(mesh, rules)
-  if global_batch % (grad_accum_steps * ways):
+  processes = jax.process_count() if processes is None else processes
+  split = math.lcm(ways, processes) * grad_accum_steps
+  if global_batch % split:
     raise ValueError(
-      f"batch_size={global_batch} is not a multiple of grad_accum_steps={grad_accum_steps} x {ways} "
-      f"batch-parallel devices: each device's rows must split into {grad_accum_steps} microbatches. Pick a "
-      f"grad_accum_steps that divides batch_size / {ways}, or change batch_size."
-    )
-
-
-def check_batch_divisible(global_batch: int, mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES) -> None:
-  """The batch must split evenly over the mesh axes `batch` maps to, and over processes."""
-  ways = batch_parallel_ways(mesh, rules)
-  if global_batch % ways or global_batch % jax.process_count():
-    raise ValueError(
-      f"batch_size={global_batch} must be a multiple of the batch-parallel mesh size {ways} "
-      f"(axes {dict(rules).get('batch')}) and of the process count {jax.process_count()}."
+      f"batch_size={global_batch} must be a multiple of grad_accum_steps={grad_accum_steps} times the {ways} "
+      f"batch-parallel devices (mesh axes {dict(rules).get('batch')} of {dict(mesh.shape)}) and the {processes} "
+      "process(es), so that every device's rows split evenly into microbatches: change batch_size, "
+      "grad_accum_steps or config.mesh."
     )
 
 

@@ -2,9 +2,10 @@
 
 - `model_config_from`: `config.model` (a preset plus overrides) with the special
   ids resolved against the tokenizer.
-- `check_hf_architecture`: an `init_from_hf` checkpoint must be the architecture
-  `config.model.preset` names.
-- `check_required_fields`: fields a run cannot start without, named together.
+- `check_hf_architecture`: a Hugging Face `init_from` checkpoint must be the
+  architecture `config.model.preset` names.
+- `check_run_config`: what can be refused before anything runs (renamed fields,
+  fields a run cannot start without), named together.
 - `objective_config_from`: `config.objective` with the model's mask and pad ids.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from refusion_jax.checkpoints.detect import FORMATS
 from refusion_jax.checkpoints.mapping import ARRAY_FIELDS
 from refusion_jax.data.special_tokens import SpecialTokens, resolve_special_tokens, with_special_tokens
 from refusion_jax.data.tokenizer import Tokenizer
@@ -23,8 +25,8 @@ from refusion_jax.training.objective import ObjectiveConfig
 _EXECUTION_FIELDS = ("remat", "attention_impl", "attention_chunk")
 # The `config.model` fields that configure how a model runs, not what it is.
 _RUNTIME_FIELDS = ("preset", "dtype", "param_dtype", *_EXECUTION_FIELDS)
-# The fields an `init_from_hf` checkpoint must share with `config.model.preset`: what its arrays determine, except
-# the vocabulary (it follows the tokenizer, and grows for an added mask token), and what they do not show.
+# The fields a Hugging Face `init_from` checkpoint must share with `config.model.preset`: what its arrays determine,
+# except the vocabulary (it follows the tokenizer, and grows for an added mask token), and what they do not show.
 _ARCHITECTURE_FIELDS = ("architecture", *(f for f in ARRAY_FIELDS if f != "vocab_size"), "rope_theta")
 _SPECIAL_ID_FIELDS = {"mask": "mask_token_id", "eos": "eos_token_id", "pad": "pad_token_id"}
 
@@ -48,7 +50,7 @@ def run_as_configured(model_config: ModelConfig, model_fields: ml_collections.Co
 
 
 def check_hf_architecture(model_fields: ml_collections.ConfigDict, hf_config: ModelConfig, path: str) -> None:
-  """An `init_from_hf` checkpoint must have the architecture `config.model` describes (unless its preset is "").
+  """A Hugging Face `init_from` must have the architecture `config.model` describes (unless its preset is "").
 
   Raises:
     ValueError: naming the first field where the checkpoint's config.json and
@@ -63,26 +65,45 @@ def check_hf_architecture(model_fields: ml_collections.ConfigDict, hf_config: Mo
     want, got = getattr(expected, field), getattr(hf_config, field)
     if want != got:
       raise ValueError(
-        f"config.init_from_hf={path!r} is not the architecture config.model describes (preset {name!r}): "
-        f"its config.json gives {field}={got!r}, config.model {field}={want!r}. Point config.init_from_hf at a "
+        f"config.init_from={path!r} is not the architecture config.model describes (preset {name!r}): "
+        f"its config.json gives {field}={got!r}, config.model {field}={want!r}. Point config.init_from at a "
         f"{name} checkpoint, or set --config.model.preset='' to fine-tune any architecture."
       )
 
 
-def check_required_fields(config: ml_collections.ConfigDict, resuming: bool) -> None:
-  """Fields a run cannot start without, all named at once before anything is built."""
+# Fields of earlier versions -> what replaced them; a config that still sets one is refused naming the new field.
+RENAMED_FIELDS = {
+  "init_from_hf": "config.init_from (with config.init_format='auto' or 'hf')",
+  "init_from_checkpoint": "config.init_from (with config.init_format='auto' or 'refusion')",
+}
+
+
+def check_run_config(config: ml_collections.ConfigDict, resuming: bool) -> None:
+  """Everything about a training config that can be refused before anything is built, all named at once.
+
+  Raises:
+    ValueError: a field replaced by another, a bad `checkpoint.on_corrupt`, or
+      required fields left empty (each named, with how to set it).
+  """
+  renamed = [f"config.{old} was replaced by {new}" for old, new in RENAMED_FIELDS.items() if old in config]
+  if renamed:
+    raise ValueError("; ".join(renamed) + ". Rename the field in your config or command line.")
+  if config.checkpoint.on_corrupt not in ("fallback", "fail"):
+    raise ValueError(f"checkpoint.on_corrupt={config.checkpoint.on_corrupt!r}; choose 'fallback' or 'fail'.")
+  if config.init_format not in ("auto", *FORMATS):
+    raise ValueError(f"config.init_format={config.init_format!r}; choose 'auto' or one of {FORMATS}.")
   missing = []
-  if not (resuming or config.init_from_hf or config.init_from_checkpoint or config.tokenizer):
+  if not (resuming or config.init_from or config.tokenizer):
     missing.append(
-      "config.init_from_hf (a Hugging Face checkpoint directory to fine-tune) or config.tokenizer "
-      "('bytes' or a tokenizer directory, to train from scratch)"
+      "config.init_from (a checkpoint to start from: a Hugging Face directory to fine-tune, a run of ours, tunix or "
+      "MaxText) or config.tokenizer ('bytes' or a tokenizer directory, to train from scratch)"
     )
   if config.data.dataset == "json" and not config.data.get("train_files"):
     missing.append("config.data.train_files (comma-separated query/response JSON files)")
   if missing:
     raise ValueError(
       "The config leaves required fields empty: " + "; ".join(missing) + ". Set them on the command line, "
-      "e.g. --config.init_from_hf=/path/to/Qwen3-8B --config.data.train_files=train.json."
+      "e.g. --config.init_from=/path/to/Qwen3-8B --config.data.train_files=train.json."
     )
 
 

@@ -22,7 +22,10 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import jax
+import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
 LOCK_NAME = "run.lock"
 # An empty lock file younger than this is one that another run is writing.
@@ -127,10 +130,25 @@ def release(path: str) -> None:
 
 
 @contextmanager
-def workdir_lock(workdir: str) -> Iterator[str]:
-  """Hold `workdir`'s lock for the duration of the block (see `acquire`)."""
-  path = acquire(workdir)
+def workdir_lock(workdir: str) -> Iterator[None]:
+  """Hold `workdir`'s lock for the duration of the block (see `acquire`).
+
+  In a multi-process job process 0 holds it for all; every process fails
+  together when it cannot be taken.
+
+  Raises:
+    WorkdirLockedError: a live run (or one on another host) holds it.
+  """
+  path, refusal = None, ""
+  if jax.process_index() == 0:
+    try:
+      path = acquire(workdir)
+    except WorkdirLockedError as error:
+      refusal = str(error)
+  if not multihost_utils.broadcast_one_to_all(np.int32(not refusal)):
+    raise WorkdirLockedError(refusal or f"Process 0 could not lock {workdir}; see its log.")
   try:
-    yield path
+    yield
   finally:
-    release(path)
+    if path is not None:
+      release(path)

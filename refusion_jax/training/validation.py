@@ -1,4 +1,6 @@
-"""Evaluation during training: validation loss, and exact match and tokens per forward of decoding.
+"""Validation during training: the loss on validation batches, and exact match and tokens per forward of decoding.
+
+(The command-line evaluation of a finished checkpoint is `python -m refusion_jax.eval`, `refusion_jax.evaluation`.)
 
 Decoding uses the method that matches the objective: ReFusion's plan-and-infill
 (`refusion_jax.decoding.refusion.generate`, docs/method.md §2) for "refusion",
@@ -16,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from refusion_jax.data import pipeline
-from refusion_jax.data.tasks import check_answer
+from refusion_jax.data.tasks import is_correct
 from refusion_jax.data.tokenizer import Tokenizer, format_prompt
 from refusion_jax.decoding.common import DecodeResult
 from refusion_jax.model.transformer import Transformer
@@ -62,16 +64,6 @@ def decode_answers(
     steps=ev.mdm_steps,
     batch_size=batch_size,
   )
-
-
-def is_correct(example: Mapping[str, str], answer: str) -> bool:
-  """Built-in tasks are checked by re-solving the query; other data by exact match with the reference."""
-  if example.get("task"):
-    try:
-      return check_answer(example["task"], example["query"], answer)
-    except ValueError:  # a task the checker does not know (user data tagged with a task name)
-      pass
-  return " ".join(answer.split()) == " ".join(example["response"].split())
 
 
 def evaluate_decoding(

@@ -1,0 +1,138 @@
+"""What the command-line entry points share: the model flags, turning them into a load request, and reporting.
+
+Every entry point (`train`, `sample`, `bench`, `train_bench`, `eval`, `aot`,
+`convert`) reports input it cannot use the same way: one line `error: ...` on
+stderr and exit status 2, never a traceback (`report_errors`). Entry points
+import this module and the library, never each other (tests/test_public_api.py).
+
+Two flag libraries, by necessity: the commands driven by a training config
+(`train`, `aot`, `train_bench`) use absl, because ml_collections'
+`--config.field=value` overrides are absl flags; the others use argparse, whose
+subcommands (`bench decode`, `eval report`) and repeatable flags
+(`--prompt`) they rely on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from refusion_jax.checkpoints.detect import FORMATS
+from refusion_jax.checkpoints.orbax import quiet_checkpoint_noise
+from refusion_jax.model import config as config_lib
+
+# Errors that mean "this input cannot be used": reported as one line, exit status 2.
+BAD_INPUT = (ValueError, FileNotFoundError, NotImplementedError)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class UsageError(ValueError):
+  """Bad command-line input, reported without a traceback."""
+
+
+def report_errors(run: Callable[[], object], *, errors: tuple[type[BaseException], ...] = BAD_INPUT, status: int = 2):
+  """Run a command; an error of `errors` becomes `error: <message>` on stderr and `status`, else 0.
+
+  Also installs the process-wide filters that keep checkpoint-library noise
+  (tracebacks orbax logs for failures we report ourselves) out of the output:
+  they belong to the program, not to the library.
+  """
+  quiet_checkpoint_noise()
+  try:
+    run()
+  except errors as error:
+    print(f"error: {error}", file=sys.stderr)
+    return status
+  return 0
+
+
+def run_argparse(
+  parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], object], argv: Sequence[str] | None
+) -> int:
+  """Parse `argv` (None: the process's) and `run` the command; returns the exit status (2 on bad input)."""
+  try:
+    args = parser.parse_args(argv)
+  except SystemExit as exit_:  # argparse has printed its message
+    return int(exit_.code or 0)
+  return report_errors(lambda: run(args))
+
+
+def add_model_flags(parser: argparse.ArgumentParser, random_init: bool = True, required: bool = True) -> None:
+  """The flags `model_request` reads: where the model and tokenizer come from, and the dtype.
+
+  random_init: offer `--random_init PRESET` (a random model with the byte tokenizer).
+  required: one source must be given (False: the model is optional, e.g. a benchmark's random models).
+  """
+  title = "model (exactly one)" if required else "trained model (optional)"
+  source = parser.add_argument_group(title)
+  source.add_argument(
+    "--checkpoint",
+    metavar="PATH",
+    help="any checkpoint: a training workdir, a Hugging Face directory, a tunix or MaxText checkpoint (root, step "
+    "or item folder); the format is detected (see --format).",
+  )
+  source.add_argument(
+    "--hf_checkpoint", metavar="DIR", help="a Hugging Face checkpoint directory (--checkpoint DIR --format hf)."
+  )
+  source.add_argument(
+    "--format", default="auto", choices=("auto", *FORMATS), help="with --checkpoint: its format (default: detect)."
+  )
+  source.add_argument(
+    "--model_config",
+    metavar="CONFIG",
+    help="with --checkpoint: the architecture (a preset name or a Hugging Face directory with config.json, whose "
+    "tokenizer is then used too); required for tunix and MaxText, which store none.",
+  )
+  source.add_argument("--step", type=int, help="with --checkpoint: the step to load (default: the latest).")
+  if random_init:
+    source.add_argument(
+      "--random_init",
+      metavar="PRESET",
+      choices=sorted(config_lib.PRESETS),
+      help="demo on a randomly initialised model of this preset with the byte tokenizer.",
+    )
+    source.add_argument("--init_seed", type=int, default=0, help="with --random_init: the weights' seed.")
+  parser.add_argument(
+    "--tokenizer",
+    help="'bytes' or a directory with tokenizer.json (default: the checkpoint's tokenizer; without one, "
+    "prompts must be token ids; 'bytes' with --random_init).",
+  )
+  parser.add_argument("--dtype", choices=DTYPES, help="activation and parameter dtype (default: as stored).")
+
+
+def has_model(args: argparse.Namespace) -> bool:
+  """Whether the model flags name a model."""
+  return any(getattr(args, name, None) for name in ("checkpoint", "hf_checkpoint", "random_init"))
+
+
+def model_request(args: argparse.Namespace) -> dict:
+  """The keyword arguments of `refusion_jax.checkpoints.load.load` that the model flags ask for.
+
+  Raises:
+    UsageError: no source or several, or a flag that does not apply to the source given.
+  """
+  sources = {
+    "hf": getattr(args, "hf_checkpoint", None),
+    args.format: getattr(args, "checkpoint", None),
+    "preset": getattr(args, "random_init", None),
+  }
+  given = {format: source for format, source in sources.items() if source}
+  names = "--checkpoint PATH, --hf_checkpoint DIR" + (", --random_init PRESET" if "random_init" in args else "")
+  if len(given) != 1 or (args.hf_checkpoint and args.checkpoint):
+    raise UsageError(f"Give exactly one of {names}.")
+  if (args.step is not None or args.model_config) and not args.checkpoint:
+    raise UsageError("--step and --model_config only apply to --checkpoint.")
+  ((format, source),) = given.items()
+  if format == "hf" and not os.path.isdir(source):
+    raise UsageError(f"--hf_checkpoint {source!r} is not a directory.")
+  return dict(
+    source=source,
+    format=format,
+    config=args.model_config,
+    step=args.step,
+    tokenizer=args.tokenizer,
+    dtype=args.dtype,
+    seed=getattr(args, "init_seed", 0),
+  )
