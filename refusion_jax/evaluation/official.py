@@ -104,6 +104,8 @@ def torch_device(model: Transformer) -> str:
 
   torch reaches a TPU only through torch_xla, which this comparison does not
   use, so ours on a TPU is compared with the official code on the host CPU.
+  On a GPU both share its memory, of which jax takes 75% when it starts: for a
+  model that does not fit in the rest, set XLA_PYTHON_CLIENT_PREALLOCATE=false.
   """
   import torch
 
