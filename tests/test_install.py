@@ -4,10 +4,11 @@ install commands agree with it."""
 import pathlib
 import re
 import runpy
+import sys
+import types
 from unittest import mock
 
 import pytest
-import setuptools
 from packaging.requirements import Requirement
 
 REPO = pathlib.Path(__file__).parent.parent
@@ -15,11 +16,12 @@ REPO = pathlib.Path(__file__).parent.parent
 
 @pytest.fixture(scope="module")
 def setup_kwargs() -> dict:
-  """The keyword arguments setup.py passes to `setuptools.setup`."""
-  with mock.patch.object(setuptools, "setup") as setup, pytest.MonkeyPatch.context() as patch:
+  """The keyword arguments setup.py passes to `setuptools.setup` (a stand-in: a Python 3.12 venv has no setuptools)."""
+  setuptools = types.SimpleNamespace(setup=mock.Mock(), find_packages=mock.Mock(return_value=[]))
+  with mock.patch.dict(sys.modules, setuptools=setuptools), pytest.MonkeyPatch.context() as patch:
     patch.chdir(REPO)
     runpy.run_path(str(REPO / "setup.py"))
-  return setup.call_args.kwargs
+  return setuptools.setup.call_args.kwargs
 
 
 def requirement(requirements: list[str], name: str, python: str) -> Requirement:
