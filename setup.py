@@ -29,7 +29,7 @@ setup(
   long_description=open("README.md", encoding="utf-8").read(),
   long_description_content_type="text/markdown",
   packages=find_packages(include=["refusion_jax", "refusion_jax.*"]),
-  python_requires=">=3.10",
+  python_requires=">=3.11",  # jax 0.10.2, the oldest jax supported, needs it
   install_requires=[
     *jax_requirements(),
     "optax>=0.2.8",
