@@ -2,6 +2,26 @@
 
 from setuptools import find_packages, setup
 
+# jax 0.11 dropped Python 3.11, so each Python gets the jax line it can run, and the flax that imports under
+# it: flax 0.12.8 is the newest for Python 3.11 (and fails to import under jax >= 0.11.1); on Python >= 3.12,
+# flax 0.12.9 imports under jax 0.11.1 only, 0.12.10 under jax 0.11.1 through 0.12. The accelerator extras
+# pin the same jax, so `pip install -e ".[cuda12]"` never moves jax off the line the package was tested on.
+JAX_LINES = {
+  'python_version < "3.12"': (">=0.10.2,<0.11", ">=0.12.8,<0.13"),
+  'python_version >= "3.12"': (">=0.11.1,<0.13", ">=0.12.10,<0.13"),
+}
+
+
+def jax_requirements(extra: str = "") -> list[str]:
+  """jax (with `extra`, e.g. "[tpu]") on each Python's line; flax with it when no extra is asked for."""
+  requirements = []
+  for marker, (jax, flax) in JAX_LINES.items():
+    requirements.append(f"jax{extra}{jax}; {marker}")
+    if not extra:
+      requirements.append(f"flax{flax}; {marker}")
+  return requirements
+
+
 setup(
   name="refusion_jax",
   version="0.1.0",
@@ -9,10 +29,9 @@ setup(
   long_description=open("README.md", encoding="utf-8").read(),
   long_description_content_type="text/markdown",
   packages=find_packages(include=["refusion_jax", "refusion_jax.*"]),
-  python_requires=">=3.10",
+  python_requires=">=3.11",  # jax 0.10.2, the oldest jax supported, needs it
   install_requires=[
-    "jax>=0.10.2,<0.11",
-    "flax>=0.12.8,<0.13",
+    *jax_requirements(),
     "optax>=0.2.8",
     "orbax-checkpoint>=0.12.8,<0.13",
     "chex>=0.1.92",
@@ -31,12 +50,13 @@ setup(
     "tensorboardX>=2.6",
   ],
   extras_require={
-    # Reference implementations for parity tests. torch is pinned: that CPU
-    # build is what CI installs; an unpinned torch pulls a multi-GB CUDA build.
+    # Reference implementations for parity tests. torch is pinned, on Python 3.11 only: that CPU build is
+    # what CI installs; for Python >= 3.12 PyPI serves only CUDA builds (2.6 GB of wheels with their CUDA
+    # libraries), so there the torch parity tests skip unless torch is installed by hand.
     "test": [
       "pytest>=8",
       "hypothesis>=6.100",
-      "torch==2.13.0",
+      'torch==2.13.0; python_version < "3.12"',
       "transformers>=5.24,<6",
       # docs/sampling.ipynb is executed headlessly by tests/test_notebook.py
       "nbclient>=0.10",
@@ -45,6 +65,8 @@ setup(
       # .ci/run checks formatting and lint with the repo's ruff.toml
       "ruff>=0.17,<0.18",
     ],
-    "tpu": ["jax[tpu]>=0.10.2,<0.11"],
+    "tpu": jax_requirements("[tpu]"),
+    "cuda12": jax_requirements("[cuda12]"),
+    "cuda13": jax_requirements("[cuda13]"),
   },
 )

@@ -9,7 +9,8 @@
 #          /shared/refusion --config.init_from=/shared/Qwen3-8B --config.data.train_files=/shared/train.json
 #
 # Training (the first form), from a login node:
-#   1. set-up: a virtualenv in $VENV (default WORKDIR/venv) with this checkout and jax[cuda12] (skip with INSTALL=0);
+#   1. set-up: a virtualenv in $VENV (default WORKDIR/venv) with this checkout and its [cuda12] extra, the CUDA
+#      build of the jax setup.py pins for the node's Python (skip with INSTALL=0);
 #   2. queue: sbatch a job of N nodes x G tasks (one per GPU) that `srun`s `python -m refusion_jax.train`
 #      with REFUSION_DISTRIBUTED=1; SLURM sends SIGTERM 120 s before the time limit and on preemption, the
 #      run saves a checkpoint, and --requeue puts a preempted job back in the queue;
@@ -74,13 +75,12 @@ CONFIG=$1 WORKDIR=$2
 shift 2
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${VENV:-$WORKDIR/venv}
-JAX_VERSION=$(sed -n 's/.*"jax>=\([0-9.]*\),.*/\1/p' "$REPO/setup.py")
 
 echo "# set up"
 run mkdir -p "$WORKDIR"
 if [[ "${INSTALL:-1}" == 1 ]]; then
   run python3 -m venv "$VENV"
-  run "$VENV/bin/pip" install -q -e "$REPO" "jax[cuda12]==$JAX_VERSION"
+  run "$VENV/bin/pip" install -q -e "$REPO[cuda12]"
 fi
 
 echo "# queue (sbatch reads the job script below from stdin)"

@@ -37,7 +37,9 @@ rounds so that machine noise hits all alike; every mode must give the same
 tokens. It ends with the histogram of the forward widths per stage. With
 --official_repo (a checkout of ML-GSAI/ReFusion) it also times the official
 `generate.py` at B = 1 on the smallest N, on the same weights saved by
-`save_hf` (`refusion_jax.evaluation.official`; torch is imported only then).
+`save_hf` (`refusion_jax.evaluation.official`; torch is imported only then),
+on our accelerator when torch reaches it (else the CPU) and in the model's
+dtype (--dtype for the random model), and counts its answers identical to ours.
 """
 
 from __future__ import annotations
@@ -327,11 +329,12 @@ def throughput_modes(bench: BenchModel, args: argparse.Namespace) -> dict[str, C
 
     official = OfficialDecoder(bench.model, args.official_repo)
     knobs = dict(refusion_knobs(bench, args), eos_id=bench.eos_id)
-    modes[OFFICIAL] = lambda ps: [official.decode(ps, **knobs)]
+    modes[f"{OFFICIAL} {official.device.type} {bench.model.config.dtype}"] = lambda ps: [official.decode(ps, **knobs)]
   return modes
 
 
-# The official PyTorch decoder's mode (B = 1, prompt by prompt); timed on the smallest prompt count only.
+# The official PyTorch decoder's mode (B = 1, prompt by prompt; its label adds the torch device and the dtype);
+# timed on the smallest prompt count only.
 OFFICIAL = "official PyTorch"
 
 
@@ -346,13 +349,16 @@ def _merge_widths(results: Sequence[DecodeResult]) -> dict[str, dict[int, int]]:
 
 def _rows_of(mode: str, count: int) -> int:
   """K of a mode: 1 one by one (sequential, official), else the mode's batch size."""
-  return 1 if mode.startswith("sequential") or mode == OFFICIAL else min(int(mode.split()[-1]), count)
+  return 1 if mode.startswith(("sequential", OFFICIAL)) else min(int(mode.split()[-1]), count)
 
 
 def bench_throughput(bench: BenchModel, args: argparse.Namespace) -> list[ThroughputRow]:
   """Every mode on the first N prompts for each N of --prompts, timed in interleaved rounds."""
   modes = throughput_modes(bench, args).items()
-  cells = [(n, mode, call) for n in args.prompts for mode, call in modes if mode != OFFICIAL or n == min(args.prompts)]
+  smallest = min(args.prompts)
+  cells = [
+    (n, mode, call) for n in args.prompts for mode, call in modes if not mode.startswith(OFFICIAL) or n == smallest
+  ]
   results, times = {}, {}
   for n, mode, call in cells:  # warm-up: compiles every shape the timed rounds use
     start = time.perf_counter()
@@ -407,12 +413,17 @@ def format_throughput(rows: Sequence[ThroughputRow]) -> str:
     for r in rows
   ]
   out = [_table(header, lines), ""]
-  different = [f"{r.prompts} prompts {r.mode}" for r in rows if r.tokens != sequential[r.prompts].tokens]
+  ours = [r for r in rows if not r.mode.startswith(OFFICIAL)]
+  different = [f"{r.prompts} prompts {r.mode}" for r in ours if r.tokens != sequential[r.prompts].tokens]
   out.append(f"DIFFERENT tokens from sequential: {different}" if different else "every mode: the same tokens.")
   for r in rows:
-    if r.mode == OFFICIAL:
-      ratio = r.run_s / sequential[r.prompts].run_s
-      out.append(f"{r.prompts} prompts at B = 1: the jitted decoder is {ratio:.1f}x faster than the official code.")
+    if r.mode.startswith(OFFICIAL):
+      reference = sequential[r.prompts]
+      same = sum(a == b for a, b in zip(r.tokens, reference.tokens))
+      out.append(
+        f"{r.prompts} prompts at B = 1: the jitted decoder is {r.run_s / reference.run_s:.1f}x faster than the "
+        f"official code ({r.mode}); {same} of {r.prompts} answers identical."
+      )
   largest = max(sequential)
   for r in rows:
     if r.prompts == largest and (r.mode == "sequential" or (r.mode.startswith("continuous") and r.rows > 1)):
@@ -431,6 +442,8 @@ def run_throughput(args: argparse.Namespace) -> list[ThroughputRow]:
     bench = trained_bench_model(args)
   else:
     overrides = dict(num_layers=args.num_layers) if args.num_layers else {}
+    if args.dtype:
+      overrides.update(dtype=args.dtype, param_dtype=args.dtype)
     lengths = THROUGHPUT_PROMPT_LENGTHS
     bench = random_bench_model(args.size, max(args.prompts), args.sharpen, args.seed, lengths, **overrides)
   _log(f"{bench.name}: {len(bench.prompts)} prompts of {min(map(len, bench.prompts))}-{max(map(len, bench.prompts))}")

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pathlib
 
-import chex
 import numpy as np
-import torch
 import transformers
+from torch_reference import torch
 
 _FAMILIES = {
   "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
@@ -57,15 +56,3 @@ def hf_logits(
   with torch.no_grad():
     out = model(input_ids=torch.from_numpy(np.asarray(tokens, np.int64)), **kwargs)
   return out.logits.float().numpy()
-
-
-def assert_logits_close(ours, reference, tolerance: float) -> None:
-  """Every |ours - reference| <= tolerance * max |reference| (chex names the worst entries when not)."""
-  reference = np.asarray(reference, np.float64)
-  chex.assert_trees_all_close(np.asarray(ours, np.float64), reference, rtol=0, atol=tolerance * np.abs(reference).max())
-
-
-def relative_error(ours, reference) -> float:
-  """max |ours - reference| / max |reference|."""
-  ours, reference = np.asarray(ours, np.float64), np.asarray(reference, np.float64)
-  return float(np.abs(ours - reference).max() / np.abs(reference).max())

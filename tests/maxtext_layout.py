@@ -23,7 +23,7 @@ import pathlib
 
 import numpy as np
 import orbax.checkpoint as ocp
-import torch
+from torch_reference import torch
 
 
 def _interleave_rope(x: np.ndarray) -> np.ndarray:

@@ -14,11 +14,12 @@ import textwrap
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 import transformers
+from closeness import relative_error
 from flax import nnx
-from hf_utils import hf_logits, relative_error, save_tiny_hf_model
+from hf_utils import hf_logits, save_tiny_hf_model
 from maxtext_layout import maxtext_params, save_maxtext
+from torch_reference import torch
 from train_utils import smoke_config
 from tunix_layout import save_tunix_layout
 

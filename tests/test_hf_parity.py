@@ -3,7 +3,8 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_utils import assert_logits_close, hf_logits, relative_error, save_tiny_hf_model
+from closeness import assert_logits_close, relative_error
+from hf_utils import hf_logits, save_tiny_hf_model
 
 from refusion_jax.checkpoints.load import load_model
 

@@ -86,7 +86,7 @@ def test_slurm_dry_run_prints_setup_job_logs_and_stop(no_cloud_tools):
   args = ["--nodes=2", "--gpus_per_node=4", "--partition=gpu", "configs/refusion_qwen3_8b.py", "/shared/run", OVERRIDE]
   lines = dry_run("slurm_gpu.sh", args, env)
   install = command(lines, "pip install")
-  assert install[0] == "/shared/run/venv/bin/pip" and install[-1].startswith("jax[cuda12]==0.10")
+  assert install[0] == "/shared/run/venv/bin/pip" and install[-1].endswith("[cuda12]")
   sbatch = command(lines, "sbatch")[:-1]  # the last word is the here-document marker
   for flag, value in (("--nodes", "2"), ("--ntasks-per-node", "4"), ("--gpus-per-node", "4"), ("--signal", "TERM@120")):
     assert sbatch[sbatch.index(flag) + 1] == value, flag

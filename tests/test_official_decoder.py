@@ -8,6 +8,7 @@ test references. Run it with
 """
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -45,3 +46,22 @@ def test_official_decoder_gives_our_tokens(slot_size, serial_blocks, slot_thresh
   assert all(len(t) > 0 for t in official.tokens)
   # Every official forward is counted by its query width; their sum is the forwards per prompt.
   assert sum(official.widths["forward"].values()) == int(np.sum(official.num_forwards))
+
+
+def test_official_decoder_runs_in_the_model_dtype_on_our_device():
+  pytest.importorskip("torch")
+  from refusion_jax.evaluation.official import OfficialDecoder
+
+  model = bench.random_bench_model("tiny", 1, 64.0, 0, num_layers=1, dtype="bfloat16", param_dtype="bfloat16")
+  official = OfficialDecoder(model.model, REPO)
+  assert str(official.dtype) == "torch.bfloat16" and official.device.type == "cpu"  # this CPU-only machine
+  assert all(str(p.dtype) == "torch.bfloat16" for p in official.model.parameters())
+
+
+def test_throughput_bench_compares_the_official_answers_with_ours(capsys):
+  pytest.importorskip("torch")
+  argv = ["throughput", "--prompts", "3", "--batch_sizes", "1", "--num_layers", "1", "--gen_length", "8"]
+  assert bench.main([*argv, "--serial_blocks", "1", "--repeats", "1", "--official_repo", REPO]) == 0
+  out = capsys.readouterr().out
+  # float32 on the CPU: the official code gives our answers, every one.
+  assert re.search(r"3 prompts at B = 1: .* official code \(official PyTorch cpu float32\); 3 of 3 answers", out)

@@ -12,6 +12,11 @@ cache that adds what the function calls on its cache: the official
 (`crop(max_length)`, `cache[layer] -> (keys, values)`). The unused `pandas`
 import of generate.py is stubbed. Greedy decoding then gives our tokens
 (docs/method.md §4 lists where we differ on purpose).
+
+It runs where ours does when torch can reach that device (a CUDA GPU), else
+on the CPU, and in our model's activation dtype, so that a timing compares like
+with like. In bfloat16 the two decoders' answers can part: see
+docs/method.md §4.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ import time
 import types
 from collections.abc import Callable, Sequence
 
+import jax
 import numpy as np
+from flax import nnx
 
 from refusion_jax.checkpoints.hf import save_hf
 from refusion_jax.decoding.common import PHASE_NONE, DecodeResult
@@ -92,9 +99,26 @@ def load_generate(repo: str) -> tuple[Callable, type]:
   return official.generate_refusion, cache
 
 
-class OfficialDecoder:
-  """The official decoder on `model`'s weights (float32, CPU), batch 1, prompt by prompt.
+def torch_device(model: Transformer) -> str:
+  """The torch device of the accelerator holding `model`'s weights: "cuda" for a GPU torch can use, else "cpu".
 
+  torch reaches a TPU only through torch_xla, which this comparison does not
+  use, so ours on a TPU is compared with the official code on the host CPU.
+  On a GPU both share its memory, of which jax takes 75% when it starts: for a
+  model that does not fit in the rest, set XLA_PYTHON_CLIENT_PREALLOCATE=false.
+  """
+  import torch
+
+  platform = next(iter(jax.tree.leaves(nnx.state(model))[0].devices())).platform
+  return "cuda" if platform == "gpu" and torch.cuda.is_available() else "cpu"
+
+
+class OfficialDecoder:
+  """The official decoder on `model`'s weights, batch 1, prompt by prompt, on `torch_device(model)`.
+
+  The torch model holds the weights and computes in `model.config.dtype`
+  (save_hf writes them in `param_dtype`; a bfloat16 model with float32
+  parameters is rounded on loading, as ours rounds them in each matmul).
   torch runs on `threads` intra-op threads: on a small shared CPU its default
   (one spinning thread per core) ran the official decode 15-40x slower under
   load than one thread did, so one thread is its best case there.
@@ -108,17 +132,19 @@ class OfficialDecoder:
     self._torch = torch
     self._forwards: collections.Counter[int] = collections.Counter()  # query tokens per forward -> forwards
     self._generate, self._cache = load_generate(repo)
+    self.dtype = getattr(torch, model.config.dtype)
     with tempfile.TemporaryDirectory() as path:
       save_hf(model, path)
-      self._model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    self.device = self._model.device
+      loaded = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
+    self.model = loaded.to(torch_device(model)).eval()
+    self.device = self.model.device
 
   def __call__(self, input_ids, position_ids, past_key_values=None, use_cache=True):
     """The model call `generate_refusion` makes; a fresh official cache on the prompt's first forward."""
     if past_key_values is None:
-      past_key_values = self._cache(config=self._model.config)
+      past_key_values = self._cache(config=self.model.config)
     self._forwards[int(input_ids.shape[-1])] += 1
-    return self._model(input_ids=input_ids, position_ids=position_ids, past_key_values=past_key_values, use_cache=True)
+    return self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=past_key_values, use_cache=True)
 
   def decode(
     self,
@@ -147,7 +173,7 @@ class OfficialDecoder:
       x, _ = self._generate(
         self,
         tokenizer,
-        self._torch.tensor([list(prompt)]),
+        self._torch.tensor([list(prompt)], device=self.device),
         gen_length=gen_length,
         temperature=0.0,
         mask_id=mask_id,

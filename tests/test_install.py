@@ -1,0 +1,75 @@
+"""setup.py gives each Python its jax line and the flax that imports under it; the extras and the README's
+install commands agree with it."""
+
+import pathlib
+import re
+import runpy
+import sys
+import types
+from unittest import mock
+
+import pytest
+from packaging.requirements import Requirement
+
+REPO = pathlib.Path(__file__).parent.parent
+
+
+@pytest.fixture(scope="module")
+def setup_kwargs() -> dict:
+  """The keyword arguments setup.py passes to `setuptools.setup` (a stand-in: a Python 3.12 venv has no setuptools)."""
+  setuptools = types.SimpleNamespace(setup=mock.Mock(), find_packages=mock.Mock(return_value=[]))
+  with mock.patch.dict(sys.modules, setuptools=setuptools), pytest.MonkeyPatch.context() as patch:
+    patch.chdir(REPO)
+    runpy.run_path(str(REPO / "setup.py"))
+  return setuptools.setup.call_args.kwargs
+
+
+def requirement(requirements: list[str], name: str, python: str) -> Requirement:
+  """The one requirement on `name` that applies under Python `python`."""
+  found = [Requirement(r) for r in requirements]
+  found = [r for r in found if r.name == name and (r.marker is None or r.marker.evaluate({"python_version": python}))]
+  assert len(found) == 1, (name, python, found)
+  return found[0]
+
+
+# jax and flax releases the registry serves, and whether each pair imports (checked in fresh virtualenvs).
+@pytest.mark.parametrize(
+  "python, jax_ok, jax_refused, flax_ok, flax_refused",
+  [
+    ("3.11", ["0.10.2"], ["0.10.1", "0.11.0", "0.12.0.1"], ["0.12.8"], ["0.12.7", "0.13.0"]),
+    # flax 0.12.8 fails to import under jax >= 0.11.1, flax 0.12.9 under jax >= 0.11.2.
+    ("3.12", ["0.11.1", "0.11.2", "0.12.0.1"], ["0.10.2", "0.11.0", "0.13.0"], ["0.12.10", "0.12.12"], ["0.12.9"]),
+    ("3.13", ["0.12.0.1"], ["0.10.2"], ["0.12.12"], ["0.12.8"]),
+  ],
+)
+def test_each_python_gets_its_jax_line_and_a_flax_that_imports_under_it(
+  setup_kwargs, python, jax_ok, jax_refused, flax_ok, flax_refused
+):
+  jax = requirement(setup_kwargs["install_requires"], "jax", python).specifier
+  flax = requirement(setup_kwargs["install_requires"], "flax", python).specifier
+  assert all(v in jax for v in jax_ok) and not any(v in jax for v in jax_refused), jax
+  assert all(v in flax for v in flax_ok) and not any(v in flax for v in flax_refused), flax
+
+
+@pytest.mark.parametrize("extra", ["tpu", "cuda12", "cuda13"])
+@pytest.mark.parametrize("python", ["3.11", "3.12"])
+def test_accelerator_extras_pin_the_jax_of_the_base_install(setup_kwargs, extra, python):
+  accelerated = requirement(setup_kwargs["extras_require"][extra], "jax", python)
+  assert accelerated.extras == {extra}
+  assert accelerated.specifier == requirement(setup_kwargs["install_requires"], "jax", python).specifier
+
+
+def test_torch_comes_with_the_tests_on_python_3_11_only(setup_kwargs):
+  assert requirement(setup_kwargs["extras_require"]["test"], "torch", "3.11").specifier == "==2.13.0"
+  with pytest.raises(AssertionError):
+    requirement(setup_kwargs["extras_require"]["test"], "torch", "3.12")
+
+
+def test_readme_no_deps_install_brings_every_other_requirement(setup_kwargs):
+  """The README's command for a machine whose jax pip must not touch lists what setup.py requires besides jax."""
+  readme = (REPO / "README.md").read_text()
+  # The command, with its continuation lines.
+  command = re.search(r"^    pip install -c /tmp/keep-jax.txt ((?:.*\\\n)*.*)$", readme, re.M).group(1)
+  listed = {Requirement(word.strip('"')).name for word in command.replace("\\\n", " ").split()}
+  required = {Requirement(r).name for r in setup_kwargs["install_requires"]} - {"jax"}
+  assert listed == required
