@@ -111,9 +111,18 @@ def family_switches(architecture: Architecture) -> dict:
   }[architecture]
 
 
+def _build(defaults: dict, overrides: dict) -> ModelConfig:
+  """`ModelConfig(**defaults)` with any field replaced by `overrides`, an unknown name refused by name."""
+  unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)})
+  if unknown:
+    fields = ", ".join(f.name for f in dataclasses.fields(ModelConfig))
+    raise ValueError(f"Unknown ModelConfig fields {unknown}; a preset takes any of: {fields}.")
+  return ModelConfig(**{**defaults, **overrides})
+
+
 def tiny(vocab_size: int = 256, architecture: Architecture = "qwen3", **overrides) -> ModelConfig:
   """A two-layer model for tests and CPU demos (GQA ratio 2)."""
-  fields = dict(
+  defaults = dict(
     vocab_size=vocab_size,
     hidden_size=64,
     intermediate_size=128,
@@ -126,13 +135,12 @@ def tiny(vocab_size: int = 256, architecture: Architecture = "qwen3", **override
     rope_theta=10_000.0,
     **family_switches(architecture),
   )
-  fields.update(overrides)
-  return ModelConfig(**fields)
+  return _build(defaults, overrides)
 
 
 def small(vocab_size: int = 512, **overrides) -> ModelConfig:
   """A ~20M-parameter Qwen3-shaped model: the largest the CPU benchmarks use."""
-  fields = dict(
+  defaults = dict(
     vocab_size=vocab_size,
     hidden_size=512,
     intermediate_size=1536,
@@ -142,13 +150,13 @@ def small(vocab_size: int = 512, **overrides) -> ModelConfig:
     head_dim=64,
     max_position_embeddings=4096,
   )
-  fields.update(overrides)
-  return ModelConfig(**fields)
+  return _build(defaults, overrides)
 
 
-def _qwen3(hidden, intermediate, layers, heads, tie, vocab=151_936, **overrides) -> ModelConfig:
-  return ModelConfig(
-    vocab_size=vocab,
+def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, tie: bool, overrides: dict) -> ModelConfig:
+  """A Qwen3 size (151,936-token vocabulary, 8 KV heads of 128) with any field overridden."""
+  defaults = dict(
+    vocab_size=151_936,
     hidden_size=hidden,
     intermediate_size=intermediate,
     num_layers=layers,
@@ -158,29 +166,29 @@ def _qwen3(hidden, intermediate, layers, heads, tie, vocab=151_936, **overrides)
     tie_embeddings=tie,
     eos_token_id=151_645,
     pad_token_id=151_643,
-    **overrides,
   )
+  return _build(defaults, overrides)
 
 
 def qwen3_0p6b(**overrides) -> ModelConfig:
-  return _qwen3(1024, 3072, 28, 16, tie=True, **overrides)
+  return _qwen3(1024, 3072, 28, 16, True, overrides)
 
 
 def qwen3_1p7b(**overrides) -> ModelConfig:
-  return _qwen3(2048, 6144, 28, 16, tie=True, **overrides)
+  return _qwen3(2048, 6144, 28, 16, True, overrides)
 
 
 def qwen3_4b(**overrides) -> ModelConfig:
-  return _qwen3(2560, 9728, 36, 32, tie=True, **overrides)
+  return _qwen3(2560, 9728, 36, 32, True, overrides)
 
 
 def qwen3_8b(**overrides) -> ModelConfig:
-  return _qwen3(4096, 12288, 36, 32, tie=False, **overrides)
+  return _qwen3(4096, 12288, 36, 32, False, overrides)
 
 
 def refusion_8b(**overrides) -> ModelConfig:
   """The released ReFusion weights: Qwen3-8B with a 151,671-token vocabulary."""
-  return qwen3_8b(vocab=151_671, **overrides)
+  return qwen3_8b(**{"vocab_size": 151_671, **overrides})
 
 
 PRESETS = {
@@ -195,7 +203,7 @@ PRESETS = {
 
 
 def preset(name: str, **overrides) -> ModelConfig:
-  """Look a preset up by name, e.g. `preset("qwen3_8b", dtype="bfloat16")`."""
+  """Look a preset up by name; every `ModelConfig` field may be overridden, e.g. `preset("qwen3_8b", num_layers=8)`."""
   if name not in PRESETS:
     raise ValueError(f"Unknown model preset {name!r}; choose one of {sorted(PRESETS)}.")
   return PRESETS[name](**overrides)
