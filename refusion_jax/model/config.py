@@ -16,9 +16,12 @@ from typing import Literal
 
 import jax.numpy as jnp
 
+from refusion_jax.model import remat as remat_policies
+
 Architecture = Literal["qwen3", "qwen2", "llama"]
-AttentionImpl = Literal["xla", "chunked", "dot_product"]
-_ATTENTION_IMPLS = ("xla", "chunked", "dot_product")
+AttentionImpl = Literal["auto", "flash", "xla", "chunked", "dot_product"]
+_ATTENTION_IMPLS = ("auto", "flash", "xla", "chunked", "dot_product")
+RematPolicy = Literal["none", "full", "projections", "projections_except_mlp"]  # refusion_jax.model.remat.POLICIES
 RopeScaling = Literal["linear", "llama3"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -62,15 +65,32 @@ class ModelConfig:
   # Activations and the KV cache use `dtype`; parameters are stored in `param_dtype`.
   dtype: str = "float32"
   param_dtype: str = "float32"
-  # Rematerialise each decoder layer in the backward pass (training memory saver).
-  remat: bool = False
-  # How attention is computed (same logits; see refusion_jax.model.transformer): "xla" holds every
-  # [heads, block, keys] score at once, "chunked" only `attention_chunk` query rows' worth (long training
-  # sequences), "dot_product" calls jax.nn.dot_product_attention.
-  attention_impl: AttentionImpl = "xla"
+  # What each decoder layer keeps for the backward pass (refusion_jax.model.remat): "none" keeps everything,
+  # "full" only the layer's input (recomputes the layer), "projections" the outputs of every projection
+  # (q/k/v/o and the MLP's gate/up/down; recomputes norms, RoPE, attention and activations),
+  # "projections_except_mlp" those of q/k/v/o only (also recomputes the MLP). True / False (configs and
+  # checkpoints written before the policies had names) mean "full" / "none".
+  remat: RematPolicy = "none"
+  # How attention is computed (same logits; see refusion_jax.model.transformer): "auto" runs training forwards
+  # (segment ids, no mask, no cache) through the fused kernel on TPU and GPU and everything else, CPU included,
+  # as "xla"; "flash" always fuses training forwards (splash attention on TPU, the Pallas Triton kernel on GPU,
+  # splash interpreted on CPU: tests only); "xla" holds every [heads, block, keys] score at once, "chunked"
+  # only `attention_chunk` query rows' worth, "dot_product" calls jax.nn.dot_product_attention. Forwards with
+  # a mask or a cache (decoding) run "xla" under "auto" and "flash".
+  attention_impl: AttentionImpl = "auto"
   attention_chunk: int = 512
+  # Run the decoder layers as one `lax.scan` over their stacked weights (one layer body in the compiled
+  # program: compiles in seconds, not minutes, at 36 layers). Parameters stay one subtree per layer, so
+  # checkpoints are the same either way; decoding always runs the layers unrolled.
+  scan_layers: bool = False
 
   def __post_init__(self):
+    if isinstance(self.remat, bool):  # the boolean of older configs and checkpoints
+      object.__setattr__(self, "remat", "full" if self.remat else "none")
+    if self.remat not in remat_policies.POLICIES:
+      raise ValueError(
+        f"remat={self.remat!r}; expected one of {tuple(remat_policies.POLICIES)} (or True / False: full / none)."
+      )
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads} (GQA).")
     for field in ("dtype", "param_dtype"):
