@@ -470,8 +470,9 @@ def _train_loop(
   graphdef, _ = abstract_model(start.model_config)
   step_fn = placement.jit_step(make_train_step(graphdef, tx, schedule, objective, config.grad_accum_steps))
   eval_fn = placement.jit_eval(make_eval_step(graphdef, objective))
-  # Rematerialisation only saves memory in a backward pass, and nnx.remat fails inside the decode loop's trace.
-  decode_graphdef, _ = abstract_model(start.model_config.replace(remat=False))
+  # Decoding runs as inference_config says: no rematerialisation (a backward-pass saving) and unrolled layers (a
+  # scan would stack the weights again in every decode forward); the weights stay the training state's.
+  decode_graphdef, _ = abstract_model(start.model_config.replace(remat="none", scan_layers=False))
   meta = model_meta(start.model_config, start.tokenizer_name, objective=objective.kind)
   step = first_step = int(state.step)
   position = _Position(train_iter)
