@@ -113,8 +113,9 @@ def test_flash_model_gives_the_dense_models_logits_and_gradients(bidirectional):
   (got_loss, got_logits), got_grads = results["flash"]
   np.testing.assert_allclose(got_logits, want_logits, rtol=2e-5, atol=2e-5, err_msg=f"seed {seed}")
   np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5, err_msg=f"seed {seed}")
+  # The kernel sums its softmax in another order: up to 1.7e-6 beyond rtol over 30 seeds (a summed loss).
   for (path, a), (_, b) in zip(nnx.to_flat_state(want_grads), nnx.to_flat_state(got_grads)):
-    np.testing.assert_allclose(b.get_value(), a.get_value(), rtol=1e-4, atol=1e-6, err_msg=f"{path} seed {seed}")
+    np.testing.assert_allclose(b.get_value(), a.get_value(), rtol=1e-4, atol=1e-5, err_msg=f"{path} seed {seed}")
 
 
 def forward_jaxpr(impl: str, batch: int, length: int) -> str:

@@ -64,10 +64,12 @@ def test_remat_policies_and_scanned_layers_give_the_same_loss_and_gradients(rema
   batch = packed_batch(seed)
   (want_loss, want_logits), want = loss_and_grads(model_with(), batch)
   (got_loss, got_logits), got = loss_and_grads(model_with(remat=remat, scan_layers=scan_layers), batch)
-  np.testing.assert_allclose(got_logits, want_logits, rtol=1e-6, atol=1e-6, err_msg=f"seed {seed}")
+  np.testing.assert_allclose(got_logits, want_logits, rtol=1e-6, atol=2e-6, err_msg=f"seed {seed}")
   np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6, err_msg=f"seed {seed}")
+  # Recomputed activations round differently from stored ones: up to 1.9e-6 beyond rtol over 40 seeds (a summed
+  # loss; gradient entries up to order 1).
   for (path, a), (_, b) in zip(nnx.to_flat_state(want), nnx.to_flat_state(got)):
-    np.testing.assert_allclose(b.get_value(), a.get_value(), rtol=1e-4, atol=1e-6, err_msg=f"{path} seed {seed}")
+    np.testing.assert_allclose(b.get_value(), a.get_value(), rtol=1e-4, atol=1e-5, err_msg=f"{path} seed {seed}")
 
 
 def saved_for_backward(model, batch) -> int:
