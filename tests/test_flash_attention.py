@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from refusion_jax.model import flash, transformer
 from refusion_jax.model.config import tiny
 from refusion_jax.model.flash import Segments, attend_segments, fused_attention
 from refusion_jax.model.transformer import attend_dense, init_model, segment_mask
@@ -131,6 +132,15 @@ def test_flash_never_builds_a_dense_mask_and_auto_keeps_the_dense_path_on_cpu():
   flash, auto = forward_jaxpr("flash", batch, length), forward_jaxpr("auto", batch, length)
   assert "pallas_call" in flash and dense_mask not in flash
   assert "pallas_call" not in auto and dense_mask in auto  # the CPU keeps today's speed
+
+
+def test_where_jax_lacks_the_kernel_auto_keeps_the_dense_path_and_flash_says_so(monkeypatch):
+  monkeypatch.setattr(transformer, "target_platform", lambda: "gpu")
+  monkeypatch.setitem(flash._KERNEL_MODULES, "triton", "jax.experimental.pallas.ops.gpu.no_such_kernel")
+  assert "pallas_call" not in forward_jaxpr("auto", 2, 8)
+  monkeypatch.setattr(flash, "target_platform", lambda: "gpu")
+  with pytest.raises(ValueError, match="no_such_kernel.*attention_impl=auto"):
+    forward_jaxpr("flash", 2, 8)
 
 
 # `auto` follows the compile target, not the host: traced under a TPU topology's mesh it picks splash attention,

@@ -72,11 +72,12 @@ class ModelConfig:
   # checkpoints written before the policies had names) mean "full" / "none".
   remat: RematPolicy = "none"
   # How attention is computed (same logits; see refusion_jax.model.transformer): "auto" runs training forwards
-  # (segment ids, no mask, no cache) through the fused kernel on TPU and GPU and everything else, CPU included,
-  # as "xla"; "flash" always fuses training forwards (splash attention on TPU, the Pallas Triton kernel on GPU,
-  # splash interpreted on CPU: tests only); "xla" holds every [heads, block, keys] score at once, "chunked"
-  # only `attention_chunk` query rows' worth, "dot_product" calls jax.nn.dot_product_attention. Forwards with
-  # a mask or a cache (decoding) run "xla" under "auto" and "flash".
+  # (segment ids, no mask, no cache) through the fused kernel on TPU and GPU (where jax ships it) and
+  # everything else, CPU included, as "xla"; "flash" always fuses training forwards (splash attention on TPU,
+  # the Pallas Triton kernel on GPU, splash interpreted on CPU: tests only); "xla" holds every
+  # [heads, block, keys] score at once, "chunked" only `attention_chunk` query rows' worth, "dot_product"
+  # calls jax.nn.dot_product_attention. Forwards with a mask or a cache (decoding) run "xla" under "auto"
+  # and "flash".
   attention_impl: AttentionImpl = "auto"
   attention_chunk: int = 512
   # Run the decoder layers as one `lax.scan` over their weights, stacked inside the forward (one layer body

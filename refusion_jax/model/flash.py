@@ -23,7 +23,9 @@ is a segment like any other: padding sees only padding, as the dense mask says.
 cuDNN is not used: `jax.nn.dot_product_attention(implementation="cudnn")` has
 no segment ids in jax 0.10 (only per-row sequence lengths; the packed-segment
 offsets cuDNN supports are reachable only through jax's private
-`jax._src.cudnn` module).
+`jax._src.cudnn` module). Both kernels are experimental jax modules, imported
+when first used; where the installed jax lacks the platform's kernel, `auto`
+keeps the dense path and `flash` says so.
 
 Under `activation_sharding` (a mesh) a Pallas kernel cannot be split by XLA's
 partitioner, so it runs inside `shard_map`: each device attends its own rows
@@ -34,13 +36,12 @@ heads. The length is never split (a query block needs every key block).
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
 
 import flax.struct
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.gpu import attention as triton_attention
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import PartitionSpec
 
 from refusion_jax.parallel.activations import active_layout, active_mesh
@@ -50,6 +51,12 @@ LENGTH_MULTIPLE = 128
 _SPLASH_BLOCKS = (512, 256, 128)
 # Segment id of the positions added to reach LENGTH_MULTIPLE (real ids are >= 0).
 _PAD_SEGMENT = -1
+# Where each kernel lives. Imported when used: they are experimental modules that jax may move (the Triton one
+# is unmaintained upstream), and a model that never runs them must not depend on them.
+_KERNEL_MODULES = {
+  "splash": "jax.experimental.pallas.ops.tpu.splash_attention",
+  "triton": "jax.experimental.pallas.ops.gpu.attention",
+}
 
 
 @flax.struct.dataclass
@@ -77,6 +84,28 @@ def target_platform() -> str:
   return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
 
 
+def kernel_for(platform: str) -> str:
+  """The fused kernel of a platform: "triton" on GPU, "splash" elsewhere (interpreted on CPU)."""
+  return "triton" if platform == "gpu" else "splash"
+
+
+def kernel_available(kernel: str) -> bool:
+  """Whether the installed jax ships `kernel` ("splash" or "triton")."""
+  try:
+    return importlib.util.find_spec(_KERNEL_MODULES[kernel]) is not None
+  except ModuleNotFoundError:
+    return False
+
+
+def _kernel_module(kernel: str):
+  if not kernel_available(kernel):
+    raise ValueError(
+      f"attention_impl='flash' needs {_KERNEL_MODULES[kernel]}, which jax {jax.__version__} does not have; "
+      "set --config.model.attention_impl=auto (the dense path where no kernel is installed) or chunked."
+    )
+  return importlib.import_module(_KERNEL_MODULES[kernel])
+
+
 def attend_segments(q: jax.Array, k: jax.Array, v: jax.Array, segments: Segments) -> jax.Array:
   """Attention within segments by the fused kernel of the target platform.
 
@@ -90,7 +119,7 @@ def attend_segments(q: jax.Array, k: jax.Array, v: jax.Array, segments: Segments
   """
   batch, length, kv_heads, groups, head_dim = q.shape
   platform = target_platform()
-  kernel = "triton" if platform == "gpu" else "splash"
+  kernel = kernel_for(platform)
   heads = q.reshape(batch, length, kv_heads * groups, head_dim)  # query head h uses KV head h // groups
   ids = segments.ids.astype(jnp.int32)
   pad = -length % LENGTH_MULTIPLE
@@ -150,13 +179,14 @@ def fused_attention(
   if kernel == "triton":
     groups = q.shape[2] // k.shape[2]
     k, v = (jnp.repeat(x, groups, axis=2) for x in (k, v))
-    out = triton_attention.mha(q, k, v, segment_ids, sm_scale=1.0, causal=not bidirectional, interpret=interpret)
-    return out.astype(q.dtype)
+    mha = _kernel_module("triton").mha
+    return mha(q, k, v, segment_ids, sm_scale=1.0, causal=not bidirectional, interpret=interpret).astype(q.dtype)
   raise ValueError(f"kernel={kernel!r}; expected 'splash' or 'triton'.")
 
 
 def _splash(q, k, v, segment_ids, bidirectional: bool, interpret: bool) -> jax.Array:
   """Splash attention, one call per row (it takes [heads, length, head_dim]); shapes as in `fused_attention`."""
+  splash = _kernel_module("splash")
   length, heads = q.shape[1:3]
   block = next(b for b in _SPLASH_BLOCKS if length % b == 0)
   sizes = splash.BlockSizes(
@@ -169,9 +199,9 @@ def _splash(q, k, v, segment_ids, bidirectional: bool, interpret: bool) -> jax.A
     block_q_dq=block,
     block_kv_dq=block,
   )
-  one_head = splash_mask.FullMask((length, length)) if bidirectional else splash_mask.CausalMask((length, length))
+  one_head = splash.FullMask((length, length)) if bidirectional else splash.CausalMask((length, length))
   kernel = splash.make_splash_mha(
-    splash_mask.MultiHeadMask([one_head] * heads),
+    splash.MultiHeadMask([one_head] * heads),
     block_sizes=sizes,
     head_shards=1,
     q_seq_shards=1,
