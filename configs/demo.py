@@ -42,9 +42,11 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.model.head_dim = 32  # per-head width
   config.model.dtype = "float32"  # activation dtype ("bfloat16" on accelerators)
   config.model.param_dtype = "float32"  # parameter dtype
-  config.model.remat = False  # recompute layer activations in the backward pass
-  config.model.attention_impl = "xla"  # "xla", "chunked" (long sequences: query chunks) or "dot_product"
+  config.model.remat = "none"  # kept for the backward pass: "none", "full", "projections", "projections_except_mlp"
+  # "auto" (fused kernel for training on TPU/GPU, else "xla"), "flash", "xla", "chunked" (query chunks), "dot_product"
+  config.model.attention_impl = "auto"
   config.model.attention_chunk = 512  # query rows per chunk of "chunked"
+  config.model.scan_layers = False  # run the layers as one lax.scan (compiles faster; same results)
 
   config.objective = ml_collections.ConfigDict()
   config.objective.kind = "refusion"  # "refusion", "ar" or "mdm"

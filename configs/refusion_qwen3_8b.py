@@ -19,21 +19,23 @@ Memory (ahead-of-time compile for v5p with `python -m refusion_jax.aot --config
 configs/refusion_qwen3_8b.py --topology ...`, per chip, HBM 95.74 GiB = 102.8 GB;
 gcloud names count TensorCores, two per v5p chip):
 
-| chips (topology)          | grad_accum | temporaries | total   | fits |
-| ------------------------- | ---------- | ----------- | ------- | ---- |
-| 64 (v5p:4x4x4, v5p-128)   | 1          | 26.1 GB     | 27.6 GB | yes  |
-| 8 (v5p:2x2x2, v5p-16)     | 1          | ≥ 144 GB    | ≥ 156 GB | no  |
-| 8                         | 2          | ≥ 116 GB    | ≥ 129 GB | no  |
-| 8                         | 4          | 66.8 GB     | 79.1 GB | yes  |
-| 8, attention_impl=chunked | 2          | 89.8 GB     | 102 GB  | by 1% |
+| chips (topology)          | attention          | grad_accum | temporaries | total    | fits  |
+| ------------------------- | ------------------ | ---------- | ----------- | -------- | ----- |
+| 8 (v5p:2x2x2, v5p-16)     | auto (splash)      | 1          | 55.1 GB     | 67.4 GB  | yes   |
+| 64 (v5p:4x4x4, v5p-128)   | xla (dense scores) | 1          | 26.1 GB     | 27.6 GB  | yes   |
+| 8                         | xla                | 1          | ≥ 144 GB    | ≥ 156 GB | no    |
+| 8                         | xla                | 2          | ≥ 116 GB    | ≥ 129 GB | no    |
+| 8                         | xla                | 4          | 66.8 GB     | 79.1 GB  | yes   |
+| 8                         | chunked            | 2          | 89.8 GB     | 102 GB   | by 1% |
 
-So the recipe as written fits 64 chips at grad_accum 1, and 8 chips with
-`--config.grad_accum_steps=4` (same global batch). Chunked attention
-(`--config.model.attention_impl=chunked`) brings 8 chips down to grad_accum 2,
-but with under 1 GB to spare: prefer grad_accum 4 there. Activations follow each
-chip's rows of the batch, so memory falls as chips are added. Decoding for the
-periodic evaluation (prompt 512, 512 generated, S = 8) fits one chip: 18.9 GB
-at batch 1, 35.6 GB at batch 32.
+(the splash row with `--config.model.scan_layers=True`, which adds a stacked
+bfloat16 copy of the layer weights, about 2 GB per chip here). So with splash
+attention, the default on TPU, the recipe as written fits 8 chips at
+grad_accum 1 with a third of the HBM spare; the dense-score rows are what
+`--config.model.attention_impl=xla` costs. Activations follow each chip's rows
+of the batch, so memory falls as chips are added. Decoding for the periodic
+evaluation (prompt 512, 512 generated, S = 8) fits one chip: 18.9 GB at batch
+1, 35.6 GB at batch 32.
 
 `init_from` and `data.train_files` are required; the checkpoint must be a
 Qwen3-8B (its config.json is checked against the `qwen3_8b` preset, naming the
@@ -61,10 +63,11 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.model.preset = "qwen3_8b"  # the architecture init_from must have (checked; "" accepts any)
   config.model.dtype = "bfloat16"  # compute in bf16
   config.model.param_dtype = "float32"  # float32 master weights for AdamW
-  config.model.remat = True  # 36 layers x 4096 tokens: recompute activations in the backward pass
-  # "xla": [heads, length, length] scores at once; "chunked": `attention_chunk` query rows at a time (same logits)
-  config.model.attention_impl = "xla"
-  config.model.attention_chunk = 512
+  config.model.remat = "full"  # 36 layers x 4096 tokens: recompute each layer in the backward pass
+  config.model.attention_impl = "auto"  # splash attention on TPU, Pallas flash attention on GPU (no [T, T] scores)
+  config.model.attention_chunk = 512  # query rows per chunk, if attention_impl="chunked"
+  # one layer body in the compiled step (compiles faster, but the AOT report then cannot count FLOPs)
+  config.model.scan_layers = False
 
   config.objective.slot_sizes = (4, 8, 16, 32)  # the paper's slot sizes
 

@@ -4,9 +4,12 @@
     python -m refusion_jax.aot --config configs/refusion_qwen3_8b.py --topology v5p:2x2x1 \\
         --config.grad_accum_steps=4 --decode_batch=1,32 --decode_mesh=tensor=4
     python -m refusion_jax.aot --config configs/demo.py:smoke      # the local devices
+    python -m refusion_jax.aot --config configs/refusion_qwen3_8b.py --topology v5p:2x2x2 --programs train \\
+        --remat_policies=full,projections_except_mlp,projections        # one row per remat policy
 
 Compiles (a) the training step at the config's batch, sequence length,
-gradient accumulation and mesh, and (b) the ReFusion decode loop (prefill +
+gradient accumulation and mesh (once per `--remat_policies` entry, one row
+each, to compare their memory and FLOPs), and (b) the ReFusion decode loop (prefill +
 plan-and-infill while_loop) per `--decode_batch`, at `--decode_prompt_length`
 + `config.eval.gen_length` on `--decode_mesh`. Nothing is allocated and no
 TPU is needed: a topology is described by libtpu (`pip install
@@ -102,11 +105,16 @@ def train_report(config: ml_collections.ConfigDict, devices: Sequence[jax.Device
     key: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding.batch_sharding(mesh, len(shape), rules))
     for key, shape in shapes.items()
   }
-  name = f"train step, batch {config.batch_size} x {config.data.seq_len}, grad_accum {accum}, mesh {_mesh_text(mesh)}"
+  name = (
+    f"train step, batch {config.batch_size} x {config.data.seq_len}, grad_accum {accum}, "
+    f"remat {model_config.remat}{', layers scanned' if model_config.scan_layers else ''}, mesh {_mesh_text(mesh)}"
+  )
   args = (placement.abstract_state, batch)
   report = compiled.compile_report(
     name, lambda: step.lower(*args), args, list(mesh.devices.flat), chip, loop_count=accum
   )
+  if model_config.scan_layers:  # XLA's cost analysis counts the scan's one layer once: no FLOPs rather than wrong ones
+    report.flops = report.bytes_accessed = None
   report.advice = train_advice(report, config, model_config, ways)
   return report
 
@@ -173,10 +181,13 @@ def train_advice(report: compiled.Report, config, model_config: ModelConfig, way
       f"parameters + optimizer state alone take {report.arguments / 1e9:.1f} GB per chip: shard them over "
       f"more chips (a larger topology with config.mesh.fsdp=-1)."
     )
-  if not model_config.remat:
-    advice.append("set --config.model.remat=True (recompute each layer in the backward pass).")
-  if model_config.attention_impl != "chunked" and config.data.seq_len > model_config.attention_chunk:
-    advice.append("set --config.model.attention_impl=chunked (scores of one query chunk at a time).")
+  if model_config.remat != "full":
+    advice.append("set --config.model.remat=full (each layer keeps only its input for the backward pass).")
+  if model_config.attention_impl in ("xla", "dot_product") and config.data.seq_len > model_config.attention_chunk:
+    advice.append(
+      "set --config.model.attention_impl=auto (the fused kernel on TPU / GPU) or chunked (one query chunk's "
+      "scores at a time)."
+    )
   accum, per_device = config.grad_accum_steps, config.batch_size // ways
   # Activations scale with the microbatch, the state does not: an estimate from this compile (after an
   # out-of-memory compile its temporaries are a lower bound, so the estimate may fall short; rerun to check).
@@ -207,12 +218,19 @@ def run(
   decode_batches: Sequence[int],
   decode_prompt_length: int,
   decode_mesh: dict[str, int],
+  remat_policies: Sequence[str] = (),
 ) -> list[compiled.Report]:
-  """Compile the requested programs one at a time (big compiles are CPU-heavy) and return their reports."""
+  """Compile the requested programs one at a time (big compiles are CPU-heavy) and return their reports.
+
+  The training step compiles once per `remat_policies` entry (one report each), or at the config's remat.
+  """
   reports = []
   if "train" in programs:
-    reports.append(train_report(config, devices, chip))
-    print(compiled.format_table(reports[-1:]), flush=True)
+    for policy in remat_policies or [config.model.remat]:
+      with_policy = config.copy_and_resolve_references()
+      with_policy.model.remat = policy
+      reports.append(train_report(with_policy, devices, chip))
+      print(compiled.format_table(reports[-1:]), flush=True)
   if "decode" in programs:
     for batch in decode_batches:
       reports.append(decode_report(config, devices, chip, batch, decode_prompt_length, decode_mesh))
@@ -242,12 +260,14 @@ def report(f: flags.FlagValues) -> None:
     decode_batches=[int(b) for b in f.decode_batch],
     decode_prompt_length=f.decode_prompt_length,
     decode_mesh=decode_mesh,
+    remat_policies=f.remat_policies,
   )
   print("\n" + compiled.format_table(reports))
   print(
     "Per device; GB = 1e9 bytes. TFLOP and GB accessed are the compiler's counts (a loop body counted once, "
     "times grad_accum for the training step); 'estimated s' is a roofline estimate (max of compute at peak "
-    "FLOP/s and memory traffic at peak bandwidth, no communication), not a measurement."
+    "FLOP/s and memory traffic at peak bandwidth, no communication), not a measurement. With layers scanned "
+    "the cost columns are left out (the compiler counts the scanned layer once): compare policies unscanned."
   )
   advice = [f"- {r.name}: {tip}" for r in reports for tip in r.advice]
   failed = [r for r in reports if r.fits is False]
@@ -266,6 +286,9 @@ if __name__ == "__main__":
   flags.DEFINE_list("decode_batch", ["1", "32"], "Decode batch sizes to compile.")
   flags.DEFINE_integer("decode_prompt_length", 512, "Prompt bucket of the decode programs.")
   flags.DEFINE_string("decode_mesh", "", 'Decode mesh, e.g. "tensor=4" or "data=1" (one chip); "" = config.mesh.')
+  flags.DEFINE_list(
+    "remat_policies", [], "Compile the training step once per policy, e.g. full,projections ('': config.model.remat)."
+  )
   flags.DEFINE_float("hbm_gib", None, "Per-device memory in GiB (overrides the chip table; needed on CPU/GPU).")
   flags.mark_flags_as_required(["config"])
   app.run(main)

@@ -1,4 +1,4 @@
-"""Decoding a model built for training: remat on, float32 master weights with bfloat16 compute."""
+"""Decoding a model built for training: remat on, layers scanned, float32 master weights with bfloat16 compute."""
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +19,9 @@ VOCAB, MASK, EOS = 64, 63, 5
 KNOBS = dict(gen_length=16, slot_size=4, serial_blocks=2, slot_threshold=0.3, token_threshold=0.2)
 
 
-def with_remat(model, remat: bool):
-  """The same parameter arrays under a config whose only change is `remat`."""
-  twin = nnx.eval_shape(lambda: init_model(model.config.replace(remat=remat)))
+def with_remat(model, remat: str, scan_layers: bool = False):
+  """The same parameter arrays under a config whose only changes are `remat` and `scan_layers`."""
+  twin = nnx.eval_shape(lambda: init_model(model.config.replace(remat=remat, scan_layers=scan_layers)))
   graphdef, _ = nnx.split(twin)
   return nnx.merge(graphdef, nnx.state(model))
 
@@ -32,12 +32,12 @@ def models():
   template = init_model(tiny(vocab_size=VOCAB, mask_token_id=MASK, eos_token_id=EOS))
   plain = random_weights(template, seed=int(rng.integers(1 << 30)), weight_std=0.3, head_std=0.8)
   prompts = [rng.integers(0, VOCAB - 1, int(n)).tolist() for n in (3, 9, 14)]
-  return plain, with_remat(plain, True), prompts
+  return plain, with_remat(plain, "full", scan_layers=True), prompts
 
 
 def test_remat_model_decodes_to_the_tokens_of_the_remat_free_one(models):
   plain, remat, prompts = models
-  assert remat.config.remat and not plain.config.remat
+  assert (remat.config.remat, plain.config.remat) == ("full", "none") and remat.config.scan_layers
   decoders = {
     "refusion": lambda m: generate(m, prompts, **KNOBS).tokens,
     "ar": lambda m: ar_generate(m, prompts, gen_length=12).tokens,
@@ -54,17 +54,18 @@ def test_remat_model_decodes_to_the_tokens_of_the_remat_free_one(models):
 def test_view_shares_the_arrays_when_nothing_is_cast(models):
   _, remat, _ = models
   view = inference_view(remat)
-  assert not view.config.remat and view.config.param_dtype == remat.config.param_dtype
+  assert (view.config.remat, view.config.scan_layers) == ("none", False)
+  assert view.config.param_dtype == remat.config.param_dtype
   assert view.lm_head.get_value() is remat.lm_head.get_value()
   assert view.layers[1].self_attn.q_proj.get_value() is remat.layers[1].self_attn.q_proj.get_value()
   assert view.layers[0].self_attn.config == view.config  # the attention reads the view's config too
   assert inference_view(view) is view
-  assert remat.config.remat  # the training model is left as it was
+  assert remat.config.remat == "full" and remat.config.scan_layers  # the training model is left as it was
 
 
 def test_wide_weights_are_cast_once_to_the_compute_dtype(models):
   plain, _, prompts = models
-  mixed = with_remat(plain, True)
+  mixed = with_remat(plain, "full")
   graphdef, state = nnx.split(mixed)
   mixed = nnx.merge(graphdef, state)
   for module in (mixed, *(layer.self_attn for layer in mixed.layers)):

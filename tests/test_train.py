@@ -240,10 +240,12 @@ def test_execution_fields_of_the_config_apply_to_whatever_checkpoint_the_run_sta
   config = load_config("configs/refusion_qwen3_8b.py")
   config.model.attention_impl = "chunked"
   config.model.attention_chunk = 256
-  saved = tiny(remat=False, attention_impl="xla")
+  config.model.scan_layers = True
+  saved = tiny(remat=False, attention_impl="xla")  # a checkpoint's meta from before remat policies had names
   ran = run_as_configured(saved, config.model)
-  assert (ran.attention_impl, ran.attention_chunk, ran.remat) == ("chunked", 256, True)
-  assert ran.replace(attention_impl="xla", attention_chunk=saved.attention_chunk, remat=False) == saved
+  assert (ran.attention_impl, ran.attention_chunk, ran.remat, ran.scan_layers) == ("chunked", 256, "full", True)
+  execution = dict(attention_impl="xla", attention_chunk=saved.attention_chunk, remat="none", scan_layers=False)
+  assert ran.replace(**execution) == saved
 
 
 def test_start_fields_of_earlier_versions_are_refused_naming_their_replacement(tmp_path, data_dir):

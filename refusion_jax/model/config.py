@@ -16,9 +16,12 @@ from typing import Literal
 
 import jax.numpy as jnp
 
+from refusion_jax.model import remat as remat_policies
+
 Architecture = Literal["qwen3", "qwen2", "llama"]
-AttentionImpl = Literal["xla", "chunked", "dot_product"]
-_ATTENTION_IMPLS = ("xla", "chunked", "dot_product")
+AttentionImpl = Literal["auto", "flash", "xla", "chunked", "dot_product"]
+_ATTENTION_IMPLS = ("auto", "flash", "xla", "chunked", "dot_product")
+RematPolicy = Literal["none", "full", "projections", "projections_except_mlp"]  # refusion_jax.model.remat.POLICIES
 RopeScaling = Literal["linear", "llama3"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -62,15 +65,33 @@ class ModelConfig:
   # Activations and the KV cache use `dtype`; parameters are stored in `param_dtype`.
   dtype: str = "float32"
   param_dtype: str = "float32"
-  # Rematerialise each decoder layer in the backward pass (training memory saver).
-  remat: bool = False
-  # How attention is computed (same logits; see refusion_jax.model.transformer): "xla" holds every
-  # [heads, block, keys] score at once, "chunked" only `attention_chunk` query rows' worth (long training
-  # sequences), "dot_product" calls jax.nn.dot_product_attention.
-  attention_impl: AttentionImpl = "xla"
+  # What each decoder layer keeps for the backward pass (refusion_jax.model.remat): "none" keeps everything,
+  # "full" only the layer's input (recomputes the layer), "projections" the outputs of every projection
+  # (q/k/v/o and the MLP's gate/up/down; recomputes norms, RoPE, attention and activations),
+  # "projections_except_mlp" those of q/k/v/o only (also recomputes the MLP). True / False (configs and
+  # checkpoints written before the policies had names) mean "full" / "none".
+  remat: RematPolicy = "none"
+  # How attention is computed (same logits; see refusion_jax.model.transformer): "auto" runs training forwards
+  # (segment ids, no mask, no cache) through the fused kernel on TPU and GPU (where jax ships it) and
+  # everything else, CPU included, as "xla"; "flash" always fuses training forwards (splash attention on TPU,
+  # the Pallas Triton kernel on GPU, splash interpreted on CPU: tests only); "xla" holds every
+  # [heads, block, keys] score at once, "chunked" only `attention_chunk` query rows' worth, "dot_product"
+  # calls jax.nn.dot_product_attention. Forwards with a mask or a cache (decoding) run "xla" under "auto"
+  # and "flash".
+  attention_impl: AttentionImpl = "auto"
   attention_chunk: int = 512
+  # Run the decoder layers as one `lax.scan` over their weights, stacked inside the forward (one layer body
+  # in the compiled forward and backward: faster compiles). Parameters stay one subtree per layer, so
+  # checkpoints are the same either way; decoding always runs the layers unrolled.
+  scan_layers: bool = False
 
   def __post_init__(self):
+    if isinstance(self.remat, bool):  # the boolean of older configs and checkpoints
+      object.__setattr__(self, "remat", "full" if self.remat else "none")
+    if self.remat not in remat_policies.POLICIES:
+      raise ValueError(
+        f"remat={self.remat!r}; expected one of {tuple(remat_policies.POLICIES)} (or True / False: full / none)."
+      )
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads} (GQA).")
     for field in ("dtype", "param_dtype"):
@@ -111,9 +132,18 @@ def family_switches(architecture: Architecture) -> dict:
   }[architecture]
 
 
+def _build(defaults: dict, overrides: dict) -> ModelConfig:
+  """`ModelConfig(**defaults)` with any field replaced by `overrides`, an unknown name refused by name."""
+  unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)})
+  if unknown:
+    fields = ", ".join(f.name for f in dataclasses.fields(ModelConfig))
+    raise ValueError(f"Unknown ModelConfig fields {unknown}; a preset takes any of: {fields}.")
+  return ModelConfig(**{**defaults, **overrides})
+
+
 def tiny(vocab_size: int = 256, architecture: Architecture = "qwen3", **overrides) -> ModelConfig:
   """A two-layer model for tests and CPU demos (GQA ratio 2)."""
-  fields = dict(
+  defaults = dict(
     vocab_size=vocab_size,
     hidden_size=64,
     intermediate_size=128,
@@ -126,13 +156,12 @@ def tiny(vocab_size: int = 256, architecture: Architecture = "qwen3", **override
     rope_theta=10_000.0,
     **family_switches(architecture),
   )
-  fields.update(overrides)
-  return ModelConfig(**fields)
+  return _build(defaults, overrides)
 
 
 def small(vocab_size: int = 512, **overrides) -> ModelConfig:
   """A ~20M-parameter Qwen3-shaped model: the largest the CPU benchmarks use."""
-  fields = dict(
+  defaults = dict(
     vocab_size=vocab_size,
     hidden_size=512,
     intermediate_size=1536,
@@ -142,13 +171,13 @@ def small(vocab_size: int = 512, **overrides) -> ModelConfig:
     head_dim=64,
     max_position_embeddings=4096,
   )
-  fields.update(overrides)
-  return ModelConfig(**fields)
+  return _build(defaults, overrides)
 
 
-def _qwen3(hidden, intermediate, layers, heads, tie, vocab=151_936, **overrides) -> ModelConfig:
-  return ModelConfig(
-    vocab_size=vocab,
+def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, tie: bool, overrides: dict) -> ModelConfig:
+  """A Qwen3 size (151,936-token vocabulary, 8 KV heads of 128) with any field overridden."""
+  defaults = dict(
+    vocab_size=151_936,
     hidden_size=hidden,
     intermediate_size=intermediate,
     num_layers=layers,
@@ -158,29 +187,29 @@ def _qwen3(hidden, intermediate, layers, heads, tie, vocab=151_936, **overrides)
     tie_embeddings=tie,
     eos_token_id=151_645,
     pad_token_id=151_643,
-    **overrides,
   )
+  return _build(defaults, overrides)
 
 
 def qwen3_0p6b(**overrides) -> ModelConfig:
-  return _qwen3(1024, 3072, 28, 16, tie=True, **overrides)
+  return _qwen3(1024, 3072, 28, 16, True, overrides)
 
 
 def qwen3_1p7b(**overrides) -> ModelConfig:
-  return _qwen3(2048, 6144, 28, 16, tie=True, **overrides)
+  return _qwen3(2048, 6144, 28, 16, True, overrides)
 
 
 def qwen3_4b(**overrides) -> ModelConfig:
-  return _qwen3(2560, 9728, 36, 32, tie=True, **overrides)
+  return _qwen3(2560, 9728, 36, 32, True, overrides)
 
 
 def qwen3_8b(**overrides) -> ModelConfig:
-  return _qwen3(4096, 12288, 36, 32, tie=False, **overrides)
+  return _qwen3(4096, 12288, 36, 32, False, overrides)
 
 
 def refusion_8b(**overrides) -> ModelConfig:
   """The released ReFusion weights: Qwen3-8B with a 151,671-token vocabulary."""
-  return qwen3_8b(vocab=151_671, **overrides)
+  return qwen3_8b(**{"vocab_size": 151_671, **overrides})
 
 
 PRESETS = {
@@ -195,7 +224,7 @@ PRESETS = {
 
 
 def preset(name: str, **overrides) -> ModelConfig:
-  """Look a preset up by name, e.g. `preset("qwen3_8b", dtype="bfloat16")`."""
+  """Look a preset up by name; every `ModelConfig` field may be overridden, e.g. `preset("qwen3_8b", num_layers=8)`."""
   if name not in PRESETS:
     raise ValueError(f"Unknown model preset {name!r}; choose one of {sorted(PRESETS)}.")
   return PRESETS[name](**overrides)

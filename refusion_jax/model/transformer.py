@@ -13,24 +13,38 @@ names; `refusion_jax.parallel.sharding` maps both to mesh axes (docs/method.md Â
 
 `config.attention_impl` picks how attention is computed (same logits):
 
-| impl          | scores held at once                 | use                                                  |
-| ------------- | ----------------------------------- | ---------------------------------------------------- |
-| `xla`         | [batch, heads, block, keys] float32 | decoding, short sequences (default)                  |
-| `chunked`     | [batch, heads, chunk, keys] float32 | long-sequence training (each chunk remat'd)          |
-| `dot_product` | as `xla` on CPU and TPU             | `jax.nn.dot_product_attention` (backends it fuses on) |
+| impl          | scores held at once                 | use                                                        |
+| ------------- | ----------------------------------- | ---------------------------------------------------------- |
+| `auto`        | `flash` or `xla`                    | default: `flash` for training on TPU / GPU, else `xla`     |
+| `flash`       | one block of keys per query block   | training forwards (segment ids): refusion_jax.model.flash  |
+| `xla`         | [batch, heads, block, keys] float32 | decoding, short sequences, CPU training                    |
+| `chunked`     | [batch, heads, chunk, keys] float32 | long-sequence training without a fused kernel (chunks remat'd) |
+| `dot_product` | as `xla` on CPU and TPU             | `jax.nn.dot_product_attention` (backends it fuses on)      |
+
+Forwards with a mask or a cache (every decode forward) run `xla` under `auto`
+and `flash`: the fused kernels know segments, not arbitrary masks.
+
+`config.remat` names what each layer keeps for the backward pass
+(refusion_jax.model.remat); `config.scan_layers` runs the layers as one
+`lax.scan` over their weights stacked inside the forward (the parameter tree
+stays one subtree per layer, so checkpoints and shardings do not change).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import chex
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
+from refusion_jax.model import remat
 from refusion_jax.model.cache import BlockKV, KVCache, block_mask
 from refusion_jax.model.config import ModelConfig
+from refusion_jax.model.flash import Segments, attend_segments, kernel_available, kernel_for, target_platform
 from refusion_jax.parallel.activations import constrain
 
 # Large negative instead of -inf: a fully masked query row (padding, finished
@@ -122,17 +136,17 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(c.head_dim, "head_dim", c, rngs)
       self.k_norm = RMSNorm(c.head_dim, "head_dim", c, rngs)
 
-  def _project(self, x, kernel, bias_name):
+  def _project(self, x, kernel, bias_name, name):
     out = jnp.einsum("bte,ehd->bthd", x, kernel[...].astype(x.dtype))
     if self.config.qkv_bias:
       out = out + getattr(self, bias_name)[...].astype(x.dtype)
-    return out
+    return checkpoint_name(out, name)
 
   def __call__(
     self,
     x: jax.Array,
     positions: jax.Array,
-    mask: jax.Array,
+    mask: jax.Array | Segments,
     cached: tuple[jax.Array, jax.Array] | None,
   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Attend the block to the cache and to itself.
@@ -140,7 +154,8 @@ class Attention(nnx.Module):
     Args:
       x: [batch, block, embed].
       positions: [batch, block].
-      mask: [batch, block, capacity + block] (or [batch, block, block] without a cache).
+      mask: [batch, block, capacity + block] (or [batch, block, block] without a cache), or the
+        `Segments` of a training forward for the fused kernel (no cache).
       cached: this layer's cache keys and values, each [batch, capacity, kv_heads, head_dim].
 
     Returns:
@@ -148,9 +163,9 @@ class Attention(nnx.Module):
       values after RoPE, each [batch, block, kv_heads, head_dim].
     """
     c = self.config
-    q = self._project(x, self.q_proj, "q_bias")
-    k = self._project(x, self.k_proj, "k_bias")
-    v = self._project(x, self.v_proj, "v_bias")
+    q = self._project(x, self.q_proj, "q_bias", remat.Q_PROJ)
+    k = self._project(x, self.k_proj, "k_bias", remat.K_PROJ)
+    v = self._project(x, self.v_proj, "v_bias", remat.V_PROJ)
     if c.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     q = rope(q, positions, c)
@@ -161,11 +176,14 @@ class Attention(nnx.Module):
     batch, block = x.shape[:2]
     groups = c.num_heads // c.num_kv_heads
     q = q.reshape(batch, block, c.num_kv_heads, groups, c.head_dim) * (c.head_dim**-0.5)
-    chunked = functools.partial(attend_chunked, chunk=c.attention_chunk)
-    attend = {"xla": attend_dense, "chunked": chunked, "dot_product": attend_dot_product}[c.attention_impl]
-    out = attend(q, k, v, cached, mask)
+    if isinstance(mask, Segments):
+      out = attend_segments(q, k, v, mask)
+    else:
+      chunked = functools.partial(attend_chunked, chunk=c.attention_chunk)
+      attend = {"chunked": chunked, "dot_product": attend_dot_product}.get(c.attention_impl, attend_dense)
+      out = attend(q, k, v, cached, mask)
     out = constrain(out.reshape(batch, block, c.num_heads, c.head_dim), _HEADS)
-    out = jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(x.dtype))
+    out = checkpoint_name(jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(x.dtype)), remat.O_PROJ)
     return constrain(out, _RESIDUAL), (k, v)
 
 
@@ -249,9 +267,10 @@ class MLP(nnx.Module):
     self.down_proj = _param(rngs, (c.intermediate_size, c.hidden_size), ("mlp", "embed"), c)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    gate = constrain(x @ self.gate_proj[...].astype(x.dtype), _MLP)
-    up = constrain(x @ self.up_proj[...].astype(x.dtype), _MLP)
-    return constrain((jax.nn.silu(gate) * up) @ self.down_proj[...].astype(x.dtype), _RESIDUAL)
+    gate = constrain(checkpoint_name(x @ self.gate_proj[...].astype(x.dtype), remat.MLP_GATE), _MLP)
+    up = constrain(checkpoint_name(x @ self.up_proj[...].astype(x.dtype), remat.MLP_UP), _MLP)
+    down = checkpoint_name((jax.nn.silu(gate) * up) @ self.down_proj[...].astype(x.dtype), remat.MLP_DOWN)
+    return constrain(down, _RESIDUAL)
 
 
 class DecoderLayer(nnx.Module):
@@ -268,6 +287,79 @@ class DecoderLayer(nnx.Module):
     x = constrain(x + attn_out, _RESIDUAL)
     x = constrain(x + self.mlp(self.post_attention_layernorm(x)), _RESIDUAL)
     return x, kv
+
+
+def uses_fused_attention(attention_impl: str) -> bool:
+  """Whether a training forward (segment ids) runs the fused kernel: "flash" always, "auto" off the CPU where
+  the installed jax has the platform's kernel."""
+  if attention_impl != "auto":
+    return attention_impl == "flash"
+  platform = target_platform()
+  return platform != "cpu" and kernel_available(kernel_for(platform))
+
+
+def run_layers(
+  layers: Sequence[DecoderLayer],
+  x: jax.Array,
+  positions: jax.Array,
+  attention: jax.Array | Segments,
+  cache: KVCache | None,
+  config: ModelConfig,
+) -> tuple[jax.Array, BlockKV]:
+  """The decoder layers over the residual stream, under `config.remat` and `config.scan_layers`.
+
+  Args:
+    x: [batch, block, embed] embedded tokens.
+    positions, attention, cache: as `DecoderLayer` takes them (the cache split per layer).
+
+  Returns:
+    The last layer's output [batch, block, embed] and every layer's keys and values.
+
+  Scanned, the layers' weights are stacked inside the forward ([layers, ...],
+  cast to the compute dtype first, as each layer would cast them anyway, so the
+  results match the unrolled loop's): the compiled program holds one layer,
+  at the cost of one stacked copy of the layers' weights in the compute dtype
+  (sharded like the weights).
+  """
+  policy = remat.POLICIES[config.remat]
+  graphdef = nnx.graphdef(layers[0])  # every layer has the same structure
+
+  def one_layer(state, x, cached):
+    return nnx.merge(graphdef, state)(x, positions, attention, cached)
+
+  if policy is not None:
+    # Inside a scan, CSE cannot undo the rematerialisation (prevent_cse=False is then safe and faster).
+    one_layer = jax.checkpoint(one_layer, policy=policy, prevent_cse=not config.scan_layers)
+  caches = (None, None) if cache is None else (cache.k, cache.v)
+  if config.scan_layers:
+    stacked = _stacked_weights([nnx.state(layer) for layer in layers], config)
+
+    def body(x, per_layer):
+      state, cache_k, cache_v = per_layer
+      return one_layer(state, x, None if cache_k is None else (cache_k, cache_v))
+
+    x, (keys, values) = jax.lax.scan(body, x, (stacked, *caches))
+    return x, BlockKV(k=keys, v=values)
+  keys, values = [], []
+  for i, layer in enumerate(layers):
+    cached = None if cache is None else (cache.k[i], cache.v[i])
+    x, (k, v) = layer(x, positions, attention, cached) if policy is None else one_layer(nnx.state(layer), x, cached)
+    keys.append(k)
+    values.append(v)
+  return x, BlockKV(k=jnp.stack(keys), v=jnp.stack(values))
+
+
+def _stacked_weights(states: list[nnx.State], config: ModelConfig) -> nnx.State:
+  """The layers' states stacked along a leading `layers` axis, floating weights in the compute dtype."""
+
+  def stack(*variables: nnx.Variable) -> nnx.Variable:
+    values = [v.get_value() for v in variables]
+    if jnp.issubdtype(values[0].dtype, jnp.floating):
+      values = [value.astype(config.compute_dtype) for value in values]
+    axes = variables[0].get_metadata().get("out_sharding") or (None,) * values[0].ndim
+    return variables[0].replace(constrain(jnp.stack(values), ("layers", *axes)))
+
+  return jax.tree.map(stack, *states, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def causal_mask(batch: int, length: int) -> jax.Array:
@@ -342,33 +434,33 @@ class Transformer(nnx.Module):
     batch, block = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(block, dtype=jnp.int32), (batch, block))
+    attention = mask
     if segment_ids is not None:
       if mask is not None or cache is not None:
         raise ValueError("segment_ids describe the attention of a training forward: pass no mask and no cache.")
       chex.assert_shape(segment_ids, (batch, block))
-      mask = segment_mask(segment_ids, bidirectional)
-    if mask is None:
-      mask = causal_mask(batch, block)
+      chex.assert_type(segment_ids, int)
+      if uses_fused_attention(c.attention_impl):
+        attention = Segments(segment_ids, bidirectional)  # the kernel masks by segment: no [B, T, T] mask
+      else:
+        attention = segment_mask(segment_ids, bidirectional)
+    if attention is None:
+      attention = causal_mask(batch, block)
       if cache is not None:
-        mask = block_mask(cache, mask)
-    keys = block if cache is None else cache.capacity + block
+        attention = block_mask(cache, attention)
     chex.assert_shape(positions, (batch, block))
-    chex.assert_shape(mask, (batch, block, keys))
-    chex.assert_type([tokens, positions, mask], [int, int, bool])
+    chex.assert_type([tokens, positions], [int, int])
+    if not isinstance(attention, Segments):
+      chex.assert_shape(attention, (batch, block, block if cache is None else cache.capacity + block))
+      chex.assert_type(attention, bool)
 
     # The lookup reads a table whole along `embed` (cast first: half the bytes to gather). Rows gathered
     # from a table split along `embed` stay split that way, and XLA can turn them into batch-split rows
     # only by replicating them first.
     table = constrain(self.embed_tokens[...].astype(c.compute_dtype), ("vocab", None))
     x = constrain(table[tokens], _RESIDUAL)
-    keys, values = [], []
-    for i, layer in enumerate(self.layers):
-      cached = None if cache is None else (cache.k[i], cache.v[i])
-      call = nnx.remat(type(layer).__call__) if c.remat else type(layer).__call__
-      x, (k, v) = call(layer, x, positions, mask, cached)
-      keys.append(k)
-      values.append(v)
-    return self.norm(x), BlockKV(k=jnp.stack(keys), v=jnp.stack(values))
+    x, kv = run_layers(self.layers, x, positions, attention, cache, c)
+    return self.norm(x), kv
 
   def head_matrix(self) -> jax.Array:
     """The LM head [embed, vocab] in the compute dtype (the embedding's transpose when tied)."""
@@ -408,10 +500,10 @@ def abstract_model(config: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
 
 
 def inference_view(model: Transformer) -> Transformer:
-  """The model as every decoder must run it: no remat, weights already in the compute dtype.
+  """The model as every decoder must run it: no remat, layers unrolled, weights already in the compute dtype.
 
-  Remat only pays off where gradients are taken; inside a decode `while_loop`
-  `nnx.remat` even fails (it would write Params of an outer trace). Weights
+  Remat only pays off where gradients are taken, and scanned layers would
+  stack the weights again in every decode forward (see `inference_config`). Weights
   stored wider than the compute dtype (float32 master weights, bfloat16
   compute) are cast here, once: a jitted decoder that received them as
   float32 would hold a cast copy of every weight for each call. Hold on to the
@@ -438,10 +530,12 @@ def inference_view(model: Transformer) -> Transformer:
 
 
 def inference_config(config: ModelConfig) -> ModelConfig:
-  """The config of `inference_view`: remat off, and weights wider than the compute dtype stored in it.
+  """The config of `inference_view`: remat off, layers unrolled, and weights wider than the compute dtype stored in it.
 
   Weights narrower than the compute dtype stay as they are (casting them up
-  once would only take more memory).
+  once would only take more memory). Scanned layers would stack the weights
+  again in every forward of a decode loop; unrolled, a decode forward reads
+  them where they are.
   """
   narrower = jnp.dtype(config.compute_dtype).itemsize < jnp.dtype(config.weight_dtype).itemsize
-  return config.replace(remat=False, param_dtype=config.dtype if narrower else config.param_dtype)
+  return config.replace(remat="none", scan_layers=False, param_dtype=config.dtype if narrower else config.param_dtype)

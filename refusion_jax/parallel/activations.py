@@ -62,20 +62,37 @@ def sharded_activations(fn: Callable, mesh: Mesh, rules: Rules = LOGICAL_AXIS_RU
   return traced_with_constraints
 
 
+def active_mesh() -> Mesh | None:
+  """The mesh of the function being traced under `activation_sharding`, or None."""
+  active = _ACTIVE.get()
+  return None if active is None else active[0]
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
   """`x` constrained to the sharding its logical axes map to; the identity outside `activation_sharding`.
 
   A dimension that the mapped mesh axes do not divide (batch 1 on 8 chips, 8
   KV heads on 16 tensor ways) is replicated instead of failing.
   """
+  layout = active_layout(logical_axes, x.shape)
+  if layout is None:
+    return x
+  return jax.lax.with_sharding_constraint(x, NamedSharding(*layout))
+
+
+def active_layout(logical_axes: Sequence[str | None], shape: Sequence[int]) -> tuple[Mesh, PartitionSpec] | None:
+  """The mesh and spec `constrain` pins an array of `shape` to; None outside `activation_sharding`.
+
+  For code that must place a computation by hand (a `shard_map`), with the
+  same replication of dimensions that the mapped mesh axes do not divide.
+  """
   active = _ACTIVE.get()
   if active is None:
-    return x
+    return None
   mesh, rules = active
-  if len(logical_axes) != x.ndim:
-    raise ValueError(f"{len(logical_axes)} logical axes {tuple(logical_axes)} for an array of shape {x.shape}.")
-  spec = logical_to_spec(logical_axes, rules)
-  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, _dividing(spec, x.shape, mesh)))
+  if len(logical_axes) != len(shape):
+    raise ValueError(f"{len(logical_axes)} logical axes {tuple(logical_axes)} for an array of shape {tuple(shape)}.")
+  return mesh, _dividing(logical_to_spec(logical_axes, rules), tuple(shape), mesh)
 
 
 def _dividing(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:

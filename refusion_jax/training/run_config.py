@@ -20,9 +20,9 @@ from refusion_jax.data.tokenizer import Tokenizer
 from refusion_jax.model.config import ModelConfig, preset
 from refusion_jax.training.objective import ObjectiveConfig
 
-# The `config.model` fields that say how a model runs (memory against recomputation, the attention kernel), not what
-# it is: the run's own choice, whatever checkpoint it starts or resumes from.
-_EXECUTION_FIELDS = ("remat", "attention_impl", "attention_chunk")
+# The `config.model` fields that say how a model runs (memory against recomputation, the attention kernel, scanned
+# layers), not what it is: the run's own choice, whatever checkpoint it starts or resumes from.
+_EXECUTION_FIELDS = ("remat", "attention_impl", "attention_chunk", "scan_layers")
 # The `config.model` fields that configure how a model runs, not what it is.
 _RUNTIME_FIELDS = ("preset", "dtype", "param_dtype", *_EXECUTION_FIELDS)
 # The fields a Hugging Face `init_from` checkpoint must share with `config.model.preset`: what its arrays determine,
@@ -45,7 +45,7 @@ def model_config_from(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -
 
 
 def run_as_configured(model_config: ModelConfig, model_fields: ml_collections.ConfigDict) -> ModelConfig:
-  """`model_config` with the execution fields (remat, attention_impl, attention_chunk) that `config.model` sets."""
+  """`model_config` with the execution fields (`_EXECUTION_FIELDS`: remat, attention, scan) `config.model` sets."""
   return model_config.replace(**{name: model_fields[name] for name in _EXECUTION_FIELDS if name in model_fields})
 
 
