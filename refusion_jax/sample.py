@@ -24,7 +24,7 @@ from refusion_jax.checkpoints.detect import FORMATS
 from refusion_jax.checkpoints.load import load
 from refusion_jax.data.tokenizer import Tokenizer
 from refusion_jax.decoding import defaults
-from refusion_jax.decoding.common import DecodeResult
+from refusion_jax.decoding.result import DecodeResult
 from refusion_jax.decoding.sampler import METHODS, Sampler, decoder_options
 from refusion_jax.decoding.trace_plot import format_trace_terminal, plot_trace
 from refusion_jax.model import config as config_lib

@@ -284,7 +284,7 @@ def test_curve_reads_the_trainers_event_files(capsys, tmp_path):
 
 @pytest.mark.parametrize("name", ["demo", "ar_baseline", "mdm_baseline"])
 def test_config_eval_settings_decode_with_every_method(name):
-  from refusion_jax.decoding.common import check_slot_layout
+  from refusion_jax.decoding.checks import check_slot_layout
   from refusion_jax.decoding.mdm import check_mdm_schedule
   from tests.train_utils import load_config
 

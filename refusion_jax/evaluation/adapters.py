@@ -15,8 +15,8 @@ from refusion_jax.checkpoints.load import load
 from refusion_jax.data import tasks
 from refusion_jax.data.pipeline import decode_record
 from refusion_jax.data.tokenizer import Tokenizer, format_prompt
-from refusion_jax.decoding import common, sampler
-from refusion_jax.decoding.common import DecodeResult
+from refusion_jax.decoding import driver, sampler
+from refusion_jax.decoding.result import DecodeResult
 from refusion_jax.model.transformer import Transformer
 from refusion_jax.training.evaluate import is_correct as _is_correct
 
@@ -47,7 +47,7 @@ def decode_options(method: str) -> list[str]:
 
 def compile_count() -> int:
   """Decode programs compiled so far in this process (ReFusion and the baselines together)."""
-  return common.compile_count()
+  return driver.compile_count()
 
 
 def is_correct(example: dict, answer: str) -> bool:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from refusion_jax.checkpoints.hf import save_hf
-from refusion_jax.decoding.common import PHASE_NONE, DecodeResult
+from refusion_jax.decoding.result import PHASE_NONE, DecodeResult
 from refusion_jax.model.transformer import Transformer
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import tqdm
 
 from refusion_jax.data.tokenizer import Tokenizer
-from refusion_jax.decoding.common import DecodeResult
+from refusion_jax.decoding.result import DecodeResult
 from refusion_jax.evaluation import adapters
 from refusion_jax.model.transformer import Transformer
 
