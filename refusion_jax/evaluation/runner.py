@@ -5,7 +5,7 @@ each task's tokens per second is measured on that task alone, as a benchmark
 is run on its own. Each decode call keeps `batch_size` rows busy over up to
 `PROMPTS_PER_ROW` × `batch_size` prompts (a finished row takes the next
 prompt, `refusion_jax.decoding.batching`). The first call of every new program
-shape (rows × queue × prompt bucket) compiles: that call is timed as
+shape (rows × prompt bucket) compiles: that call is timed as
 compilation and decoded again for the measurement, so compilation never
 enters tokens per second or latency.
 """
