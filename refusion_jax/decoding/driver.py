@@ -152,6 +152,7 @@ class _Feed:
       field[free] = blank
       return field
 
+    # Copies: a CPU device may keep using the host buffer it was given, which the next refill writes.
     return batch.replace(
       queue_tokens=self.queue_tokens.copy(),
       queue_lengths=self.queue_lengths.copy(),
