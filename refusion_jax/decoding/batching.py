@@ -1,7 +1,7 @@
 """Continuous batching inside the compiled decode loop: K rows kept busy over a queue of prompts.
 
 Every jitted decoder (ReFusion, AR, MDM) carries a `Batch`: K *rows*, each
-decoding one prompt, and a queue of Q = `ENTRIES_PER_ROW` × K *entries*, each
+decoding one prompt, and a queue of Q = `queue_entries(K)` *entries*, each
 holding a prompt and its outputs. Each loop iteration first admits waiting
 prompts into idle rows, in input order (the decoder's `admit`: a prefill into
 that row), then runs one decode step for all rows (the decoder's `step`),
@@ -35,9 +35,14 @@ from refusion_jax.decoding.mesh import constrain_rows
 from refusion_jax.decoding.result import PHASE_NONE
 from refusion_jax.model.cache import KVCache
 
-# Queue entries per row: room for every row's prompt and as many finished or waiting ones, so the host
-# refills the queue about once per K prompts decoded.
-ENTRIES_PER_ROW = 2
+# The queue holds at least this many entries, and at least two per row: the host refills it about once
+# per Q - K prompts decoded, so a few rows do not hand back to the host after every prompt or two.
+MIN_QUEUE_ENTRIES = 32
+
+
+def queue_entries(rows: int) -> int:
+  """Q for K = `rows`: a multiple of K (so of a mesh's batch-parallel devices), at least 2K and MIN_QUEUE_ENTRIES."""
+  return rows * max(2, -(-MIN_QUEUE_ENTRIES // rows))
 
 
 @flax.struct.dataclass
@@ -95,9 +100,9 @@ class Batch:
 
   @classmethod
   def create(cls, rows: Any, widths: np.ndarray, prompt_width: int, gen_length: int) -> Batch:
-    """K idle rows (K = the rows' leading size) before an empty queue of `ENTRIES_PER_ROW` × K entries."""
+    """K idle rows (K = the rows' leading size) before an empty queue of `queue_entries(K)` entries."""
     batch = jax.tree.leaves(rows)[-1].shape[0]
-    entries = ENTRIES_PER_ROW * batch
+    entries = queue_entries(batch)
     return cls(
       rows=rows,
       entry=np.zeros((batch,), np.int32),

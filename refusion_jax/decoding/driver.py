@@ -187,7 +187,7 @@ def run_decoder(
 ) -> DecodeResult:
   """The host side of every jitted decoder: check, pad, feed the rows, run the loop, read the answers back.
 
-  The loop keeps K rows busy over a queue of `batching.ENTRIES_PER_ROW` × K
+  The loop keeps K rows busy over a queue of `batching.queue_entries(K)`
   entries that this side refills between calls, so the compiled program
   depends on K, the prompt bucket and the settings, never on how many prompts
   there are (docs/method.md §3.4).
