@@ -3,8 +3,8 @@
 A row's decode must not depend on the other rows, on which row decodes it,
 on how many rows there are, on the compiled width a forward ran at, or on
 whether the loop ran in one call or in chunks: each prompt gets exactly its
-own B = 1 decode. The tests share a few program shapes (K rows over a queue
-of 8 prompts of one bucket) so that they compile once each.
+own B = 1 decode. The tests share a few program shapes (K rows, prompts of
+one bucket) so that they compile once each.
 """
 
 import jax

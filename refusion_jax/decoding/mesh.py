@@ -13,8 +13,9 @@
 - inside, the KV cache is pinned to (`layers`, `cache_batch`, `cache_length`,
   `kv_heads`, `head_dim`) and every other per-row loop array to `batch`
   (`constrain_cache`, `constrain_rows`), and the forward's activations to
-  their `activation_*` axes, all through the same rules table. The loop
-  itself never leaves the device; the answers are read back once.
+  their `activation_*` axes, all through the same rules table. Between
+  loop calls only the queue and the outputs travel to and from the host
+  (`run_decoder` refills the queue); the rows and their caches stay put.
 """
 
 from __future__ import annotations
