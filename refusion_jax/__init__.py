@@ -24,7 +24,7 @@ _EXPORTS = {
   "generate": "refusion_jax.decoding.refusion",
   "ar_generate": "refusion_jax.decoding.ar",
   "mdm_generate": "refusion_jax.decoding.mdm",
-  "DecodeResult": "refusion_jax.decoding.common",
+  "DecodeResult": "refusion_jax.decoding.result",
   "Sampler": "refusion_jax.decoding.sampler",
   # Scale-out.
   "make_mesh": "refusion_jax.parallel.sharding",

@@ -38,13 +38,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import config_flags
 
 from refusion_jax.cli import report_errors
-from refusion_jax.decoding.batching import Batch
-from refusion_jax.decoding.refusion import DecodeKnobs, DecodeSettings, decode_loop, start_rows
-from refusion_jax.decoding.sharding import row_shardings
+from refusion_jax.decoding.driver import Decoder, loop_for_mesh, padded_rows, start_batch
+from refusion_jax.decoding.mesh import batch_shardings
+from refusion_jax.decoding.refusion import REFUSION, ReFusionKnobs, ReFusionSettings, picks_rows
 from refusion_jax.model.config import ModelConfig, preset
 from refusion_jax.model.transformer import abstract_model, inference_config, init_model
 from refusion_jax.parallel import compiled, sharding
-from refusion_jax.parallel.activations import activation_sharding, normalize_rules, sharded_activations
+from refusion_jax.parallel.activations import normalize_rules, sharded_activations
 from refusion_jax.training.run_config import objective_config_from
 from refusion_jax.training.state import init_state_fn, make_optimizer, make_placement, make_train_step
 
@@ -127,14 +127,19 @@ def decode_report(
   prompt_length: int,
   mesh_shape: dict[str, int],
 ):
-  """Compile the ReFusion decode loop on the inference view of the model (no remat, weights in compute dtype)."""
+  """Compile the ReFusion decode loop as `generate(..., mesh=)` runs a batch of `batch` prompts on that mesh.
+
+  The loop runs on the inference view of the model (no remat, weights in compute dtype), with its rows
+  padded to a multiple of the mesh's batch-parallel devices, as `generate` pads them: a batch smaller than
+  the mesh fits it.
+  """
   model_config = inference_config(model_config_of(config))
   rules = normalize_rules(config.sharding_rules)
   mesh = sharding.make_mesh(mesh_shape, mesh_devices(mesh_shape, devices))
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: init_model(model_config)))
   params = _abstract(abstract, sharding.state_shardings(abstract, mesh, rules))
   replicated = NamedSharding(mesh, PartitionSpec())
-  knobs = DecodeKnobs(
+  knobs = ReFusionKnobs(
     slot_threshold=jnp.float32(0.9),
     token_threshold=jnp.float32(0.9),
     temperature=jnp.float32(0.0),
@@ -144,23 +149,22 @@ def decode_report(
   )
   knobs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), knobs)
   ev = config.eval
-  settings = DecodeSettings(ev.gen_length, ev.slot_size, ev.serial_blocks, sample=False)
-  # `batch` rows over a queue of `batch` prompts: the static batch `generate` runs without batch_size.
-  rows, widths = start_rows(settings, model_config, batch, prompt_length)
-  prompts = jnp.zeros((batch, prompt_length), jnp.int32)
-  state = Batch.create(rows, widths, prompts, jnp.ones((batch,), jnp.int32), batch, ev.gen_length)
-  shardings = state.shardings(lambda tree: row_shardings(tree, mesh, rules), replicated)
-  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+  settings = ReFusionSettings(
+    ev.gen_length, ev.slot_size, ev.serial_blocks, sample=False, pick_rows=picks_rows(mesh, rules)
+  )
+  decoder = Decoder(REFUSION, settings, knobs, model_config.eos_token_id)
+  rows, ways = padded_rows(batch, mesh, rules), sharding.batch_parallel_ways(mesh, rules)
+  state = start_batch(decoder, model_config, rows, prompt_length)
+  loop = loop_for_mesh(decoder, graphdef, params, state, mesh, rules)
+  state = _abstract(state, batch_shardings(state, mesh, rules))
   max_iterations = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
 
-  def lower():
-    with activation_sharding(mesh, rules):  # the loop is traced here, so its forwards carry the constraints
-      return decode_loop.lower(graphdef, params, state, max_iterations, knobs, settings=settings)
-
+  padding = f" as {rows} rows (a multiple of {ways} batch-parallel devices)" if rows != batch else ""
   name = (
-    f"decode (prefill + 1 loop iteration), batch {batch}, prompt {prompt_length} + {ev.gen_length} "
+    f"decode (prefill + 1 loop iteration), batch {batch}{padding}, prompt {prompt_length} + {ev.gen_length} "
     f"(S={ev.slot_size}, {ev.serial_blocks} blocks), {model_config.param_dtype} weights, mesh {_mesh_text(mesh)}"
   )
+  lower = lambda: loop.lower(params, state, max_iterations, knobs)
   report = compiled.compile_report(name, lower, (params, state, knobs), list(mesh.devices.flat), chip)
   if report.fits is False:
     report.advice = [
@@ -219,6 +223,7 @@ def run(
   decode_prompt_length: int,
   decode_mesh: dict[str, int],
   remat_policies: Sequence[str] = (),
+  decode_mesh_source: str = "--decode_mesh",
 ) -> list[compiled.Report]:
   """Compile the requested programs one at a time (big compiles are CPU-heavy) and return their reports.
 
@@ -232,6 +237,13 @@ def run(
       reports.append(train_report(with_policy, devices, chip))
       print(compiled.format_table(reports[-1:]), flush=True)
   if "decode" in programs:
+    mesh = sharding.make_mesh(decode_mesh, mesh_devices(decode_mesh, devices))
+    ways = sharding.batch_parallel_ways(mesh, normalize_rules(config.sharding_rules))
+    print(
+      f"Decode mesh {_mesh_text(mesh)} ({decode_mesh_source}): rows padded to a multiple of its {ways} "
+      "batch-parallel devices, as generate(..., mesh=) pads them.",
+      flush=True,
+    )
     for batch in decode_batches:
       reports.append(decode_report(config, devices, chip, batch, decode_prompt_length, decode_mesh))
       print(compiled.format_table(reports[-1:]), flush=True)
@@ -261,6 +273,7 @@ def report(f: flags.FlagValues) -> None:
     decode_prompt_length=f.decode_prompt_length,
     decode_mesh=decode_mesh,
     remat_policies=f.remat_policies,
+    decode_mesh_source="--decode_mesh" if f.decode_mesh else "config.mesh; --decode_mesh=... to choose another",
   )
   print("\n" + compiled.format_table(reports))
   print(

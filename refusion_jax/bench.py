@@ -64,10 +64,12 @@ from refusion_jax.data.special_tokens import SpecialTokens, resolve_special_toke
 from refusion_jax.data.tokenizer import format_prompt
 from refusion_jax.decoding import defaults
 from refusion_jax.decoding.ar import ar_generate
-from refusion_jax.decoding.common import DecodeResult, bucket_length, check_slot_layout
+from refusion_jax.decoding.checks import check_slot_layout
 from refusion_jax.decoding.mdm import check_mdm_schedule, mdm_generate
+from refusion_jax.decoding.prompts import bucket_length
 from refusion_jax.decoding.reference import decode_reference
 from refusion_jax.decoding.refusion import generate
+from refusion_jax.decoding.result import DecodeResult
 from refusion_jax.model import config as config_lib
 from refusion_jax.model.cache import kv_cache_bytes
 from refusion_jax.model.transformer import Transformer, init_model

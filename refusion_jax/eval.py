@@ -33,18 +33,9 @@ from refusion_jax.data.tasks import generate_examples
 from refusion_jax.decoding.sampler import METHODS, decoder_options
 from refusion_jax.evaluation import curve, report, runner
 from refusion_jax.training.config_file import load_config
+from refusion_jax.training.validation import EVAL_KNOBS
 
 SPLITS = ("train", "validation", "test")
-# Decoder keyword -> the training config's `eval` field that gives its default.
-_CONFIG_KNOBS = dict(
-  gen_length="gen_length",
-  slot_size="slot_size",
-  serial_blocks="serial_blocks",
-  slot_threshold="slot_threshold",
-  token_threshold="token_threshold",
-  block_length="mdm_block_length",
-  steps="mdm_steps",
-)
 
 
 def _values(kind: type) -> Callable[[str], list]:
@@ -139,8 +130,8 @@ def decode_settings(args: argparse.Namespace, config: ml_collections.ConfigDict)
   grid = {}
   for name in options:
     values = getattr(args, name, None)
-    if values is None and name in _CONFIG_KNOBS:
-      values = config.eval.get(_CONFIG_KNOBS[name])
+    if values is None and name in EVAL_KNOBS:
+      values = config.eval.get(EVAL_KNOBS[name])
     if values is not None:
       grid[name] = values if isinstance(values, list) else [values]
   settings = [dict(zip(grid, combination)) for combination in itertools.product(*grid.values())]

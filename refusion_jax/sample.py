@@ -24,7 +24,7 @@ from refusion_jax.checkpoints.load import load
 from refusion_jax.cli import UsageError, add_model_flags, model_request, run_argparse
 from refusion_jax.data.tokenizer import Tokenizer
 from refusion_jax.decoding import defaults
-from refusion_jax.decoding.common import DecodeResult
+from refusion_jax.decoding.result import DecodeResult
 from refusion_jax.decoding.sampler import METHODS, Sampler, decoder_options
 from refusion_jax.decoding.trace_plot import format_trace_terminal, plot_trace
 

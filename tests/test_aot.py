@@ -129,6 +129,16 @@ def test_aot_cli_compiles_the_train_step_once_per_remat_policy():
   assert rows["none"]["temporaries"] > rows["full"]["temporaries"], rows
 
 
+def test_decode_report_pads_a_batch_smaller_than_the_mesh_and_names_the_mesh():
+  # 3 prompts on the smoke config's 8-way data mesh: the cache's rows cannot split 8 ways until padded to 8.
+  out = run_python(["-m", "refusion_jax.aot", *SMOKE, "--programs=decode", "--decode_batch=3", "--hbm_gib=1"])
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+  assert "Decode mesh data=8 (config.mesh; --decode_mesh=... to choose another)" in out.stdout
+  rows = [line for line in out.stdout.splitlines() if line.startswith("| decode")]
+  assert rows and all("batch 3 as 8 rows (a multiple of 8 batch-parallel devices)" in row for row in rows), rows
+  assert all("mesh data=8 | 8 |" in row and "| yes |" in row for row in rows), rows
+
+
 def test_train_advice_names_the_knobs():
   config = load_config(os.path.join(REPO, "configs/demo.py"))
   config.batch_size, config.grad_accum_steps, config.data.seq_len = 64, 1, 4096

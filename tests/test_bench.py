@@ -1,6 +1,7 @@
 """The decode benchmark reports every (method, batch) row; the training benchmark times every objective."""
 
 import re
+import types
 
 import pytest
 from train_utils import load_config
@@ -82,8 +83,12 @@ def test_default_bench_on_tiny(capsys):
   assert "(same tokens)" in out
 
 
-def test_train_bench_times_every_objective_in_interleaved_rounds():
+def test_train_bench_times_every_objective_in_interleaved_rounds(monkeypatch):
+  # A clock whose n-th reading is n²: the k-th timed step lasts 4k + 1, so each objective's times say which
+  # turns it had.
+  readings = iter(n * n for n in range(100))
+  monkeypatch.setattr(train_bench, "time", types.SimpleNamespace(perf_counter=lambda: float(next(readings))))
   config = load_config("demo")
   times = train_bench.time_objectives(config, ["ar", "refusion", "mdm"], steps=3)
-  assert list(times) == ["ar", "refusion", "mdm"]
-  assert all(len(seconds) == 3 and min(seconds) > 0 for seconds in times.values())
+  # One step per objective per round, in turn: ar, refusion, mdm, ar, ...
+  assert times == {"ar": [1.0, 13.0, 25.0], "refusion": [5.0, 17.0, 29.0], "mdm": [9.0, 21.0, 33.0]}

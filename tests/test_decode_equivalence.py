@@ -12,9 +12,9 @@ import collections
 import numpy as np
 import pytest
 
-from refusion_jax.decoding.common import compile_count
+from refusion_jax.decoding.driver import compile_count
 from refusion_jax.decoding.reference import decode_reference
-from refusion_jax.decoding.refusion import decode_loop, generate
+from refusion_jax.decoding.refusion import generate
 from tests.decode_cases import Group, random_case, same_decode
 
 GROUPS = [
@@ -44,7 +44,7 @@ def sweep():
   rng = np.random.default_rng(20240613)
   stats = collections.Counter()
   mismatches = {}
-  compiles_before = compile_count(decode_loop)
+  compiles_before = compile_count("refusion")
   for group in GROUPS:
     template = group.template()
     mismatches[group.name] = []
@@ -59,7 +59,7 @@ def sweep():
       stats["rows_finished_early"] += int(np.sum(jitted.num_forwards < jitted.num_forwards.max()))
       stats["answers_with_eos"] += sum(case.knobs["eos_id"] in t for t in jitted.tokens)
       stats["cases"] += 1
-  stats["compilations"] = compile_count(decode_loop) - compiles_before
+  stats["compilations"] = compile_count("refusion") - compiles_before
   return mismatches, stats
 
 

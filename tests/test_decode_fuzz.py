@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 
 from refusion_jax.decoding.reference import decode_reference
 from refusion_jax.decoding.refusion import generate
+from refusion_jax.decoding.result import PHASE_INFILL, PHASE_NONE, PHASE_VERIFY
 from refusion_jax.model.config import tiny
 from refusion_jax.model.transformer import Transformer, init_model
 
@@ -40,8 +41,6 @@ VOCAB = 16
 MASK_ID = VOCAB - 1
 BATCH = 3
 MAX_PROMPT = 16  # one prompt bucket: no compilation per prompt length
-# Phase codes of `DecodeResult.commit_phase` (refusion_jax.decoding.common): verification, infill, none.
-VERIFY, INFILL, NONE = 0, 1, -1
 # (gen_length, slot_size, serial_blocks): the CI layout first.
 LAYOUTS = [(8, 2, 2), (12, 4, 1), (12, 2, 3), (8, 1, 2)]
 ARCHITECTURES = ["qwen3", "qwen2", "llama"]
@@ -109,8 +108,8 @@ def check_row(result, row: int, knobs: dict) -> None:
   steps = int(result.steps[row])
   inside = np.arange(gen_length) < len(tokens)
   assert ((iteration >= 0) & (iteration < steps))[inside].all(), iteration
-  assert np.isin(phase[inside], (VERIFY, INFILL)).all(), phase
-  assert (iteration[~inside] == -1).all() and (phase[~inside] == NONE).all()
+  assert np.isin(phase[inside], (PHASE_VERIFY, PHASE_INFILL)).all(), phase
+  assert (iteration[~inside] == -1).all() and (phase[~inside] == PHASE_NONE).all()
   blocks_reached = (len(tokens) - 1) // block_length + 1
   assert steps >= blocks_reached
   assert int(result.num_forwards[row]) >= 1 + 2 * steps  # the prefill, then a plan and a verification per step

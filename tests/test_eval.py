@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import types
 
 import numpy as np
 import pytest
@@ -61,20 +62,26 @@ def test_task_batches_never_mix_tasks_and_cover_every_example():
 def test_timed_decode_reruns_only_calls_that_compiled(monkeypatch, repeats):
   compiled = [0]
   calls = []
+  now = [0.0]
   monkeypatch.setattr(runner, "compile_count", lambda: compiled[0])
+  monkeypatch.setattr(runner, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
 
   def call(compiles: bool):
+    # A run takes 1 s plus 0.5 s per earlier call (the fastest run is the first measured one); compiling, 5 s more.
+    now[0] += 1.0 + 0.5 * len(calls) + (5.0 if compiles and not calls else 0.0)
     calls.append(compiles)
     if compiles and len(calls) == 1:
       compiled[0] += 1
     return len(calls)
 
-  result, _, compile_seconds = runner.timed_decode(lambda: call(True), repeats)
+  result, run_seconds, compile_seconds = runner.timed_decode(lambda: call(True), repeats)
   assert len(calls) == 1 + repeats and result == 1 + repeats  # the compiling call is not a measured run
-  assert compile_seconds >= 0.0
+  # The compiling call took 6 s, the fastest run 1.5 s: compilation is the difference.
+  assert run_seconds == 1.5 and compile_seconds == 4.5
   calls.clear()
-  result, _, compile_seconds = runner.timed_decode(lambda: call(False), repeats)
+  result, run_seconds, compile_seconds = runner.timed_decode(lambda: call(False), repeats)
   assert len(calls) == repeats and result == repeats and compile_seconds == 0.0
+  assert run_seconds == 1.0
 
 
 def test_summary_metrics_per_task():
@@ -284,7 +291,7 @@ def test_curve_reads_the_trainers_event_files(capsys, tmp_path):
 
 @pytest.mark.parametrize("name", ["demo", "ar_baseline", "mdm_baseline"])
 def test_config_eval_settings_decode_with_every_method(name):
-  from refusion_jax.decoding.common import check_slot_layout
+  from refusion_jax.decoding.checks import check_slot_layout
   from refusion_jax.decoding.mdm import check_mdm_schedule
   from tests.train_utils import load_config
 

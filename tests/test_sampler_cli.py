@@ -13,7 +13,7 @@ from refusion_jax.checkpoints import orbax as checkpoint
 from refusion_jax.data.tokenizer import ByteTokenizer
 from refusion_jax.decoding import ar, mdm
 from refusion_jax.decoding import refusion as decode
-from refusion_jax.decoding.common import compile_count
+from refusion_jax.decoding.driver import compile_count
 from refusion_jax.decoding.sampler import Sampler
 from refusion_jax.model import config
 from refusion_jax.model import transformer as model_lib
@@ -66,11 +66,11 @@ def test_sampler_text_in_text_out(model):
 
 def test_sampler_compiles_once_per_bucket(model):
   sampler = Sampler(model, TOK, gen_length=12, slot_size=4, slot_threshold=0.7)  # settings no other test uses
-  before = compile_count(decode.decode_loop)
+  before = compile_count("refusion")
   sampler(["first prompt"])
-  assert compile_count(decode.decode_loop) == before + 1
+  assert compile_count("refusion") == before + 1
   sampler(["other words"])  # same bucket (16), same batch size
-  assert compile_count(decode.decode_loop) == before + 1
+  assert compile_count("refusion") == before + 1
 
 
 @pytest.mark.parametrize(

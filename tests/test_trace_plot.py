@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from refusion_jax.data.tokenizer import ByteTokenizer
-from refusion_jax.decoding.common import PHASE_INFILL, PHASE_NONE, PHASE_VERIFY, DecodeResult
+from refusion_jax.decoding.result import PHASE_INFILL, PHASE_NONE, PHASE_VERIFY, DecodeResult
 from refusion_jax.decoding.trace_plot import format_trace_terminal, plot_trace
 
 BACKGROUND = re.compile(r"\x1b\[(?:4;)?38;5;\d+;48;5;(\d+)m")

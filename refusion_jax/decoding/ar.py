@@ -1,46 +1,40 @@
 """The autoregressive baseline: plain next-token decoding with the KV cache, on ReFusion's backbone.
 
 One prompt prefill yields the first token, then one forward per further
-token. Batched and jitted end to end as one `lax.while_loop` over a
-`refusion_jax.decoding.batching.Batch` (so `batch_size` gives continuous
-batching); the host side is `refusion_jax.decoding.common.run_decoder`, whose
-`DecodeResult` records `PHASE_STEP` for every token.
+token. An `AR` `driver.Method`: batched and jitted end to end as one
+`lax.while_loop` over a `refusion_jax.decoding.batching.Batch` (so
+`batch_size` gives continuous batching), run by
+`refusion_jax.decoding.driver.run_decoder`, whose `DecodeResult` records
+`PHASE_STEP` for every token.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 from collections.abc import Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from refusion_jax.decoding.batching import (
-  PHASE_STEP,
-  Batch,
-  DecodeOutputs,
-  count_width,
-  host_zeros,
-  put_cache_row,
-  put_row,
-  run_rows,
-)
-from refusion_jax.decoding.common import (
-  Decoder,
-  DecodeResult,
-  check_temperature,
-  counts_compilations,
-  optional_eos_id,
-  pick_tokens,
-  prefill,
-  run_decoder,
-)
+from refusion_jax.decoding.batching import DecodeOutputs, count_width, host_zeros, put_cache_row, put_row
+from refusion_jax.decoding.checks import check_temperature, optional_eos_id
+from refusion_jax.decoding.driver import Decoder, Method, run_decoder
+from refusion_jax.decoding.prompts import prefill
+from refusion_jax.decoding.result import PHASE_STEP, DecodeResult
+from refusion_jax.decoding.scoring import pick_tokens
 from refusion_jax.model import cache as kv_cache
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer
+
+
+@dataclasses.dataclass(frozen=True)
+class ARSettings:
+  """What fixes the compiled program: the answer length G and whether to sample."""
+
+  gen_length: int
+  sample: bool
 
 
 @flax.struct.dataclass
@@ -68,42 +62,42 @@ class _RowState:
   done: jax.Array
 
 
-def _record(out: DecodeOutputs, index: jax.Array, step: jax.Array, token: jax.Array) -> DecodeOutputs:
-  """Write `token` [K] at answer offset `step` [K] of prompts `index` [K] (Q: none) as one more step and forward."""
+def _record(out: DecodeOutputs, entry: jax.Array, step: jax.Array, token: jax.Array) -> DecodeOutputs:
+  """Write `token` [K] at answer offset `step` [K] of queue entries `entry` [K] (Q: none) as one more step and
+  forward."""
   return out.replace(
-    answer=out.answer.at[index, step].set(token, mode="drop"),
-    commit_iteration=out.commit_iteration.at[index, step].set(step, mode="drop"),
-    commit_phase=out.commit_phase.at[index, step].set(PHASE_STEP, mode="drop"),
-    num_forwards=out.num_forwards.at[index].add(1, mode="drop"),
-    steps=out.steps.at[index].add(1, mode="drop"),
+    answer=out.answer.at[entry, step].set(token, mode="drop"),
+    commit_iteration=out.commit_iteration.at[entry, step].set(step, mode="drop"),
+    commit_phase=out.commit_phase.at[entry, step].set(PHASE_STEP, mode="drop"),
+    num_forwards=out.num_forwards.at[entry].add(1, mode="drop"),
+    steps=out.steps.at[entry].add(1, mode="drop"),
   )
 
 
-def _admit(model: Transformer, knobs: _Sampling, gen_length: int, sample: bool, state, out, row, index, tokens, length):
-  """Prefill prompt `index` into row `row`; the prefill yields the first token (a `batching.Admit`)."""
+def _admit(model: Transformer, knobs: _Sampling, settings: ARSettings, state, out, row, entry, prompt, tokens, length):
+  """Prefill the prompt of `entry` into row `row`; the prefill yields the first token (a `batching.Admit`)."""
   logits, one = prefill(model, tokens[None], length[None], state.cache.capacity)
   last = jax.lax.dynamic_slice_in_dim(logits, length - 1, 1, axis=1)
-  first, _ = pick_tokens(last, knobs.key, index[None], jnp.zeros((1,), jnp.int32), knobs.temperature, sample)
+  first, _ = pick_tokens(last, knobs.key, prompt[None], jnp.zeros((1,), jnp.int32), knobs.temperature, settings.sample)
   first = first[:, 0]
-  fresh = _RowState(
-    cache=None, prompt_length=length[None], token=first, done=(first == knobs.eos_id) | (gen_length == 1)
-  )
+  done = (first == knobs.eos_id) | (settings.gen_length == 1)
+  fresh = _RowState(cache=None, prompt_length=length[None], token=first, done=done)
   state = put_row(state.replace(cache=None), row, fresh).replace(cache=put_cache_row(state.cache, row, one))
-  return state, _record(out, index[None], jnp.zeros((1,), jnp.int32), first)
+  return state, _record(out, entry[None], jnp.zeros((1,), jnp.int32), first)
 
 
-def _step(model: Transformer, knobs: _Sampling, gen_length: int, sample: bool, state, out, widths, live, index):
+def _step(model: Transformer, knobs: _Sampling, settings: ARSettings, state, out, widths, live, entry, prompt):
   """Feed each unfinished row its last token (a `batching.Step`); a row with its answer finishes without one."""
   working = live & ~state.done
-  step = out.steps.at[index].get(mode="fill", fill_value=0)  # answer tokens so far
+  step = out.steps.at[entry].get(mode="fill", fill_value=0)  # answer tokens so far
   positions = (state.prompt_length + step - 1)[:, None]
   mask = kv_cache.block_mask(state.cache, jnp.ones((live.shape[0], 1, 1), bool))
   logits, kv = model(state.token[:, None], positions, mask, state.cache)
   cache = kv_cache.append(state.cache, kv, positions, working[:, None])
-  token, _ = pick_tokens(logits, knobs.key, index, step, knobs.temperature, sample)
+  token, _ = pick_tokens(logits, knobs.key, prompt, step, knobs.temperature, settings.sample)
   token = token[:, 0]
-  out = _record(out, jnp.where(working, index, out.steps.shape[0]), step, token)
-  done = state.done | (working & ((token == knobs.eos_id) | (step + 1 >= gen_length)))
+  out = _record(out, jnp.where(working, entry, out.steps.shape[0]), step, token)
+  done = state.done | (working & ((token == knobs.eos_id) | (step + 1 >= settings.gen_length)))
   widths = count_width(widths, 1, jnp.any(working)[None])
   return state.replace(cache=cache, token=jnp.where(working, token, state.token), done=done), out, widths, live & done
 
@@ -114,34 +108,12 @@ def _rows(config: ModelConfig, batch: int, capacity: int) -> _RowState:
   return _RowState(cache=cache, prompt_length=zeros, token=zeros, done=jnp.zeros((batch,), bool))
 
 
-def _start(gen_length: int, config: ModelConfig, batch: int, prompt_width: int):
-  """Idle rows and a zero count of the width-1 forwards (a `Decoder.start`)."""
+def _start(settings: ARSettings, config: ModelConfig, batch: int, prompt_width: int):
+  """Idle rows and a zero count of the width-1 forwards (a `Method.start`)."""
+  return host_zeros(_rows, config, batch, prompt_width + settings.gen_length), np.zeros((1, 2), np.int32)
 
-  return host_zeros(_rows, config, batch, prompt_width + gen_length), np.zeros((1, 2), np.int32)
 
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "gen_length", "sample"))
-@counts_compilations
-def ar_loop(
-  graphdef: nnx.GraphDef,
-  params: nnx.State,
-  batch: Batch,
-  max_iterations: jax.Array,
-  knobs: _Sampling,
-  *,
-  gen_length: int,
-  sample: bool,
-) -> Batch:
-  """Prefill + token-by-token decode over a `Batch`, for up to `max_iterations` iterations (or until done).
-
-  Returns:
-    The `Batch`; its `out` holds, per prompt, the answer, commit_iteration[t] = t,
-    num_forwards = steps = tokens decoded.
-  """
-  model = nnx.merge(graphdef, params)
-  admit = functools.partial(_admit, model, knobs, gen_length, sample)
-  step = functools.partial(_step, model, knobs, gen_length, sample)
-  return run_rows(batch, max_iterations, admit, step)
+AR = Method("ar", _start, _admit, _step)
 
 
 def ar_generate(
@@ -168,12 +140,9 @@ def ar_generate(
     gen_length: G, the most tokens to generate per prompt.
     temperature: 0 for greedy, else Gumbel-max sampling at that temperature.
     eos_id: stop token; defaults to the model config's, none if that is unset.
-    pad_id: prompt padding id (never attended); defaults to the config's pad, else its EOS, else 0.
-    mesh: decode on this mesh (`refusion_jax.make_mesh`); None: the default device.
-    batch_size: decode on this many rows, a finished row taking the next
-      prompt (continuous batching); None: all N prompts as one batch.
-    chunk_iterations: run the compiled loop this many iterations per call
-      (state in, state out; same results); None: one call.
+    pad_id, mesh, batch_size, chunk_iterations: prompt padding, the device mesh, the rows kept busy
+      (continuous batching) and the iterations per loop call, as `refusion_jax.decoding.driver.run_decoder`
+      takes them (defaults: the config's pad id, one device, all N prompts as one batch, one call).
 
   Returns:
     A `DecodeResult` in input order: num_forwards = steps = answer tokens per
@@ -182,8 +151,7 @@ def ar_generate(
   temperature = check_temperature(temperature)
   eos = optional_eos_id(eos_id, model.config)
   knobs = _Sampling(key=jax.random.key(seed), temperature=jnp.float32(temperature), eos_id=jnp.int32(eos))
-  loop = functools.partial(ar_loop, knobs=knobs, gen_length=gen_length, sample=temperature > 0)
-  decoder = Decoder(gen_length, eos, functools.partial(_start, gen_length), loop)
+  decoder = Decoder(AR, ARSettings(gen_length, sample=temperature > 0), knobs, eos)
   return run_decoder(
     model, prompt_ids, decoder, pad_id=pad_id, mesh=mesh, batch_size=batch_size, chunk_iterations=chunk_iterations
   )

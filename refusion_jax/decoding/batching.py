@@ -1,19 +1,23 @@
-"""Continuous batching inside the compiled decode loop: K rows kept busy over a queue of Q prompts.
+"""Continuous batching inside the compiled decode loop: K rows kept busy over a queue of prompts.
 
 Every jitted decoder (ReFusion, AR, MDM) carries a `Batch`: K *rows*, each
-decoding one prompt of a queue, and the outputs of every queued prompt. Each
-loop iteration first admits queued prompts into idle rows (the decoder's
-`admit`: a prefill into that row), then runs one decode step for all rows
-(the decoder's `step`), whose finished rows turn idle. A static batch is the
-case K = Q. Results are written by queue index, so they come back in input
-order whatever row decoded them, and a row's decode never depends on the
-other rows (docs/method.md §3), so each prompt gets its B = 1 decode.
+decoding one prompt, and a queue of Q = `queue_entries(K)` *entries*, each
+holding a prompt and its outputs. Each loop iteration first admits waiting
+prompts into idle rows, in input order (the decoder's `admit`: a prefill into
+that row), then runs one decode step for all rows (the decoder's `step`),
+whose finished rows turn idle. Outputs are written by queue entry, and a
+row's decode never depends on the other rows (docs/method.md §3.3), so each
+prompt gets its B = 1 decode whatever row decodes it and whenever.
 
-`run_rows` stops after `max_iterations` iterations or when nothing is left to
-do, and returns the `Batch`: a server drives a decoder's loop in chunks (state
-in, state out) and never recompiles, since the shapes stay fixed. On a mesh
-(`refusion_jax.decoding.sharding.sharded_loop`) rows and queued prompts are
-split over the batch-parallel axes.
+The queue is not the list of prompts: the host feeds it (`run_decoder`). The
+loop returns when a row turns idle with no prompt waiting while the host
+holds more (`Batch.more`), after `max_iterations` iterations, or when all is
+done; the host then reads back the finished entries, refills them with the
+next prompts and calls again. So the compiled shapes (K rows, Q entries, the
+prompt bucket) do not depend on how many prompts a call decodes, and a server
+can drive the loop in chunks (state in, state out) without recompiling. On a
+mesh (`refusion_jax.decoding.mesh`) rows and entries are split over the
+batch-parallel axes.
 """
 
 from __future__ import annotations
@@ -22,25 +26,28 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from refusion_jax.decoding.sharding import constrain_rows
+from refusion_jax.decoding.mesh import constrain_rows
+from refusion_jax.decoding.result import PHASE_NONE
 from refusion_jax.model.cache import KVCache
 
-# How each answer offset was committed (`DecodeOutputs.commit_phase`, `DecodeResult.commit_phase`).
-PHASE_NONE = -1
-PHASE_VERIFY = 0  # committed as a whole slot by the global verification (docs/method.md §2 step 2)
-PHASE_INFILL = 1  # committed after parallel infill (step 3)
-PHASE_STEP = 2  # baselines: committed by an AR step or an MDM unmasking step
+# The queue holds at least this many entries, and at least two per row: the host refills it about once
+# per Q - K prompts decoded, so a few rows do not hand back to the host after every prompt or two.
+MIN_QUEUE_ENTRIES = 32
+
+
+def queue_entries(rows: int) -> int:
+  """Q for K = `rows`: a multiple of K (so of a mesh's batch-parallel devices), at least 2K and MIN_QUEUE_ENTRIES."""
+  return rows * max(2, -(-MIN_QUEUE_ENTRIES // rows))
 
 
 @flax.struct.dataclass
 class DecodeOutputs:
-  """What a decode loop writes, per queued prompt (Q of them).
+  """What a decode loop writes, per queue entry (Q of them).
 
   answer:           [Q, G] int32 ids by answer offset (anything where none was committed)
   commit_iteration: [Q, G] int32 iteration (0-based) that committed each offset, -1 where none
@@ -56,108 +63,119 @@ class DecodeOutputs:
   steps: jax.Array
 
   @classmethod
-  def empty(cls, queue: int, gen_length: int) -> DecodeOutputs:
-    """Nothing committed yet (host arrays: starting a batch dispatches no device work)."""
-    none = np.full((queue, gen_length), -1, np.int32)
-    zeros = np.zeros((queue,), np.int32)
-    return cls(none, none, np.full((queue, gen_length), PHASE_NONE, np.int32), zeros, zeros)
+  def empty(cls, entries: int, gen_length: int) -> DecodeOutputs:
+    """Nothing committed yet, as host arrays (starting a batch dispatches no device work), one per field."""
+    none = lambda: np.full((entries, gen_length), -1, np.int32)
+    zeros = lambda: np.zeros((entries,), np.int32)
+    return cls(none(), none(), np.full((entries, gen_length), PHASE_NONE, np.int32), zeros(), zeros())
 
 
 @flax.struct.dataclass
 class Batch:
-  """The state a decode loop carries, and returns after each chunk.
+  """The state a decode loop carries, and returns after each call.
 
   rows:          the decoder's per-row state (leading axis K; a `KVCache` in it has K on axis 1)
-  prompt:        [K] int32 queue index of the prompt each row decodes (meaningful where busy)
+  entry:         [K] int32 queue entry of the prompt each row decodes (meaningful where busy)
   busy:          [K] bool the row is decoding
   queue_tokens:  [Q, P] int32 right-padded prompts (P = the prompt bucket)
   queue_lengths: [Q] int32 their true lengths
-  queued:        int32 prompts 0 .. queued-1 are real (the rest pad Q to a bucket)
-  admitted:      int32 prompts admitted so far (in queue order)
-  out:           `DecodeOutputs` of every queued prompt
+  queue_prompt:  [Q] int32 each entry's prompt: its index in the call's input (order of admission, noise key)
+  waiting:       [Q] bool the entry holds a prompt not yet admitted
+  more:          bool the host holds prompts not yet queued: a row left idle hands back to the host
+  out:           `DecodeOutputs` of every entry
   widths:        [names, largest width + 1] int32 forwards counted by query width, one row per
                  name of the decoder's `width_names` (`DecodeResult.widths`)
   """
 
   rows: Any
-  prompt: jax.Array
+  entry: jax.Array
   busy: jax.Array
   queue_tokens: jax.Array
   queue_lengths: jax.Array
-  queued: jax.Array
-  admitted: jax.Array
+  queue_prompt: jax.Array
+  waiting: jax.Array
+  more: jax.Array
   out: DecodeOutputs
   widths: jax.Array
 
   @classmethod
-  def create(
-    cls, rows: Any, widths: np.ndarray, tokens: np.ndarray, lengths: np.ndarray, queued: int, gen_length: int
-  ) -> Batch:
-    """K idle rows (K = the rows' leading size) before a queue of prompts [Q, P] with lengths [Q]."""
+  def create(cls, rows: Any, widths: np.ndarray, prompt_width: int, gen_length: int) -> Batch:
+    """K idle rows (K = the rows' leading size) before an empty queue of `queue_entries(K)` entries."""
     batch = jax.tree.leaves(rows)[-1].shape[0]
-    chex.assert_rank([tokens, lengths], [2, 1])
-    chex.assert_type([tokens, lengths], int)
+    entries = queue_entries(batch)
     return cls(
       rows=rows,
-      prompt=np.zeros((batch,), np.int32),
+      entry=np.zeros((batch,), np.int32),
       busy=np.zeros((batch,), bool),
-      queue_tokens=np.asarray(tokens, np.int32),
-      queue_lengths=np.asarray(lengths, np.int32),
-      queued=np.int32(queued),
-      admitted=np.int32(0),
-      out=DecodeOutputs.empty(tokens.shape[0], gen_length),
+      queue_tokens=np.zeros((entries, prompt_width), np.int32),
+      queue_lengths=np.ones((entries,), np.int32),
+      queue_prompt=np.zeros((entries,), np.int32),
+      waiting=np.zeros((entries,), bool),
+      more=np.bool_(False),
+      out=DecodeOutputs.empty(entries, gen_length),
       widths=widths,
     )
 
   def shardings(self, rows: Callable[[Any], Any], replicated: Any) -> Batch:
-    """The Batch's shardings on a mesh: `rows(tree)` for the rows, queue and outputs, the counters replicated."""
+    """The Batch's shardings on a mesh: `rows(tree)` for the rows, queue and outputs, the rest replicated."""
     return self.replace(
       rows=rows(self.rows),
-      prompt=rows(self.prompt),
+      entry=rows(self.entry),
       busy=rows(self.busy),
       queue_tokens=rows(self.queue_tokens),
       queue_lengths=rows(self.queue_lengths),
-      queued=replicated,
-      admitted=replicated,
+      queue_prompt=rows(self.queue_prompt),
+      waiting=rows(self.waiting),
+      more=replicated,
       out=rows(self.out),
       widths=replicated,
     )
 
-  @property
-  def done(self) -> bool:
-    """Every queued prompt has been admitted and decoded (reads two values back to the host)."""
-    return int(self.admitted) == int(self.queued) and not bool(jnp.any(self.busy))
 
-
-# admit(rows, out, row, index, tokens [P], length) -> (rows, out): start queued prompt `index` in row `row`.
-Admit = Callable[[Any, DecodeOutputs, jax.Array, jax.Array, jax.Array, jax.Array], tuple[Any, DecodeOutputs]]
-# step(rows, out, widths, live [K], index [K]) -> (rows, out, widths, finished [K]); index = Q on idle rows.
-Step = Callable[[Any, DecodeOutputs, jax.Array, jax.Array, jax.Array], tuple[Any, DecodeOutputs, jax.Array, jax.Array]]
+# admit(rows, out, row, entry, prompt, tokens [P], length) -> (rows, out): start the prompt of queue entry `entry`
+# (input index `prompt`) in row `row`.
+Admit = Callable[[Any, DecodeOutputs, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], tuple[Any, DecodeOutputs]]
+# step(rows, out, widths, live [K], entry [K], prompt [K]) -> (rows, out, widths, finished [K]); entry = Q on idle rows.
+Step = Callable[
+  [Any, DecodeOutputs, jax.Array, jax.Array, jax.Array, jax.Array], tuple[Any, DecodeOutputs, jax.Array, jax.Array]
+]
 
 
 def run_rows(batch: Batch, max_iterations: jax.Array, admit: Admit, step: Step) -> Batch:
-  """Admit and step until nothing is left to do or `max_iterations` steps ran (call under `jax.jit`)."""
+  """Admit and step until nothing is left to do, the host must refill the queue, or `max_iterations` steps ran.
+
+  Call under `jax.jit`.
+  """
+  entries = batch.waiting.shape[0]
 
   def can_admit(b: Batch) -> jax.Array:
-    return jnp.any(~b.busy) & (b.admitted < b.queued)
+    return jnp.any(~b.busy) & jnp.any(b.waiting)
 
   def admit_next(b: Batch) -> Batch:
-    row, index = jnp.argmin(b.busy), b.admitted  # the first idle row takes the next prompt
-    rows, out = admit(b.rows, b.out, row, index, b.queue_tokens[index], b.queue_lengths[index])
+    # The first idle row takes the waiting prompt that comes first in the input.
+    row = jnp.argmin(b.busy)
+    entry = jnp.argmin(jnp.where(b.waiting, b.queue_prompt, jnp.iinfo(jnp.int32).max))
+    prompt = b.queue_prompt[entry]
+    rows, out = admit(b.rows, b.out, row, entry, prompt, b.queue_tokens[entry], b.queue_lengths[entry])
     return b.replace(
-      rows=rows, out=out, prompt=b.prompt.at[row].set(index), busy=b.busy.at[row].set(True), admitted=index + 1
+      rows=rows,
+      out=out,
+      entry=b.entry.at[row].set(entry),
+      busy=b.busy.at[row].set(True),
+      waiting=b.waiting.at[entry].set(False),
     )
 
   def body(carry: tuple[Batch, jax.Array]) -> tuple[Batch, jax.Array]:
     b, iteration = carry
     b = jax.lax.while_loop(can_admit, admit_next, b)
-    index = jnp.where(b.busy, b.prompt, b.out.num_forwards.shape[0])
-    rows, out, widths, finished = step(b.rows, b.out, b.widths, b.busy, index)
+    entry = jnp.where(b.busy, b.entry, entries)
+    rows, out, widths, finished = step(b.rows, b.out, b.widths, b.busy, entry, b.queue_prompt[b.entry])
     return b.replace(rows=rows, out=out, widths=widths, busy=b.busy & ~finished), iteration + 1
 
   def cond(carry: tuple[Batch, jax.Array]) -> jax.Array:
     b, iteration = carry
-    return (jnp.any(b.busy) | can_admit(b)) & (iteration < max_iterations)
+    starved = b.more & jnp.any(~b.busy) & ~jnp.any(b.waiting)
+    return (jnp.any(b.busy) | can_admit(b)) & ~starved & (iteration < max_iterations)
 
   def pin(carry: tuple[Batch, jax.Array]) -> tuple[Batch, jax.Array]:
     # On a mesh the rows and the outputs keep their row sharding in every iteration (not left to propagation).

@@ -3,36 +3,28 @@
 No cache: every step is one bidirectional forward over prompt + answer. The
 answer is decoded in semi-autoregressive blocks, and per step the most
 confident masked tokens of the current block are unmasked (LLaDA's
-`generate.py`). Batched and jitted end to end as one `lax.while_loop` over a
-`refusion_jax.decoding.batching.Batch` (so `batch_size` gives continuous
-batching); the host side is `refusion_jax.decoding.common.run_decoder`, whose
-`DecodeResult` records `PHASE_STEP` for every token.
+`generate.py`). An `MDM` `driver.Method`: batched and jitted end to end as one
+`lax.while_loop` over a `refusion_jax.decoding.batching.Batch` (so
+`batch_size` gives continuous batching), run by
+`refusion_jax.decoding.driver.run_decoder`, whose `DecodeResult` records
+`PHASE_STEP` for every token.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from refusion_jax.decoding.batching import PHASE_NONE, PHASE_STEP, Batch, count_width, put_row, run_rows
-from refusion_jax.decoding.common import (
-  Decoder,
-  DecodeResult,
-  check_special_id,
-  check_temperature,
-  counts_compilations,
-  decoder_special_tokens,
-  optional_eos_id,
-  pick_tokens,
-  run_decoder,
-)
+from refusion_jax.decoding.batching import count_width, put_row
+from refusion_jax.decoding.checks import check_special_id, check_temperature, decoder_special_tokens, optional_eos_id
+from refusion_jax.decoding.driver import Decoder, Method, run_decoder
+from refusion_jax.decoding.result import PHASE_NONE, PHASE_STEP, DecodeResult
+from refusion_jax.decoding.scoring import pick_tokens
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer
 
@@ -73,7 +65,7 @@ def check_mdm_schedule(gen_length: int, block_length: int, steps: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Schedule:
+class MDMSchedule:
   """What fixes the compiled program: the block/step split and sampling."""
 
   gen_length: int
@@ -111,8 +103,9 @@ class _RowState:
   committed_at: jax.Array
 
 
-def _admit(knobs: _Sampling, schedule: _Schedule, state, out, row, index, tokens, length):
-  """Put prompt `index` into row `row` with a fully masked answer (a `batching.Admit`; no forward)."""
+def _admit(model: Transformer, knobs: _Sampling, schedule: MDMSchedule, state, out, row, entry, prompt, tokens, length):
+  """Put the prompt of `entry` into row `row` with a fully masked answer (a `batching.Admit`; no forward)."""
+  del model, entry, prompt  # no prefill: the first step reads the prompt
   G = schedule.gen_length
   fresh = _RowState(
     prompt=tokens[None],
@@ -123,7 +116,7 @@ def _admit(knobs: _Sampling, schedule: _Schedule, state, out, row, index, tokens
   return put_row(state, row, fresh), out
 
 
-def _step(model: Transformer, knobs: _Sampling, schedule: _Schedule, state, out, widths, live, index):
+def _step(model: Transformer, knobs: _Sampling, schedule: MDMSchedule, state, out, widths, live, entry, prompt):
   """One unmasking step of every row: a bidirectional forward over [prompt bucket | answer] (a `batching.Step`).
 
   The prompt keeps its right padding and the answer follows the bucket, but
@@ -134,7 +127,7 @@ def _step(model: Transformer, knobs: _Sampling, schedule: _Schedule, state, out,
   batch, width = state.prompt.shape
   G, per_block = schedule.gen_length, schedule.steps_per_block
   transfer_counts = jnp.asarray(num_transfer_tokens(schedule.block_length, per_block))
-  step = out.steps.at[index].get(mode="fill", fill_value=0)
+  step = out.steps.at[entry].get(mode="fill", fill_value=0)
 
   columns = jnp.arange(width)[None, :]
   positions = jnp.concatenate(
@@ -143,7 +136,7 @@ def _step(model: Transformer, knobs: _Sampling, schedule: _Schedule, state, out,
   key_valid = jnp.concatenate([columns < state.prompt_length[:, None], jnp.ones((batch, G), bool)], 1)
   mask = jnp.broadcast_to(key_valid[:, None, :], (batch, width + G, width + G))
   logits, _ = model(jnp.concatenate([state.prompt, state.answer], 1), positions, mask)
-  draft, confidence = pick_tokens(logits[:, width:], knobs.key, index, step, knobs.temperature, schedule.sample)
+  draft, confidence = pick_tokens(logits[:, width:], knobs.key, prompt, step, knobs.temperature, schedule.sample)
   block_of = jnp.arange(G) // schedule.block_length
   candidate = (state.answer == knobs.mask_id) & (block_of[None, :] == (step // per_block)[:, None])
   confidence = jnp.where(candidate, confidence, -jnp.inf)
@@ -155,19 +148,19 @@ def _step(model: Transformer, knobs: _Sampling, schedule: _Schedule, state, out,
   committed_at = jnp.where(transfer, step[:, None], state.committed_at)
 
   out = out.replace(
-    answer=out.answer.at[index].set(answer, mode="drop"),
-    commit_iteration=out.commit_iteration.at[index].set(committed_at, mode="drop"),
-    commit_phase=out.commit_phase.at[index].set(jnp.where(committed_at >= 0, PHASE_STEP, PHASE_NONE), mode="drop"),
-    num_forwards=out.num_forwards.at[index].add(1, mode="drop"),
-    steps=out.steps.at[index].add(1, mode="drop"),
+    answer=out.answer.at[entry].set(answer, mode="drop"),
+    commit_iteration=out.commit_iteration.at[entry].set(committed_at, mode="drop"),
+    commit_phase=out.commit_phase.at[entry].set(jnp.where(committed_at >= 0, PHASE_STEP, PHASE_NONE), mode="drop"),
+    num_forwards=out.num_forwards.at[entry].add(1, mode="drop"),
+    steps=out.steps.at[entry].add(1, mode="drop"),
   )
   widths = count_width(widths, width + G, jnp.ones((1,), jnp.int32))
   state = state.replace(answer=answer, committed_at=committed_at)
   return state, out, widths, live & (step + 1 >= schedule.steps)
 
 
-def _start(schedule: _Schedule, config: ModelConfig, batch: int, prompt_width: int):
-  """Idle rows and a zero count of the [prompt | answer]-wide forwards (a `Decoder.start`)."""
+def _start(schedule: MDMSchedule, config: ModelConfig, batch: int, prompt_width: int):
+  """Idle rows and a zero count of the [prompt | answer]-wide forwards (a `Method.start`)."""
   del config  # no cache
   G = schedule.gen_length
   state = _RowState(
@@ -179,27 +172,7 @@ def _start(schedule: _Schedule, config: ModelConfig, batch: int, prompt_width: i
   return state, np.zeros((1, prompt_width + G + 1), np.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "schedule"))
-@counts_compilations
-def mdm_loop(
-  graphdef: nnx.GraphDef,
-  params: nnx.State,
-  batch: Batch,
-  max_iterations: jax.Array,
-  knobs: _Sampling,
-  *,
-  schedule: _Schedule,
-) -> Batch:
-  """All unmasking steps of every queued prompt, for up to `max_iterations` iterations (or until done).
-
-  Returns:
-    The `Batch`; its `out` holds, per prompt, the answer, commit_iteration (the
-    step that unmasked each offset) and num_forwards = steps = `schedule.steps`.
-  """
-  model = nnx.merge(graphdef, params)
-  admit = functools.partial(_admit, knobs, schedule)
-  step = functools.partial(_step, model, knobs, schedule)
-  return run_rows(batch, max_iterations, admit, step)
+MDM = Method("mdm", _start, _admit, _step)
 
 
 def mdm_generate(
@@ -233,13 +206,10 @@ def mdm_generate(
     steps: total forwards, a multiple of the number of blocks and at most G.
     mask_id: defaults to the config's `mask_token_id`.
     eos_id: the answer is cut after its first EOS; defaults to the config's.
-    pad_id: prompt padding id (never attended); defaults to the config's pad, else its EOS, else 0.
     temperature: 0 for greedy drafts, else Gumbel-max sampled drafts.
-    mesh: decode on this mesh (`refusion_jax.make_mesh`); None: the default device.
-    batch_size: decode on this many rows, a finished row taking the next
-      prompt (continuous batching); None: all N prompts as one batch.
-    chunk_iterations: run the compiled loop this many iterations per call
-      (state in, state out; same results); None: one call.
+    pad_id, mesh, batch_size, chunk_iterations: prompt padding, the device mesh, the rows kept busy
+      (continuous batching) and the iterations per loop call, as `refusion_jax.decoding.driver.run_decoder`
+      takes them (defaults: the config's pad id, one device, all N prompts as one batch, one call).
 
   Returns:
     A `DecodeResult` in input order; commit_iteration is the step that unmasked each position.
@@ -250,9 +220,7 @@ def mdm_generate(
   mask = check_special_id("mask_id", decoder_special_tokens(config, mask_id=mask_id).mask, config)
   eos = optional_eos_id(eos_id, config)
   knobs = _Sampling(key=jax.random.key(seed), temperature=jnp.float32(temperature), mask_id=jnp.int32(mask))
-  schedule = _Schedule(gen_length, block_length, steps, sample=temperature > 0)
-  loop = functools.partial(mdm_loop, knobs=knobs, schedule=schedule)
-  decoder = Decoder(gen_length, eos, functools.partial(_start, schedule), loop)
+  decoder = Decoder(MDM, MDMSchedule(gen_length, block_length, steps, sample=temperature > 0), knobs, eos)
   return run_decoder(
     model, prompt_ids, decoder, pad_id=pad_id, mesh=mesh, batch_size=batch_size, chunk_iterations=chunk_iterations
   )

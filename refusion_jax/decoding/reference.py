@@ -24,14 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from refusion_jax.decoding.common import (
-  PHASE_INFILL,
-  PHASE_NONE,
-  PHASE_VERIFY,
-  DecodeResult,
-  check_prompts,
-  check_refusion_knobs,
-)
+from refusion_jax.decoding.checks import check_prompts, check_refusion_knobs
+from refusion_jax.decoding.result import PHASE_INFILL, PHASE_NONE, PHASE_VERIFY, DecodeResult
 from refusion_jax.model.cache import KVCache
 from refusion_jax.model.transformer import Transformer, inference_view
 

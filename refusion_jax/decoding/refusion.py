@@ -25,72 +25,56 @@ after the row's cache entries in compact order, and a commit, always a prefix
 of the active tokens, makes that many of them valid
 (`refusion_jax.model.cache.stage` / `commit`).
 
-Rows advance independently. With `batch_size`, a finished row takes the
-next queued prompt (`refusion_jax.decoding.batching`): continuous batching,
-each prompt decoded exactly as it would be alone.
+Rows advance independently. The decoder is the `REFUSION` `driver.Method`,
+run by `refusion_jax.decoding.driver.run_decoder`: with `batch_size`, a
+finished row takes the next queued prompt (`refusion_jax.decoding.batching`),
+continuous batching, each prompt decoded exactly as it would be alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 
-import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from refusion_jax.decoding.batching import (
+from refusion_jax.decoding.batching import DecodeOutputs, count_width, host_zeros, put_cache_row, put_row
+from refusion_jax.decoding.checks import check_refusion_knobs
+from refusion_jax.decoding.driver import Decoder, Method, run_decoder
+from refusion_jax.decoding.prompts import prefill
+from refusion_jax.decoding.result import (
   PHASE_INFILL,
   PHASE_VERIFY,
-  Batch,
-  DecodeOutputs,
-  count_width,
-  host_zeros,
-  put_cache_row,
-  put_row,
-  run_rows,
-)
-from refusion_jax.decoding.common import (
-  Decoder,
+  STAGE_CHECK,
+  STAGE_DRAFT,
+  STAGE_NAMES,
+  STAGE_PLAN,
+  STAGE_VERIFY,
   DecodeResult,
-  check_refusion_knobs,
-  counts_compilations,
-  first_argmax,
-  log_partition,
-  prefill,
-  row_gumbel_noise,
-  run_decoder,
-  token_probs,
 )
+from refusion_jax.decoding.scoring import first_argmax, log_partition, row_gumbel_noise, token_probs
 from refusion_jax.model import cache as kv_cache
 from refusion_jax.model.cache import KVCache
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer
+from refusion_jax.parallel.sharding import LOGICAL_AXIS_RULES, Rules, batch_parallel_ways
 
-__all__ = ["DecodeKnobs", "DecodeSettings", "decode_loop", "generate", "start_rows"]
+__all__ = ["REFUSION", "ReFusionKnobs", "ReFusionSettings", "generate", "start_rows"]
 
-# Token budget of a width-fitted forward, in slots per row kept busy. Measured on a 2-core CPU (tiny 3-layer
-# Qwen3, 64 prompts, K = 8): 1 slot per row made rows wait too long (1.2x the one-by-one decode), 2 was best,
-# 3-4 and no budget (every row at the widest row's width) less (issue 12). Rechecked after the step stopped
-# scattering whole blocks: budgets 3 and 4 and extra half- or quarter-row shapes were again no faster.
+# Token budget of a width-fitted forward, in slots per row kept busy: each compiled (rows, width) shape
+# holds max(T, ROW_BUDGET_SLOTS × K × S) tokens (`_forward_shapes`). How it was chosen, with the numbers
+# measured: README.md, "Benchmarks".
 ROW_BUDGET_SLOTS = 2
 # What a forward costs regardless of its size, in tokens of forward width: the scheduler divides the work a
-# shape would serve by its tokens plus this. Fit on the same CPU and workload: a forward cost about
-# 210 us + 18 us per token. With 16, 64 prompts at K = 8 ran 57.9k forward tokens where plain work ran 60.2k;
-# 0 and 48 were no faster (issue 12).
+# shape would serve by its tokens plus this (`_scheduled_forward`). How it was fitted: README.md, "Benchmarks".
 FORWARD_OVERHEAD_TOKENS = 16
-
-# Stage of a row: what its next forward is.
-STAGE_PLAN, STAGE_VERIFY, STAGE_DRAFT, STAGE_CHECK = 0, 1, 2, 3
-STAGE_NAMES = ("plan", "verify", "draft", "check")
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeSettings:
+class ReFusionSettings:
   """What fixes the compiled program (a static, hashable jit argument)."""
 
   gen_length: int
@@ -100,6 +84,9 @@ class DecodeSettings:
   sample: bool
   # Forwards only as wide as the active slots (False: always the whole block, one compiled width).
   fit_width: bool = True
+  # Narrow forwards of fewer rows than K (`_forward_shapes`); False where rows are split over devices
+  # (`picks_rows`).
+  pick_rows: bool = True
 
   @property
   def block_length(self) -> int:
@@ -120,7 +107,7 @@ class DecodeSettings:
 
 
 @flax.struct.dataclass
-class DecodeKnobs:
+class ReFusionKnobs:
   """Scalars that change nothing in the compiled program (traced jit arguments)."""
 
   slot_threshold: jax.Array  # float32
@@ -159,7 +146,7 @@ class _RowState:
   waited: jax.Array
 
 
-def _fresh_rows(settings: DecodeSettings, batch: int) -> _RowState:
+def _fresh_rows(settings: ReFusionSettings, batch: int) -> _RowState:
   """Every field but the cache for `batch` rows at the start of a prompt (the cache is set apart)."""
   N, T = settings.slots_per_block, settings.block_length
   zeros = jnp.zeros((batch,), jnp.int32)
@@ -189,7 +176,7 @@ def _leading_run(passes: jax.Array, slot_size: int) -> jax.Array:
   return jnp.sum(jnp.cumprod(slots.astype(jnp.int32), axis=-1), axis=-1)
 
 
-def _offset_in_slot(settings: DecodeSettings) -> jax.Array:
+def _offset_in_slot(settings: ReFusionSettings) -> jax.Array:
   """[T] each block token's index inside its slot."""
   return jnp.arange(settings.block_length) % settings.slot_size
 
@@ -199,7 +186,7 @@ def _first_true(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   return jnp.any(x, axis=-1), jnp.argmax(x, axis=-1)
 
 
-def _query(state: _RowState, settings: DecodeSettings, mask_id: jax.Array):
+def _query(state: _RowState, settings: ReFusionSettings, mask_id: jax.Array):
   """Each row's query tokens [B, T] and which block tokens each query sees [B, T, T]."""
   S, T = settings.slot_size, settings.block_length
   offset = _offset_in_slot(settings)
@@ -236,7 +223,7 @@ class _TokenScores:
   previous_prob: jax.Array
 
 
-def _plan(scores: _TokenScores, state: _RowState, knobs: DecodeKnobs, settings: DecodeSettings):
+def _plan(scores: _TokenScores, state: _RowState, knobs: ReFusionKnobs, settings: ReFusionSettings):
   """Step 1: drafts [B, T] of every slot and the chosen slots [B, N]."""
   # Slot confidence: the un-noised probability of the slot's first drafted token.
   first_prob = scores.planned_prob[:, :: settings.slot_size]
@@ -247,7 +234,7 @@ def _plan(scores: _TokenScores, state: _RowState, knobs: DecodeKnobs, settings: 
   return scores.planned, chosen
 
 
-def _global_verify(scores: _TokenScores, state: _RowState, knobs: DecodeKnobs, settings: DecodeSettings):
+def _global_verify(scores: _TokenScores, state: _RowState, knobs: ReFusionKnobs, settings: ReFusionSettings):
   """Step 2 on the chosen drafts, causal over the chosen tokens in slot order.
 
   Returns:
@@ -268,7 +255,7 @@ def _global_verify(scores: _TokenScores, state: _RowState, knobs: DecodeKnobs, s
   return take, _leading_run(passes, S)
 
 
-def _infill_draft(scores: _TokenScores, state: _RowState, settings: DecodeSettings):
+def _infill_draft(scores: _TokenScores, state: _RowState, settings: ReFusionSettings):
   """Step 3a: argmax drafts for the chosen slots' unaccepted tokens."""
   S = settings.slot_size
   unaccepted = _offset_in_slot(settings)[None] >= _per_token(state.accepted, S)
@@ -276,7 +263,7 @@ def _infill_draft(scores: _TokenScores, state: _RowState, settings: DecodeSettin
   return jnp.where(redraft, scores.greedy, state.drafts)
 
 
-def _infill_check(scores: _TokenScores, state: _RowState, knobs: DecodeKnobs, settings: DecodeSettings):
+def _infill_check(scores: _TokenScores, state: _RowState, knobs: ReFusionKnobs, settings: ReFusionSettings):
   """Steps 3b-c: grow each slot's accepted prefix, stop at the first EOS slot.
 
   Returns:
@@ -325,16 +312,19 @@ def _token_scores(logits: jax.Array, tokens: jax.Array, noise: jax.Array | None)
   )
 
 
-def _forward_shapes(settings: DecodeSettings, rows: int) -> tuple[tuple[int, int], ...]:
+def _forward_shapes(settings: ReFusionSettings, rows: int) -> tuple[tuple[int, int], ...]:
   """(rows, width) of each compiled forward over K = `rows` resident rows.
 
   Widths S, 2S, 4S, ... T, each with as many rows as a budget of
   max(T, ROW_BUDGET_SLOTS·K·S) tokens holds: a forward costs about its tokens
   on a CPU, so every shape costs about the same and narrow work is done for
-  many rows at once. Without fit_width: one shape, every row at the whole block.
+  many rows at once. Without fit_width: one shape, every row at the whole block. Without pick_rows: every
+  width over all K rows.
   """
   if not settings.fit_width:
     return ((rows, settings.block_length),)
+  if not settings.pick_rows:
+    return tuple((rows, width) for width in settings.widths)
   budget = max(settings.block_length, ROW_BUDGET_SLOTS * rows * settings.slot_size)
   return tuple((min(rows, budget // width), width) for width in settings.widths)
 
@@ -472,8 +462,8 @@ def _scheduled_forward(model: Transformer, state: _RowState, tokens, positions, 
   return scores, kv_cache.stage(state.cache, *staged), jnp.stack(served)[shape_index], shape_index
 
 
-def _commit(state: _RowState, out: DecodeOutputs, take, settings, eos_id, index, phase):
-  """Commit the taken tokens [B, T] (block order), record them under each row's prompt `index` [B], and take
+def _commit(state: _RowState, out: DecodeOutputs, take, settings, eos_id, entry, phase):
+  """Commit the taken tokens [B, T] (block order), record them under each row's queue `entry` [B], and take
   their slots out of the pool.
 
   The cache holds the forward's keys and values staged in compact order
@@ -491,8 +481,8 @@ def _commit(state: _RowState, out: DecodeOutputs, take, settings, eos_id, index,
   removed |= has_eos[:, None] & (slot_index > (eos_at // S)[:, None])
 
   target = jnp.where(take, state.block[:, None] * T + jnp.arange(T)[None], settings.gen_length)
-  rows = index[:, None]
-  iteration = out.steps.at[index].get(mode="fill", fill_value=0) - 1
+  rows = entry[:, None]
+  iteration = out.steps.at[entry].get(mode="fill", fill_value=0) - 1
   out = out.replace(
     answer=out.answer.at[rows, target].set(state.drafts, mode="drop"),
     commit_iteration=out.commit_iteration.at[rows, target].set(
@@ -504,17 +494,27 @@ def _commit(state: _RowState, out: DecodeOutputs, take, settings, eos_id, index,
   return state, out
 
 
-def _step(model: Transformer, knobs: DecodeKnobs, settings: DecodeSettings, state: _RowState, out, widths, live, index):
+def _step(
+  model: Transformer,
+  knobs: ReFusionKnobs,
+  settings: ReFusionSettings,
+  state: _RowState,
+  out,
+  widths,
+  live,
+  entry,
+  prompt,
+):
   """One forward for all rows, then each live row advances by its stage (a `batching.Step`)."""
   S, T = settings.slot_size, settings.block_length
   stage = state.stage
-  steps = out.steps.at[index].get(mode="fill", fill_value=0)
+  steps = out.steps.at[entry].get(mode="fill", fill_value=0)
   tokens, sees = _query(state, settings, knobs.mask_id)
   positions = (state.prompt_length + state.block * T)[:, None] + jnp.arange(T)[None]
   active = _per_token(jnp.where((stage == STAGE_PLAN)[:, None], state.undecided, state.chosen) & live[:, None], S)
   noise = None
   if settings.sample:
-    noise = knobs.temperature * row_gumbel_noise(knobs.key, index, steps, (T, model.config.vocab_size))
+    noise = knobs.temperature * row_gumbel_noise(knobs.key, prompt, steps, (T, model.config.vocab_size))
   scores, cache, served, shape_index = _scheduled_forward(
     model, state, tokens, positions, sees, active, noise, live, settings
   )
@@ -537,8 +537,8 @@ def _step(model: Transformer, knobs: DecodeKnobs, settings: DecodeSettings, stat
   take = (row(is_verify) & verify_take) | (row(is_check) & check_take)
   committed = jnp.any(take, axis=-1)
   out = out.replace(
-    num_forwards=out.num_forwards.at[index].add(live, mode="drop"),
-    steps=out.steps.at[index].add(is_plan, mode="drop"),
+    num_forwards=out.num_forwards.at[entry].add(live, mode="drop"),
+    steps=out.steps.at[entry].add(is_plan, mode="drop"),
   )
   state = state.replace(
     drafts=drafts,
@@ -546,7 +546,7 @@ def _step(model: Transformer, knobs: DecodeKnobs, settings: DecodeSettings, stat
     accepted=jnp.where(row(is_verify), verify_accepted, jnp.where(row(is_check), check_accepted, state.accepted)),
   )
   phase = jnp.where(stage == STAGE_VERIFY, PHASE_VERIFY, PHASE_INFILL)
-  state, out = _commit(state, out, take, settings, knobs.eos_id, index, phase)
+  state, out = _commit(state, out, take, settings, knobs.eos_id, entry, phase)
 
   next_stage = jnp.select(
     [is_plan, is_verify | is_check, is_draft],
@@ -560,55 +560,48 @@ def _step(model: Transformer, knobs: DecodeKnobs, settings: DecodeSettings, stat
   return state, out, widths, finish
 
 
-def _admit(model: Transformer, settings: DecodeSettings, state: _RowState, out, row, index, tokens, length):
-  """Prefill prompt `index` ([P] tokens, true length) into row `row` and reset its state (a `batching.Admit`)."""
+def _admit(
+  model: Transformer,
+  knobs: ReFusionKnobs,
+  settings: ReFusionSettings,
+  state: _RowState,
+  out,
+  row,
+  entry,
+  prompt,
+  tokens,
+  length,
+):
+  """Prefill the prompt of `entry` ([P] tokens, true length) into row `row` and reset its state (a `batching.Admit`)."""
+  del knobs, prompt  # the prefill draws nothing
   _, one = prefill(model, tokens[None], length[None], state.cache.capacity)
   fresh = _fresh_rows(settings, 1).replace(prompt_length=length[None])
   state = put_row(state.replace(cache=None), row, fresh).replace(cache=put_cache_row(state.cache, row, one))
   # The prompt prefill is a forward too; counting it keeps TPF comparable
   # with the AR baseline, whose prefill yields its first token.
-  return state, out.replace(num_forwards=out.num_forwards.at[index].set(1))
+  return state, out.replace(num_forwards=out.num_forwards.at[entry].set(1))
 
 
-def _rows(settings: DecodeSettings, config: ModelConfig, batch: int, capacity: int) -> _RowState:
+def _rows(settings: ReFusionSettings, config: ModelConfig, batch: int, capacity: int) -> _RowState:
   return _fresh_rows(settings, batch).replace(cache=KVCache.create(config, batch, capacity))
 
 
-def start_rows(settings: DecodeSettings, config: ModelConfig, batch: int, prompt_width: int):
-  """Idle rows (cache capacity = prompt bucket + G) and zero width counters (a `Decoder.start`)."""
+def start_rows(settings: ReFusionSettings, config: ModelConfig, batch: int, prompt_width: int):
+  """Idle rows (cache capacity = prompt bucket + G) and zero width counters (a `Method.start`)."""
   rows = host_zeros(_rows, settings, config, batch, prompt_width + settings.gen_length)
   return rows, np.zeros((1 + len(STAGE_NAMES), settings.block_length + 1), np.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "settings"))
-@counts_compilations
-def decode_loop(
-  graphdef: nnx.GraphDef,
-  params: nnx.State,
-  batch: Batch,
-  max_iterations: jax.Array,
-  knobs: DecodeKnobs,
-  *,
-  settings: DecodeSettings,
-) -> Batch:
-  """Run the plan-and-infill loop over a `Batch` for up to `max_iterations` iterations (or until done).
+def picks_rows(mesh: jax.sharding.Mesh | None, rules: Rules = LOGICAL_AXIS_RULES) -> bool:
+  """Whether forwards may take a subset of the rows on `mesh`: not where rows are split over devices.
 
-  This is the compiled program `generate` calls (through `run_decoder`); a
-  server can drive it in chunks, state in and state out. Weights, the batch
-  state, `max_iterations` and every `DecodeKnobs` field are traced: only the
-  graph, the settings and the shapes (rows, queue, prompt bucket) cause a new
-  compilation.
-
-  Returns:
-    The `Batch` after the chunk; its `out` holds, per queued prompt, steps
-    (plan steps), commit_iteration (the plan step whose cycle committed each
-    offset) and commit_phase (PHASE_VERIFY / PHASE_INFILL).
+  There a pick gathers rows across devices in every forward, and XLA's TPU compiler (libtpu 0.0.42)
+  aborts on the gather (a failed check in its all-gather / dynamic-slice cancellation).
   """
-  model = nnx.merge(graphdef, params)
-  chex.assert_rank(batch.queue_tokens, 2)
-  admit = functools.partial(_admit, model, settings)
-  step = functools.partial(_step, model, knobs, settings)
-  return run_rows(batch, max_iterations, admit, step)
+  return mesh is None or batch_parallel_ways(mesh, rules) == 1
+
+
+REFUSION = Method("refusion", start_rows, _admit, _step, ("forward", *STAGE_NAMES))
 
 
 def generate(
@@ -645,17 +638,13 @@ def generate(
     serial_blocks: NB, blocks of G / NB tokens decoded left to right.
     slot_threshold: a slot is chosen when its confidence is > this.
     token_threshold: a drafted token passes verification when its AR probability is > this.
-    mask_id, eos_id: default to the model config's; pad_id defaults to the
-      config's pad, else its EOS, else 0 (padding is never attended).
-    mesh: decode on this mesh (`refusion_jax.make_mesh`): rows split over its
-      batch-parallel axes, parameters and cache by their logical axes.
-    batch_size: decode on this many rows, a finished row taking the next
-      prompt (continuous batching); None: all N prompts as one batch.
+    mask_id, eos_id: default to the model config's.
     fit_width: run each forward only as wide as the rows' active slots (a few
       compiled widths); False: always the whole block (one compiled width,
       which can pay off where a forward costs the same at any small width).
-    chunk_iterations: run the compiled loop this many iterations per call,
-      state in and state out, as a server drives it (same results; None: one call).
+    pad_id, mesh, batch_size, chunk_iterations: prompt padding, the device mesh, the rows kept busy
+      (continuous batching) and the iterations per loop call, as `refusion_jax.decoding.driver.run_decoder`
+      takes them (defaults: the config's pad id, one device, all N prompts as one batch, one call).
 
   Returns:
     A `DecodeResult` in input order. num_forwards counts the prompt prefill and
@@ -668,7 +657,7 @@ def generate(
   checked = check_refusion_knobs(
     model.config, gen_length, slot_size, serial_blocks, slot_threshold, token_threshold, temperature, mask_id, eos_id
   )
-  knobs = DecodeKnobs(
+  knobs = ReFusionKnobs(
     slot_threshold=jnp.float32(checked.slot_threshold),
     token_threshold=jnp.float32(checked.token_threshold),
     temperature=jnp.float32(checked.temperature),
@@ -676,11 +665,10 @@ def generate(
     mask_id=jnp.int32(checked.mask_id),
     eos_id=jnp.int32(checked.eos_id),
   )
-  settings = DecodeSettings(gen_length, slot_size, serial_blocks, sample=checked.temperature > 0, fit_width=fit_width)
-  loop = functools.partial(decode_loop, knobs=knobs, settings=settings)
-  decoder = Decoder(
-    gen_length, checked.eos_id, functools.partial(start_rows, settings), loop, ("forward", *STAGE_NAMES)
+  settings = ReFusionSettings(
+    gen_length, slot_size, serial_blocks, checked.temperature > 0, fit_width=fit_width, pick_rows=picks_rows(mesh)
   )
+  decoder = Decoder(REFUSION, settings, knobs, checked.eos_id)
   return run_decoder(
     model, prompt_ids, decoder, pad_id=pad_id, mesh=mesh, batch_size=batch_size, chunk_iterations=chunk_iterations
   )

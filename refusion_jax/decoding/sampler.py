@@ -7,9 +7,9 @@
     Sampler(model, tok, method="ar", gen_length=32)   # the baselines, same interface
     Sampler(model, tok, batch_size=8)(texts)          # many texts, 8 rows kept busy (continuous batching)
 
-Prompts are padded into the length buckets of `refusion_jax.decoding.common`, so
-calls with new prompts of a bucket (and the same batch size) reuse the
-compiled program of the decoder's jit cache.
+Prompts are padded into the length buckets of `refusion_jax.decoding.prompts`,
+so calls with new prompts of a bucket reuse the compiled program: with
+`batch_size`, whatever the number of texts; without, for the same number.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from refusion_jax.data.special_tokens import resolve_special_tokens
 from refusion_jax.data.tokenizer import Tokenizer, format_prompt, load_tokenizer
 from refusion_jax.decoding import defaults
 from refusion_jax.decoding.ar import ar_generate
-from refusion_jax.decoding.common import DecodeResult
 from refusion_jax.decoding.mdm import mdm_generate
 from refusion_jax.decoding.refusion import generate
+from refusion_jax.decoding.result import DecodeResult
 from refusion_jax.model.transformer import Transformer, inference_view
 
 # The decoder of each method; its default knobs are `defaults.method_defaults(method, gen_length)`.

@@ -22,7 +22,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from refusion_jax.data.tokenizer import Tokenizer
-from refusion_jax.decoding.common import PHASE_INFILL, PHASE_NAMES, DecodeResult
+from refusion_jax.decoding.result import PHASE_INFILL, PHASE_NAMES, DecodeResult
 
 COLORMAP = "viridis"
 # Hatch of each phase in the figure (verification / baseline step: plain).

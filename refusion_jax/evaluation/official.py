@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from refusion_jax.checkpoints.hf import save_hf
-from refusion_jax.decoding.common import PHASE_NONE, DecodeResult
+from refusion_jax.decoding.result import PHASE_NONE, DecodeResult
 from refusion_jax.model.transformer import Transformer
 
 

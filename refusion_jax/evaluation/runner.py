@@ -5,7 +5,7 @@ each task's tokens per second is measured on that task alone, as a benchmark
 is run on its own. Each decode call keeps `batch_size` rows busy over up to
 `PROMPTS_PER_ROW` × `batch_size` prompts (a finished row takes the next
 prompt, `refusion_jax.decoding.batching`). The first call of every new program
-shape (rows × queue × prompt bucket) compiles: that call is timed as
+shape (rows × prompt bucket) compiles: that call is timed as
 compilation and decoded again for the measurement, so compilation never
 enters tokens per second or latency.
 """
@@ -22,7 +22,8 @@ import tqdm
 
 from refusion_jax.data.tasks import is_correct
 from refusion_jax.data.tokenizer import Tokenizer
-from refusion_jax.decoding.common import DecodeResult, compile_count
+from refusion_jax.decoding.driver import compile_count
+from refusion_jax.decoding.result import DecodeResult
 from refusion_jax.decoding.sampler import Sampler
 from refusion_jax.model.transformer import Transformer
 

@@ -41,7 +41,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
   ("head_dim", None),
   ("mlp", "tensor"),
   ("layers", None),
-  # The decode KV cache (refusion_jax.decoding.sharding): rows like the batch, entries whole on each device.
+  # The decode KV cache (refusion_jax.decoding.mesh): rows like the batch, entries whole on each device.
   ("cache_batch", ("data", "fsdp")),
   ("cache_length", None),
   # Activations (refusion_jax.parallel.activations): split like the batch, heads / MLP / vocab over `tensor`.

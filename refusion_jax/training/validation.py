@@ -2,9 +2,9 @@
 
 (The command-line evaluation of a finished checkpoint is `python -m refusion_jax.eval`, `refusion_jax.evaluation`.)
 
-Decoding uses the method that matches the objective: ReFusion's plan-and-infill
-(`refusion_jax.decoding.refusion.generate`, docs/method.md §2) for "refusion",
-the AR or MDM baseline decoder otherwise.
+Decoding uses the method that matches the objective (`sampler.METHODS`:
+ReFusion's plan-and-infill, docs/method.md §2, for "refusion", the AR or MDM
+baseline decoder otherwise), with the knobs of `config.eval`.
 """
 
 from __future__ import annotations
@@ -20,12 +20,29 @@ from flax import nnx
 from refusion_jax.data import pipeline
 from refusion_jax.data.tasks import is_correct
 from refusion_jax.data.tokenizer import Tokenizer, format_prompt
-from refusion_jax.decoding.common import DecodeResult
+from refusion_jax.decoding.defaults import method_defaults
+from refusion_jax.decoding.result import DecodeResult
+from refusion_jax.decoding.sampler import METHODS
 from refusion_jax.model.transformer import Transformer
 from refusion_jax.training.state import Placement
 
 # The metrics of the training objective that the validation loss averages.
 LOSS_METRICS = ("loss", "ar_loss", "mdm_loss")
+# Decoder keyword -> the `config.eval` field that sets it.
+EVAL_KNOBS = dict(
+  gen_length="gen_length",
+  slot_size="slot_size",
+  serial_blocks="serial_blocks",
+  slot_threshold="slot_threshold",
+  token_threshold="token_threshold",
+  block_length="mdm_block_length",
+  steps="mdm_steps",
+)
+
+
+def eval_knobs(method: str, eval_config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The keyword arguments of `method`'s decoder: its defaults (`method_defaults`), set from `eval_config`."""
+  return {name: eval_config[EVAL_KNOBS[name]] for name in method_defaults(method, eval_config.gen_length)}
 
 
 def decode_answers(
@@ -35,35 +52,8 @@ def decode_answers(
 
   batch_size: rows kept busy by continuous batching over all `prompts`; None decodes them as one batch.
   """
-  ev = config.eval
   kind = config.objective.kind
-  if kind == "refusion":
-    from refusion_jax.decoding.refusion import generate
-
-    return generate(
-      model,
-      prompts,
-      gen_length=ev.gen_length,
-      slot_size=ev.slot_size,
-      serial_blocks=ev.serial_blocks,
-      slot_threshold=ev.slot_threshold,
-      token_threshold=ev.token_threshold,
-      batch_size=batch_size,
-    )
-  if kind == "ar":
-    from refusion_jax.decoding.ar import ar_generate
-
-    return ar_generate(model, prompts, gen_length=ev.gen_length, batch_size=batch_size)
-  from refusion_jax.decoding.mdm import mdm_generate
-
-  return mdm_generate(
-    model,
-    prompts,
-    gen_length=ev.gen_length,
-    block_length=ev.mdm_block_length,
-    steps=ev.mdm_steps,
-    batch_size=batch_size,
-  )
+  return METHODS[kind](model, prompts, **eval_knobs(kind, config.eval), batch_size=batch_size)
 
 
 def evaluate_decoding(

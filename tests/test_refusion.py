@@ -5,12 +5,13 @@ import numpy as np
 import pytest
 
 from refusion_jax.data.tokenizer import ByteTokenizer
-from refusion_jax.decoding.ar import ar_generate, ar_loop
-from refusion_jax.decoding.common import PHASE_INFILL, PHASE_VERIFY, compile_count
-from refusion_jax.decoding.mdm import mdm_generate, mdm_loop
+from refusion_jax.decoding.ar import ar_generate
+from refusion_jax.decoding.driver import compile_count
+from refusion_jax.decoding.mdm import mdm_generate
 from refusion_jax.decoding.reference import decode_reference
-from refusion_jax.decoding.refusion import decode_loop, generate
-from refusion_jax.decoding.sampler import Sampler
+from refusion_jax.decoding.refusion import generate
+from refusion_jax.decoding.result import PHASE_INFILL, PHASE_VERIFY
+from refusion_jax.decoding.sampler import METHODS, Sampler
 from refusion_jax.model.config import tiny
 from refusion_jax.model.transformer import init_model
 from tests.decode_cases import random_weights
@@ -138,13 +139,13 @@ def random_model(seed: int, head_std: float = 0.5):
 def test_new_prompts_and_weights_in_one_bucket_compile_once():
   rng = np.random.default_rng(0)
   knobs = dict(KNOBS, gen_length=12, slot_size=3)  # a layout no other test compiles
-  before = compile_count(decode_loop)
+  before = compile_count("refusion")
   generate(random_model(0), [rng.integers(0, 14, 3).tolist()], **knobs)
-  assert compile_count(decode_loop) == before + 1
+  assert compile_count("refusion") == before + 1
   for index in range(10):
     prompt = rng.integers(0, 14, int(rng.integers(1, 17))).tolist()
     generate(random_model(index + 1), [prompt], **dict(knobs, slot_threshold=float(rng.uniform(0.1, 0.9))))
-  assert compile_count(decode_loop) == before + 1
+  assert compile_count("refusion") == before + 1
 
 
 def test_sampling_is_reproducible_per_seed():
@@ -201,10 +202,10 @@ def test_bad_input_is_rejected_before_compiling(change, message):
   model = init_model(tiny(vocab_size=16))  # no mask or EOS id in the config
   args = dict(KNOBS, prompt_ids=[[1, 2, 3]])
   args.update(change)
-  before = compile_count(decode_loop)
+  before = compile_count("refusion")
   with pytest.raises(ValueError, match=message):
     generate(model, **args)
-  assert compile_count(decode_loop) == before
+  assert compile_count("refusion") == before
 
 
 NOT_INTEGER_IDS = {
@@ -229,8 +230,8 @@ def test_non_integer_token_ids_are_refused_by_every_decoder(ids):
     lambda: mdm_generate(model, ids, gen_length=8, block_length=8, steps=8),
     lambda: Sampler(model, tok, **refusion).decode_ids(ids),
   ]
-  before = [compile_count(loop) for loop in (decode_loop, ar_loop, mdm_loop)]
+  before = [compile_count(method) for method in METHODS]
   for decode in decoders:
     with pytest.raises(ValueError, match="Prompt 0 must be a flat list of integer token ids"):
       decode()
-  assert [compile_count(loop) for loop in (decode_loop, ar_loop, mdm_loop)] == before
+  assert [compile_count(method) for method in METHODS] == before

@@ -1,12 +1,12 @@
-"""Decoding on a mesh of 8 fake CPU devices gives the single-device tokens and forward counts (docs/method.md §5)."""
+"""Decoding on a mesh of 8 fake CPU devices gives the single-device tokens and forward counts (docs/method.md §5).
+
+`refusion_jax.decoding.mesh`: rows split over the batch-parallel axes, parameters and cache by logical axes.
+"""
 
 import textwrap
 
 import numpy as np
-import pytest
 from fake_devices import run_json
-
-from refusion_jax.decoding.sharding import pad_rows
 
 # Runs in a subprocess: the device count must be set before JAX initialises.
 _SHARDED_VS_SINGLE = textwrap.dedent("""
@@ -18,8 +18,9 @@ _SHARDED_VS_SINGLE = textwrap.dedent("""
     import numpy as np
     from flax import nnx
     import refusion_jax as rj
-    from refusion_jax.decoding import ar, common, mdm, refusion
-    from refusion_jax.decoding.sharding import place_params
+    from refusion_jax.decoding import ar, mdm, refusion
+    from refusion_jax.decoding.prompts import prefill
+    from refusion_jax.decoding.mesh import place_params
     from refusion_jax.model.config import tiny
     from refusion_jax.model.transformer import init_model
     from refusion_jax.parallel.activations import sharded_activations
@@ -29,9 +30,12 @@ _SHARDED_VS_SINGLE = textwrap.dedent("""
     model = init_model(config, seed=seed)
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, 256, rng.integers(2, 12)).tolist() for _ in range(5)]  # 5 rows: padded on every mesh
+    knobs = dict(gen_length=16, slot_size=4, serial_blocks=2, slot_threshold=0.5, token_threshold=0.3)
     decoders = dict(
-      refusion=lambda mesh: refusion.generate(model, prompts, gen_length=16, slot_size=4, serial_blocks=2,
-                                              slot_threshold=0.5, token_threshold=0.3, mesh=mesh),
+      refusion=lambda mesh: refusion.generate(model, prompts, **knobs, mesh=mesh),
+      # One row asked for (padded to the mesh), the loop's state in and out of the mesh every 3 iterations.
+      refusion_chunked=lambda mesh: refusion.generate(model, prompts, **knobs, mesh=mesh, batch_size=1,
+                                                      chunk_iterations=3),
       ar=lambda mesh: ar.ar_generate(model, prompts, gen_length=8, mesh=mesh),
       mdm=lambda mesh: mdm.mdm_generate(model, prompts, gen_length=8, block_length=4, steps=4, mesh=mesh),
     )
@@ -53,8 +57,8 @@ _SHARDED_VS_SINGLE = textwrap.dedent("""
     params = place_params(params, mesh)
     q_proj = params["layers"][0]["self_attn"]["q_proj"].get_value()
     tokens = jnp.asarray(rng.integers(0, 256, (8, 16)), jnp.int32)
-    prefill = lambda p, t, l: common.prefill(nnx.merge(graphdef, p), t, l, 32)[1]
-    cache = jax.jit(sharded_activations(prefill, mesh))(params, tokens, jnp.full((8,), 16, jnp.int32))
+    prefilled = lambda p, t, l: prefill(nnx.merge(graphdef, p), t, l, 32)[1]
+    cache = jax.jit(sharded_activations(prefilled, mesh))(params, tokens, jnp.full((8,), 16, jnp.int32))
     print(json.dumps(dict(
       devices=len(jax.devices()), runs=runs,
       q_proj=[list(q_proj.shape), list(q_proj.addressable_shards[0].data.shape)],
@@ -71,6 +75,7 @@ def test_sharded_decoding_matches_single_device():
   for mesh, results in report["runs"].items():
     for name, result in results.items():
       assert result == single[name], (seed, mesh, name)
+  assert single["refusion_chunked"] == single["refusion"]
   # embed over fsdp (4 ways), heads over tensor (2 ways); cache rows over fsdp, KV heads over tensor.
   (embed, heads, head_dim), shard = report["q_proj"]
   assert shard == [embed // 4, heads // 2, head_dim]
@@ -78,14 +83,3 @@ def test_sharded_decoding_matches_single_device():
   assert shard == [layers, batch // 4, capacity, kv_heads // 2, head_dim]
   (batch, capacity), shard = report["cache_valid"]
   assert shard == [batch // 4, capacity]
-
-
-@pytest.mark.parametrize("rows, multiple, padded", [(5, 8, 8), (8, 4, 8), (3, 1, 3), (9, 4, 12)])
-def test_pad_rows_repeats_row_zero(rows, multiple, padded):
-  rng = np.random.default_rng()
-  prompt, lengths = rng.integers(0, 100, (rows, 6)), rng.integers(1, 7, rows)
-  new_prompt, new_lengths = pad_rows(prompt, lengths, multiple)
-  assert new_prompt.shape == (padded, 6) and new_lengths.shape == (padded,)
-  np.testing.assert_array_equal(new_prompt[:rows], prompt)
-  np.testing.assert_array_equal(new_prompt[rows:], np.repeat(prompt[:1], padded - rows, axis=0))
-  np.testing.assert_array_equal(new_lengths[rows:], lengths[0])

@@ -1,20 +1,21 @@
 """Decoding on a device mesh: rows over the batch-parallel axes, parameters and cache by logical axes.
 
-`generate(..., mesh=mesh)` (and the baselines) hand their compiled loop to
-`sharded_loop`, which runs the same loop body under one `jax.jit` with
-explicit in/out shardings (docs/method.md §5):
+`generate(..., mesh=mesh)` (and the baselines) run their loop body through
+`loop_on_mesh`, one `jax.jit` with explicit in/out shardings
+(docs/method.md §5):
 
-- decode rows and queued prompts are padded to a multiple of the
-  batch-parallel devices (`run_decoder`: padded queue entries are never
-  decoded) and split over the mesh axes the `batch` rule names;
+- decode rows are padded to a multiple of the batch-parallel devices
+  (`run_decoder`: padded rows stay idle), and they and the queue entries are
+  split over the mesh axes the `batch` rule names;
 - parameters are placed by their logical axes (`embed` over `fsdp`, heads /
   MLP / vocab over `tensor`, by `LOGICAL_AXIS_RULES`);
 - the loop's knobs (thresholds, PRNG key, ids) are replicated;
 - inside, the KV cache is pinned to (`layers`, `cache_batch`, `cache_length`,
   `kv_heads`, `head_dim`) and every other per-row loop array to `batch`
   (`constrain_cache`, `constrain_rows`), and the forward's activations to
-  their `activation_*` axes, all through the same rules table. The loop
-  itself never leaves the device; the answers are read back once.
+  their `activation_*` axes, all through the same rules table. Between
+  loop calls only the queue and the outputs travel to and from the host
+  (`run_decoder` refills the queue); the rows and their caches stay put.
 """
 
 from __future__ import annotations
@@ -69,11 +70,6 @@ def constrain_rows(tree: Any) -> Any:
   return jax.tree.map(pin, tree, is_leaf=lambda x: isinstance(x, KVCache))
 
 
-def row_sharded_while_loop(cond: Callable, body: Callable, init: Any) -> Any:
-  """`lax.while_loop` whose carry keeps its row sharding in every iteration (not left to propagation)."""
-  return jax.lax.while_loop(cond, lambda carry: constrain_rows(body(carry)), constrain_rows(init))
-
-
 def row_shardings(tree: Any, mesh: Mesh, rules: Rules) -> Any:
   """Shardings of a decode loop's per-row tree: caches by their logical axes, scalars replicated,
   every other leaf split on its leading (row) axis, the rest replicated."""
@@ -88,68 +84,43 @@ def row_shardings(tree: Any, mesh: Mesh, rules: Rules) -> Any:
   return jax.tree.map(place, tree, is_leaf=lambda x: isinstance(x, KVCache))
 
 
-def pad_rows(prompt: np.ndarray, lengths: np.ndarray, multiple: int) -> tuple[np.ndarray, np.ndarray]:
-  """Prompts [B, P] and lengths [B] padded with copies of row 0 to a multiple of `multiple` rows."""
-  extra = -prompt.shape[0] % multiple
-  if not extra:
-    return prompt, lengths
-  return (
-    np.concatenate([prompt, np.repeat(prompt[:1], extra, axis=0)]),
-    np.concatenate([lengths, np.repeat(lengths[:1], extra)]),
-  )
-
-
 def place_params(params: nnx.State, mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES) -> nnx.State:
   """Parameters on `mesh`, each split by its logical axes (a no-op for parameters already placed so)."""
   return jax.device_put(params, state_shardings(params, mesh, normalize_rules(rules)))
 
 
-def _split_keywords(keywords: dict) -> tuple[tuple, dict]:
-  """A loop's bound keywords: static ones (hashable: settings, sizes, switches) and traced ones (arrays, knobs)."""
-  traced = {k: v for k, v in keywords.items() if any(isinstance(x, jax.Array) for x in jax.tree.leaves(v))}
-  return tuple(sorted((k, v) for k, v in keywords.items() if k not in traced)), traced
+def batch_shardings(batch: Any, mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES) -> Any:
+  """The shardings of a `batching.Batch` on `mesh`: rows, queue and outputs split by row, counters replicated."""
+  rules = normalize_rules(rules)
+  return batch.shardings(functools.partial(row_shardings, mesh=mesh, rules=rules), NamedSharding(mesh, PartitionSpec()))
 
 
-# (loop function, static keywords, graphdef, mesh, rules) -> the jitted, sharded loop.
+# (loop body, static arguments, graphdef, mesh, rules) -> the jitted, sharded loop.
 _JITTED: dict[tuple, Callable] = {}
 
 
-def _jitted_loop(
-  func: Callable, static: tuple, graphdef: nnx.GraphDef, params: nnx.State, batch: Any, mesh: Mesh, rules
+def loop_on_mesh(
+  body: Callable, static: Any, graphdef: nnx.GraphDef, params: Any, batch: Any, mesh: Mesh, rules: Rules
 ) -> Callable:
-  key = (func, static, graphdef, mesh, rules)
-  if key not in _JITTED:
-    # The loop's own jit is replaced by this one (its body, under `counts_compilations`, still counts traces).
-    body = getattr(func, "__wrapped__", func)
+  """`body(graphdef, params, batch, max_iterations, knobs, static)` jitted for `mesh`, as a function of
+  (params, batch, max_iterations, knobs).
 
-    def run(params, batch, max_iterations, traced):
-      return body(graphdef, params, batch, max_iterations, **dict(static), **traced)
+  Parameters are split by their logical axes (`params` may be abstract: only their tree and shapes are
+  read), the batch by `batch_shardings`, the iteration count and the knobs replicated; the forwards inside
+  carry the activation constraints. One jit per (body, static, graphdef, mesh, rules).
+  """
+  rules = normalize_rules(rules)
+  key = (body, static, graphdef, mesh, rules)
+  if key not in _JITTED:
+
+    def run(params, batch, max_iterations, knobs):
+      return body(graphdef, params, batch, max_iterations, knobs, static)
 
     replicated = NamedSharding(mesh, PartitionSpec())
-    rows = batch.shardings(functools.partial(row_shardings, mesh=mesh, rules=rules), replicated)
+    rows = batch_shardings(batch, mesh, rules)
     _JITTED[key] = jax.jit(
       sharded_activations(run, mesh, rules),
       in_shardings=(state_shardings(params, mesh, rules), rows, replicated, replicated),
       out_shardings=rows,
     )
   return _JITTED[key]
-
-
-def sharded_loop(loop: functools.partial, mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES) -> Callable:
-  """`loop` (a decoder's jitted loop with its knobs bound by `functools.partial`) run on `mesh`.
-
-  Returns:
-    A function of (graphdef, params, batch, max_iterations) that runs the loop
-    over `batch` (a `batching.Batch` whose rows and queue are multiples of the
-    mesh's batch-parallel ways) and returns the new one, rows split over the mesh.
-  """
-  if not isinstance(loop, functools.partial) or loop.args:
-    raise TypeError(f"sharded_loop needs the loop as functools.partial(loop_fn, **knobs), got {loop!r}.")
-  rules = normalize_rules(rules)
-  static, traced = _split_keywords(loop.keywords)
-
-  def call(graphdef: nnx.GraphDef, params: nnx.State, batch: Any, max_iterations: np.ndarray):
-    jitted = _jitted_loop(loop.func, static, graphdef, params, batch, mesh, rules)
-    return jitted(place_params(params, mesh, rules), batch, max_iterations, traced)
-
-  return call

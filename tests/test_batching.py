@@ -3,8 +3,8 @@
 A row's decode must not depend on the other rows, on which row decodes it,
 on how many rows there are, on the compiled width a forward ran at, or on
 whether the loop ran in one call or in chunks: each prompt gets exactly its
-own B = 1 decode. The tests share a few program shapes (K rows over a queue
-of 8 prompts of one bucket) so that they compile once each.
+own B = 1 decode. The tests share a few program shapes (K rows, prompts of
+one bucket) so that they compile once each.
 """
 
 import jax
@@ -14,12 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refusion_jax.decoding import ar, mdm, refusion
-from refusion_jax.decoding.common import compile_count
+from refusion_jax.decoding.driver import compile_count
+from refusion_jax.decoding.result import STAGE_NAMES
 from refusion_jax.decoding.sampler import Sampler
 from refusion_jax.model.config import tiny
 from refusion_jax.model.transformer import init_model
 from tests.decode_cases import random_weights, same_decode
-from tests.test_decode import HAND_CASES, bigram_model, hand_knobs
+from tests.test_refusion import HAND_CASES, bigram_model, hand_knobs
 
 VOCAB = 24
 MASK = VOCAB - 1
@@ -104,27 +105,39 @@ def test_mdm_continuous_batching_matches_static_and_single_decodes(temperature):
 
 
 def chunkable(method, model, eos, rng):
-  """The method's jitted loop and its decoder with the knobs of the tests above, as prompts -> DecodeResult."""
+  """The method's decoder with the knobs of the tests above, as prompts -> DecodeResult."""
   if method == "refusion":
     knobs = refusion_knobs(rng, eos_id=eos)
-    return refusion.decode_loop, lambda prompts, **options: refusion.generate(model, prompts, **knobs, **options)
+    return lambda prompts, **options: refusion.generate(model, prompts, **knobs, **options)
   if method == "ar":
-    return ar.ar_loop, lambda prompts, **options: ar.ar_generate(model, prompts, gen_length=10, eos_id=eos, **options)
+    return lambda prompts, **options: ar.ar_generate(model, prompts, gen_length=10, eos_id=eos, **options)
   knobs = dict(gen_length=8, block_length=4, steps=4, mask_id=MASK, eos_id=eos)
-  return mdm.mdm_loop, lambda prompts, **options: mdm.mdm_generate(model, prompts, **knobs, **options)
+  return lambda prompts, **options: mdm.mdm_generate(model, prompts, **knobs, **options)
 
 
 @pytest.mark.parametrize("method", ["refusion", "ar", "mdm"])
 def test_the_loop_runs_in_chunks_state_in_state_out_without_recompiling(method):
   model, prompts, eos, rng = random_setup(5)
-  loop, decode = chunkable(method, model, eos, rng)
+  decode = chunkable(method, model, eos, rng)
   whole = decode(prompts, batch_size=ROWS)
-  before = compile_count(loop)
+  before = compile_count(method)
   for chunk in (1, 3, 7):
     assert_same_rows(decode(prompts, batch_size=ROWS, chunk_iterations=chunk), whole)
-  # A different prompt count in the same queue bucket (8) and prompt bucket (16) reuses the program too.
-  assert_same_rows(decode(prompts[:6], batch_size=ROWS, chunk_iterations=2), decode(prompts[:6], batch_size=ROWS))
-  assert compile_count(loop) == before
+  # Another prompt count in the same prompt bucket (16) reuses the program too.
+  assert_same_rows(decode(prompts[:5], batch_size=ROWS, chunk_iterations=2), decode(prompts[:5], batch_size=ROWS))
+  assert compile_count(method) == before
+
+
+def test_one_compile_for_any_prompt_count_at_one_batch_size():
+  """The queue is fed from the host: 5, 16, 64 or 100 prompts of one bucket at K = 8 share one program."""
+  model, prompts, eos, rng = random_setup(10, count=100)
+  # A slot layout no other test compiles at 8 rows, so the count below starts from zero.
+  knobs = refusion_knobs(rng, eos_id=eos, gen_length=20, slot_size=5)
+  singles = [refusion.generate(model, [p], **knobs) for p in prompts]
+  before = compile_count("refusion")
+  for count in (5, 16, 64, 100):
+    assert_each_row_is_its_own_decode(refusion.generate(model, prompts[:count], **knobs, batch_size=8), singles[:count])
+  assert compile_count("refusion") == before + 1
 
 
 HAND_WIDTHS = {
@@ -162,10 +175,10 @@ def test_rows_wait_for_a_forward_of_their_width_and_stay_exact():
   assert sum(full.widths["forward"].values()) == int(np.max(full.num_forwards)) - 1
   # Fitted: a forward takes only the rows whose work fits its shape, the others wait; every row forward
   # sits in one stage, and forwards of 4 tokens take all 4 rows at once (a budget of 32 tokens).
-  stage_forwards = sum(sum(fitted.widths[s].values()) for s in refusion.STAGE_NAMES)
+  stage_forwards = sum(sum(fitted.widths[s].values()) for s in STAGE_NAMES)
   assert stage_forwards == int(np.sum(fitted.num_forwards)) - len(prompts)
   assert sum(fitted.widths["forward"].values()) >= int(np.max(fitted.num_forwards)) - 1
-  narrow = sum(fitted.widths[s].get(4, 0) for s in refusion.STAGE_NAMES)
+  narrow = sum(fitted.widths[s].get(4, 0) for s in STAGE_NAMES)
   assert narrow > fitted.widths["forward"][4]
 
 

@@ -1,0 +1,248 @@
+"""The host side of every jitted decoder: the method contract, the one compiled loop, and the driver around it.
+
+A decoding method (ReFusion, AR, MDM) is a `Method`: how to start idle rows,
+how to admit a prompt into a row, how to step every row. `decode_loop` is the
+one jitted loop that runs any of them over a `batching.Batch`, counted by
+`compile_count`; `run_decoder` is the one front end every `*_generate` ends
+in: check, pad into a prompt bucket, feed the queue from the host in chunks,
+read the answers back (docs/method.md §3.3, §3.4).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from refusion_jax.decoding.batching import Batch, DecodeOutputs, run_rows
+from refusion_jax.decoding.checks import check_positive, check_prompts, check_special_id, decoder_special_tokens
+from refusion_jax.decoding.mesh import loop_on_mesh, place_params
+from refusion_jax.decoding.prompts import pad_prompts
+from refusion_jax.decoding.result import PHASE_NONE, DecodeResult
+from refusion_jax.model.config import ModelConfig
+from refusion_jax.model.transformer import Transformer, inference_view
+from refusion_jax.parallel.sharding import LOGICAL_AXIS_RULES, batch_parallel_ways
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """A decoding method as the batching loop runs it: the contract every jitted decoder implements.
+
+  Each callable takes the method's static `settings` (hashable; `gen_length` among them) first, and
+  admit / step take the model and the traced knobs before it.
+
+  Attributes:
+    name: what `compile_count` counts its compilations under.
+    start: (settings, model config, rows K, prompt width P) -> (the idle per-row state, its
+      `Batch.widths` counters [len(width_names), largest width + 1]), all host zeros (`batching.host_zeros`).
+    admit: (model, knobs, settings, *`batching.Admit` arguments) -> (rows, out).
+    step: (model, knobs, settings, *`batching.Step` arguments) -> (rows, out, widths, finished).
+    width_names: the names of the `Batch.widths` rows ("forward" first).
+  """
+
+  name: str
+  start: Callable[..., tuple[Any, np.ndarray]]
+  admit: Callable[..., tuple[Any, DecodeOutputs]]
+  step: Callable[..., tuple[Any, DecodeOutputs, jax.Array, jax.Array]]
+  width_names: tuple[str, ...] = ("forward",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+  """One decode call's method with its checked knobs.
+
+  Attributes:
+    method: the `Method`.
+    settings: what fixes the compiled program (static and hashable; has `gen_length`, G).
+    knobs: the traced knobs (a pytree of arrays: thresholds, PRNG key, ids).
+    eos_id: the checked stop id answers are cut after (`checks.NO_TOKEN`: none).
+  """
+
+  method: Method
+  settings: Hashable
+  knobs: Any
+  eos_id: int
+
+
+_COMPILATIONS: collections.Counter[str] = collections.Counter()
+
+
+def _decode_rows(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, max_iterations, knobs, program) -> Batch:
+  """Run `program` = (method, settings) over `batch` (the body of every compiled decode loop)."""
+  method, settings = program
+  # The body runs only when JAX traces it, so this counts compilations without JAX's private cache API.
+  _COMPILATIONS[method.name] += 1
+  model = nnx.merge(graphdef, params)
+  admit = functools.partial(method.admit, model, knobs, settings)
+  step = functools.partial(method.step, model, knobs, settings)
+  return run_rows(batch, max_iterations, admit, step)
+
+
+# decode_loop(graphdef, params, batch, max_iterations, knobs, program=(method, settings)) -> the Batch after
+# up to max_iterations iterations. Weights, the batch, the iteration count and the knobs are traced: only the
+# graph, the program and the shapes (rows, queue entries, prompt bucket) compile anew.
+decode_loop = jax.jit(_decode_rows, static_argnames=("graphdef", "program"))
+
+
+def compile_count(method: str | None = None) -> int:
+  """Compilations of the decode loop for one method (`Method.name`: "refusion", "ar", "mdm"), or of all."""
+  if method is None:
+    return sum(_COMPILATIONS.values())
+  return _COMPILATIONS[method]
+
+
+def padded_rows(rows: int, mesh: jax.sharding.Mesh | None, rules=LOGICAL_AXIS_RULES) -> int:
+  """`rows` rounded up to a multiple of the mesh's batch-parallel ways (the extra rows stay idle)."""
+  ways = 1 if mesh is None else batch_parallel_ways(mesh, rules)
+  return -(-rows // ways) * ways
+
+
+def loop_for_mesh(
+  decoder: Decoder, graphdef: nnx.GraphDef, params: Any, batch: Batch, mesh: jax.sharding.Mesh, rules=LOGICAL_AXIS_RULES
+) -> Callable:
+  """`decoder`'s compiled loop on `mesh`, as `run_decoder(..., mesh=)` runs it (`mesh.loop_on_mesh`): a function
+  of (params, batch, max_iterations, knobs) -> Batch. `params` and `batch` may be abstract."""
+  return loop_on_mesh(_decode_rows, (decoder.method, decoder.settings), graphdef, params, batch, mesh, rules)
+
+
+def start_batch(decoder: Decoder, config: ModelConfig, rows: int, prompt_width: int) -> Batch:
+  """K = `rows` idle rows before an empty queue, for prompts padded to `prompt_width` (host arrays only)."""
+  row_state, widths = decoder.method.start(decoder.settings, config, rows, prompt_width)
+  return Batch.create(row_state, widths, prompt_width, decoder.settings.gen_length)
+
+
+class _Feed:
+  """The host's side of the queue: which prompt each entry holds, the next prompt, the outputs read back."""
+
+  def __init__(self, tokens: np.ndarray, lengths: np.ndarray, batch: Batch):
+    self.tokens, self.lengths = tokens, lengths
+    self.queue_tokens = np.array(batch.queue_tokens)
+    self.queue_lengths = np.array(batch.queue_lengths)
+    self.queue_prompt = np.array(batch.queue_prompt)
+    self.held = np.full(self.queue_prompt.shape, -1)  # the prompt each entry holds, -1 where free
+    self.queued = 0  # prompts handed to the loop so far (in input order)
+    gen_length = batch.out.answer.shape[1]
+    self.results = DecodeOutputs.empty(len(tokens), gen_length)
+    self.left = len(tokens)  # prompts whose outputs are not read back yet
+
+  def refill(self, batch: Batch, waiting: np.ndarray, out: DecodeOutputs) -> Batch:
+    """`batch` with its free entries holding the next prompts (waiting, outputs reset)."""
+    free = np.flatnonzero(self.held < 0)[: len(self.tokens) - self.queued]
+    prompts = np.arange(self.queued, self.queued + len(free))
+    self.queued += len(free)
+    self.held[free] = prompts
+    self.queue_tokens[free], self.queue_lengths[free], self.queue_prompt[free] = (
+      self.tokens[prompts],
+      self.lengths[prompts],
+      prompts,
+    )
+    waiting = np.array(waiting)
+    waiting[free] = True
+    empty = DecodeOutputs.empty(1, out.answer.shape[1])
+
+    def reset(field: np.ndarray, blank: np.ndarray) -> np.ndarray:
+      field = np.array(field)
+      field[free] = blank
+      return field
+
+    # Copies: a CPU device may keep using the host buffer it was given, which the next refill writes.
+    return batch.replace(
+      queue_tokens=self.queue_tokens.copy(),
+      queue_lengths=self.queue_lengths.copy(),
+      queue_prompt=self.queue_prompt.copy(),
+      waiting=waiting,
+      more=np.bool_(self.queued < len(self.tokens)),
+      out=jax.tree.map(reset, out, empty),
+    )
+
+  def collect(self, batch: Batch) -> Batch:
+    """Read back the entries whose prompt finished, then refill them (`batch` after a loop call)."""
+    busy, entry, waiting, out = jax.device_get((batch.busy, batch.entry, batch.waiting, batch.out))
+    decoding = np.zeros(self.held.shape, bool)
+    decoding[entry[busy]] = True
+    done = np.flatnonzero((self.held >= 0) & ~waiting & ~decoding)
+    for field, read in zip(jax.tree.leaves(self.results), jax.tree.leaves(out)):
+      field[self.held[done]] = read[done]
+    self.held[done] = -1
+    self.left -= len(done)
+    return self.refill(batch, waiting, out) if self.left else batch
+
+
+def run_decoder(
+  model: Transformer,
+  prompt_ids: Sequence[Sequence[int]],
+  decoder: Decoder,
+  *,
+  pad_id: int | None,
+  mesh: jax.sharding.Mesh | None = None,
+  batch_size: int | None = None,
+  chunk_iterations: int | None = None,
+) -> DecodeResult:
+  """The host side of every jitted decoder: check, pad, feed the rows, run the loop, read the answers back.
+
+  The loop keeps K rows busy over a queue of `batching.queue_entries(K)`
+  entries that this side refills between calls, so the compiled program
+  depends on K, the prompt bucket and the settings, never on how many prompts
+  there are (docs/method.md §3.4).
+
+  Args:
+    prompt_ids: N prompts of integer token ids, any lengths (padded into one bucket).
+    pad_id: prompt padding id (never attended); None: the config's pad, else its EOS, else 0.
+    mesh: decode on this mesh (`refusion_jax.make_mesh`): rows split over its batch-parallel axes (their
+      count padded to a multiple of its batch-parallel devices; padded rows stay idle), parameters and
+      cache by their logical axes (`refusion_jax.decoding.mesh`); None: the default device.
+    batch_size: K rows kept busy (continuous batching: a finished row takes the
+      next prompt), one compiled program whatever N is; None: all N prompts as one batch (K = N).
+    chunk_iterations: run the compiled loop at most this many iterations per call (state in, state out),
+      as a server drives it, with the same results; None: each call runs until the queue needs refilling.
+
+  Returns:
+    A `DecodeResult` in input order whose trace is blanked past each answer;
+    seconds covers padding, the loop (and its compilation, when it happens)
+    and the read-back.
+  """
+  config = model.config
+  check_prompts(prompt_ids, config, decoder.settings.gen_length)
+  pad = check_special_id("pad_id", decoder_special_tokens(config, pad_id=pad_id).pad, config)
+  check_positive("batch_size", batch_size, "all prompts as one batch")
+  check_positive("chunk_iterations", chunk_iterations, "run the loop to the end in one call")
+  model = inference_view(model)  # every decoder runs without remat, on weights cast once (docs/method.md §5)
+  rows = padded_rows(batch_size or len(prompt_ids), mesh)
+  start = time.perf_counter()
+  tokens, lengths = pad_prompts(prompt_ids, pad)
+  batch = start_batch(decoder, config, rows, tokens.shape[1])
+  feed = _Feed(tokens, lengths, batch)
+  batch = feed.refill(batch, batch.waiting, batch.out)
+  graphdef, params = nnx.split(model)
+  if mesh is None:
+    call = functools.partial(decode_loop, graphdef, program=(decoder.method, decoder.settings))
+  else:
+    params = place_params(params, mesh)
+    call = loop_for_mesh(decoder, graphdef, params, batch, mesh)
+  iterations = np.int32(chunk_iterations or np.iinfo(np.int32).max)
+  while feed.left:
+    batch = feed.collect(call(params, batch, iterations, decoder.knobs))
+  widths = jax.device_get(batch.widths)
+  seconds = time.perf_counter() - start
+  out = feed.results
+  answers = [row[: row.index(decoder.eos_id) + 1] if decoder.eos_id in row else row for row in out.answer.tolist()]
+  # Past each answer nothing counts as committed (a slot after the EOS may have been).
+  answered = np.arange(out.answer.shape[1])[None, :] < np.array([len(a) for a in answers])[:, None]
+  return DecodeResult(
+    tokens=answers,
+    num_forwards=out.num_forwards,
+    steps=out.steps,
+    commit_iteration=np.where(answered, out.commit_iteration, -1),
+    commit_phase=np.where(answered, out.commit_phase, PHASE_NONE),
+    seconds=seconds,
+    widths={
+      name: {w: int(c) for w, c in enumerate(counts) if c} for name, counts in zip(decoder.method.width_names, widths)
+    },
+  )
