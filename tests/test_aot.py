@@ -42,7 +42,8 @@ _SCALING = textwrap.dedent("""
     from refusion_jax import aot as entry
     from refusion_jax.parallel import compiled, sharding
     from refusion_jax.parallel.activations import sharded_activations
-    from refusion_jax.training import loop as train
+    from refusion_jax.training import state as train
+    from refusion_jax.training.run_config import objective_config_from
     from refusion_jax.training.config_file import load_config
     from refusion_jax.model.transformer import abstract_model
 
@@ -57,7 +58,7 @@ _SCALING = textwrap.dedent("""
     config.data.seq_len, config.batch_size, config.grad_accum_steps = 32, 8, 2
     model_config = entry.model_config_of(config)
     tx, schedule = train.make_optimizer(config.optimizer, total_steps=10)
-    objective = train.objective_config_from(config, model_config)
+    objective = objective_config_from(config, model_config)
     graphdef, _ = abstract_model(model_config)
     rng = np.random.default_rng(int(sys.argv[1]))
     prompt_len = rng.integers(1, 10, 8)
