@@ -14,13 +14,13 @@ from refusion_jax.training import loop as train
 def _record_syncs(monkeypatch) -> list[list[int]]:
   """The steps read back at each host sync."""
   syncs = []
-  sync = train._sync_metrics
+  sync = train._DeviceQueue.sync
 
-  def recording(pending, *args):
-    syncs.append([step for step, _ in pending])
-    return sync(pending, *args)
+  def recording(self, *args):
+    syncs.append([step for step, _ in self.pending])
+    return sync(self, *args)
 
-  monkeypatch.setattr(train, "_sync_metrics", recording)
+  monkeypatch.setattr(train._DeviceQueue, "sync", recording)
   return syncs
 
 
