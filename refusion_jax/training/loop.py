@@ -163,7 +163,16 @@ def data_name(config: ml_collections.ConfigDict, split: str) -> str:
 def batches(
   source: Sequence, tokenizer: Tokenizer, config: ml_collections.ConfigDict, *, train: bool
 ) -> grain.IterDataset:
-  """The grain dataset of this process's rows: endless and shuffled for training, one ordered pass for eval."""
+  """The grain dataset of this process's rows: endless and shuffled for training, one ordered pass for eval.
+
+  Both pack examples into rows when `config.data.packing` (the loss is normalised per token and per example, so
+  validation batches measure the same loss either way); the MDM baseline cannot pack (docs/method.md §1).
+  """
+  if config.data.packing and config.objective.kind == "mdm":
+    raise ValueError(
+      "The mdm objective runs every answer to the end of its row, so its rows cannot be packed "
+      "(docs/method.md §1): set --config.data.packing=False."
+    )
   return pipeline.make_dataset(
     source,
     tokenizer,
@@ -175,6 +184,8 @@ def batches(
     chat_template=config.data.chat_template,
     name=data_name(config, "train" if train else "validation"),
     warn_drop_fraction=config.data.warn_drop_fraction,
+    packing=config.data.packing,
+    max_segments=config.data.max_segments,
   )
 
 
@@ -521,13 +532,14 @@ def _train_loop(
     step_seconds = (time.perf_counter() - synced_at) / count
     return metrics
 
-  last_time, tokens_since = time.perf_counter(), 0
+  last_time, tokens_since, pad_since, batches_since = time.perf_counter(), 0, 0.0, 0
   try:
     while step < total_steps:
       with interrupts.phase("waiting for training data", blocking=alone):
         batch = next(train_iter)
         next_position = _Position(train_iter)
       tokens_since += int(np.sum(batch["prompt_len"] + batch["answer_len"]))
+      pad_since, batches_since = pad_since + pipeline.pad_fraction(batch), batches_since + 1
       # A step cannot be cut short (its input state is donated); dispatching it returns at once, after compiling
       # the first time, and then waits for the device to be at most _STEPS_AHEAD steps behind.
       busy = f"running train step {step + 1}" + (" (compiling it first)" if step == first_step else "")
@@ -550,8 +562,9 @@ def _train_loop(
       if logs:
         elapsed = time.perf_counter() - last_time
         scalars = {k: float(v) for k, v in metrics.items() if not k.startswith("num_")}
-        logger.write(step, dict(scalars, tokens_per_second=tokens_since / elapsed), "train")
-        last_time, tokens_since = time.perf_counter(), 0
+        pad_fraction = pad_since / batches_since  # the mean over the interval's batches
+        logger.write(step, dict(scalars, tokens_per_second=tokens_since / elapsed, pad_fraction=pad_fraction), "train")
+        last_time, tokens_since, pad_since, batches_since = time.perf_counter(), 0, 0.0, 0
       if evals:
         run_eval()
       if saves:
