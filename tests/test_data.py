@@ -124,6 +124,26 @@ def test_query_response_json_round_trips_through_array_record(tmp_path):
   assert texts(sources["test"]) == expected(test)
 
 
+def test_the_official_release_format_is_read_and_packed(tmp_path):
+  """tests/fixtures/official_format/train_data.json has the layout of ML-GSAI/ReFusion's data/train_data.json."""
+  path = os.path.join(os.path.dirname(__file__), "fixtures", "official_format", "train_data.json")
+  with open(path, encoding="utf-8") as f:
+    records = json.load(f)
+  built = builders.build_query_response_json(str(tmp_path / "data"), {"train": [path]})
+  stored = [pipeline.decode_record(record) for record in built["train"]]
+  assert sorted((r["query"], r["response"]) for r in stored) == sorted((r["query"], r["response"]) for r in records)
+  assert any("\n" in r["response"] for r in stored) and any("é" in r["query"] for r in stored)  # escapes decoded
+  batch = next(iter(pipeline.make_dataset(built["train"], TOKENIZER, seq_len=256, batch_size=2, seed=0, packing=True)))
+  assert int((batch["answer_len"] > 0).sum()) >= 3  # every record, packed into at most two rows
+
+
+def test_a_json_file_of_json_lines_is_read_as_json_lines(tmp_path):
+  records = _random_records(random.Random(8), 5)
+  (tmp_path / "lines.json").write_text("\n".join(json.dumps(r) for r in records), encoding="utf-8")
+  built = builders.build_query_response_json(str(tmp_path / "data"), {"train": [str(tmp_path / "lines.json")]})
+  assert sorted(pipeline.decode_record(r)["query"] for r in built["train"]) == sorted(r["query"] for r in records)
+
+
 def test_query_response_json_errors_name_the_file(tmp_path):
   with pytest.raises(FileNotFoundError, match="missing.json"):
     builders.build_query_response_json(str(tmp_path / "data"), {"train": [str(tmp_path / "missing.json")]})
