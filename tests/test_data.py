@@ -11,7 +11,7 @@ import orbax.checkpoint as ocp
 import pytest
 import tensorflow_datasets as tfds
 
-from refusion_jax.data import builders, pipeline, tasks
+from refusion_jax.data import builders, composite, pipeline, tasks
 from refusion_jax.data.tokenizer import ByteTokenizer
 
 TOKENIZER = ByteTokenizer()
@@ -92,6 +92,23 @@ def test_foreign_queries_and_unknown_tasks_are_errors():
     tasks.solve("multiply", "2*3")
   with pytest.raises(ValueError, match="Unknown split"):
     tasks.generate_examples("dev", 3)
+
+
+def test_composite_records_join_distinct_examples_of_their_split():
+  records = composite.composite_examples("validation", 60, seed=3, task_names=("sort", "lookup"), max_parts=4)
+  assert records == composite.composite_examples("validation", 60, seed=3, task_names=("sort", "lookup"), max_parts=4)
+  train_parts = {
+    part for r in composite.composite_examples("train", 60, seed=3, max_parts=4) for part in r["query"].split(" | ")
+  }
+  counts = set()
+  for record in records:
+    queries, responses = record["query"].split(" | "), record["response"].split(" | ")
+    counts.add(len(queries))
+    assert len(set(queries)) == len(queries) == len(responses) and not set(queries) & train_parts
+    for query, response in zip(queries, responses):
+      task = "sort" if query.startswith("sort") else "lookup"
+      assert tasks.check_answer(task, query, response)
+  assert counts == {1, 2, 3, 4}
 
 
 # Builders -------------------------------------------------------------------
