@@ -94,21 +94,25 @@ def test_foreign_queries_and_unknown_tasks_are_errors():
     tasks.generate_examples("dev", 3)
 
 
-def test_composite_records_join_distinct_examples_of_their_split():
-  records = composite.composite_examples("validation", 60, seed=3, task_names=("sort", "lookup"), max_parts=4)
-  assert records == composite.composite_examples("validation", 60, seed=3, task_names=("sort", "lookup"), max_parts=4)
-  train_parts = {
-    part for r in composite.composite_examples("train", 60, seed=3, max_parts=4) for part in r["query"].split(" | ")
+def test_composite_records_show_solved_examples_then_ask_one_of_their_split():
+  records = composite.composite_examples("validation", 60, seed=3, task_names=("sort", "lookup"), max_context=3)
+  assert records == composite.composite_examples("validation", 60, seed=3, task_names=("sort", "lookup"), max_context=3)
+  train_queries = {
+    part.split(" -> ")[0]
+    for record in composite.composite_examples("train", 60, seed=3, max_context=3)
+    for part in record["query"].split(" | ")
   }
   counts = set()
   for record in records:
-    queries, responses = record["query"].split(" | "), record["response"].split(" | ")
-    counts.add(len(queries))
-    assert len(set(queries)) == len(queries) == len(responses) and not set(queries) & train_parts
-    for query, response in zip(queries, responses):
-      task = "sort" if query.startswith("sort") else "lookup"
-      assert tasks.check_answer(task, query, response)
-  assert counts == {1, 2, 3, 4}
+    *context, query = record["query"].split(" | ")
+    counts.add(len(context))
+    solved = [part.split(" -> ") for part in context]
+    queries = [q for q, _ in solved] + [query]
+    assert len(set(queries)) == len(queries) and not set(queries) & train_queries
+    for part_query, part_response in [*solved, (query, record["response"])]:
+      task = "sort" if part_query.startswith("sort") else "lookup"
+      assert tasks.check_answer(task, part_query, part_response)
+  assert counts == {0, 1, 2, 3}
 
 
 # Builders -------------------------------------------------------------------
