@@ -52,6 +52,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.objective.kind = "refusion"  # "refusion", "ar" or "mdm"
   config.objective.slot_sizes = (4, 8)  # slot sizes drawn per example (the paper: 4, 8, 16, 32)
   config.objective.eps = 1e-3  # masking probability p = (1 - eps) t + eps
+  config.objective.loss_chunk = 256  # loss: logits of this many tokens of length at a time (0 = all at once)
 
   config.data = ml_collections.ConfigDict()
   config.data.dataset = "tasks"  # "tasks" (built-in, generated) or "json" (query/response files)
@@ -67,6 +68,8 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.data.validation_files = ""  # json: comma-separated validation files
   config.data.seq_len = 64  # prompt + answer + EOS (the built-in tasks need <= 63); longer examples are dropped
   config.data.chat_template = False  # wrap queries in the tokenizer's chat template
+  config.data.packing = True  # pack several examples per row (training and validation loss; not for "mdm")
+  config.data.max_segments = 16  # packing: most examples in one row
   config.data.warn_drop_fraction = 0.1  # warn once when a pass drops more than this share as too long
 
   config.batch_size = 32  # global batch (all processes)

@@ -18,4 +18,5 @@ from refusion_jax.training.config_file import load_config
 def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config = load_config(pathlib.Path(__file__).with_name("demo.py"), variant)
   config.objective.kind = "mdm"  # per-token masking with probability p, bidirectional attention
+  config.data.packing = False  # an MDM answer runs to its row's end (EOS-padded): one example per row
   return config

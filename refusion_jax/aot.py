@@ -99,8 +99,9 @@ def train_report(config: ml_collections.ConfigDict, devices: Sequence[jax.Device
   objective = objective_config_from(config, model_config)
   step_fn = sharded_activations(make_train_step(graphdef, tx, schedule, objective, accum), mesh, rules)
   step = placement.jit_step(step_fn)
-  shapes = {"tokens": (config.batch_size, config.data.seq_len), "prompt_len": (config.batch_size,)}
-  shapes["answer_len"] = shapes["prompt_len"]
+  # Packed rows give each row's example lengths, [batch, max_segments]; unpacked rows one length each.
+  lengths = (config.batch_size, config.data.max_segments) if config.data.packing else (config.batch_size,)
+  shapes = {"tokens": (config.batch_size, config.data.seq_len), "prompt_len": lengths, "answer_len": lengths}
   batch = {
     key: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding.batch_sharding(mesh, len(shape), rules))
     for key, shape in shapes.items()

@@ -11,7 +11,7 @@ import orbax.checkpoint as ocp
 import pytest
 import tensorflow_datasets as tfds
 
-from refusion_jax.data import builders, pipeline, tasks
+from refusion_jax.data import builders, composite, pipeline, tasks
 from refusion_jax.data.tokenizer import ByteTokenizer
 
 TOKENIZER = ByteTokenizer()
@@ -94,6 +94,27 @@ def test_foreign_queries_and_unknown_tasks_are_errors():
     tasks.generate_examples("dev", 3)
 
 
+def test_composite_records_show_solved_examples_then_ask_one_of_their_split():
+  records = composite.composite_examples("validation", 60, seed=3, task_names=("sort", "lookup"), max_context=3)
+  assert records == composite.composite_examples("validation", 60, seed=3, task_names=("sort", "lookup"), max_context=3)
+  train_queries = {
+    part.split(" -> ")[0]
+    for record in composite.composite_examples("train", 60, seed=3, max_context=3)
+    for part in record["query"].split(" | ")
+  }
+  counts = set()
+  for record in records:
+    *context, query = record["query"].split(" | ")
+    counts.add(len(context))
+    solved = [part.split(" -> ") for part in context]
+    queries = [q for q, _ in solved] + [query]
+    assert len(set(queries)) == len(queries) and not set(queries) & train_queries
+    for part_query, part_response in [*solved, (query, record["response"])]:
+      task = "sort" if part_query.startswith("sort") else "lookup"
+      assert tasks.check_answer(task, part_query, part_response)
+  assert counts == {0, 1, 2, 3}
+
+
 # Builders -------------------------------------------------------------------
 
 
@@ -122,6 +143,26 @@ def test_query_response_json_round_trips_through_array_record(tmp_path):
 
   assert texts(sources["train"]) == expected(train_a + train_b)
   assert texts(sources["test"]) == expected(test)
+
+
+def test_the_official_release_format_is_read_and_packed(tmp_path):
+  """tests/fixtures/official_format/train_data.json has the layout of ML-GSAI/ReFusion's data/train_data.json."""
+  path = os.path.join(os.path.dirname(__file__), "fixtures", "official_format", "train_data.json")
+  with open(path, encoding="utf-8") as f:
+    records = json.load(f)
+  built = builders.build_query_response_json(str(tmp_path / "data"), {"train": [path]})
+  stored = [pipeline.decode_record(record) for record in built["train"]]
+  assert sorted((r["query"], r["response"]) for r in stored) == sorted((r["query"], r["response"]) for r in records)
+  assert any("\n" in r["response"] for r in stored) and any("é" in r["query"] for r in stored)  # escapes decoded
+  batch = next(iter(pipeline.make_dataset(built["train"], TOKENIZER, seq_len=256, batch_size=2, seed=0, packing=True)))
+  assert int((batch["answer_len"] > 0).sum()) >= 3  # every record, packed into at most two rows
+
+
+def test_a_json_file_of_json_lines_is_read_as_json_lines(tmp_path):
+  records = _random_records(random.Random(8), 5)
+  (tmp_path / "lines.json").write_text("\n".join(json.dumps(r) for r in records), encoding="utf-8")
+  built = builders.build_query_response_json(str(tmp_path / "data"), {"train": [str(tmp_path / "lines.json")]})
+  assert sorted(pipeline.decode_record(r)["query"] for r in built["train"]) == sorted(r["query"] for r in records)
 
 
 def test_query_response_json_errors_name_the_file(tmp_path):
@@ -283,6 +324,67 @@ def test_iterator_state_round_trips_through_an_orbax_checkpoint(tmp_path):
   with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
     manager.restore(2, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(resumed)))
   _assert_same_batches(_take(resumed, 6), expected)
+
+
+# Packed rows -----------------------------------------------------------------
+
+
+def _packed(source, **kwargs):
+  options = dict(seq_len=64, batch_size=4, seed=0, packing=True, max_segments=3, packing_bins=8)
+  return pipeline.make_dataset(source, TOKENIZER, **{**options, **kwargs})
+
+
+def test_packed_batches_hold_every_example_once_back_to_back():
+  source = tasks.generate_examples("train", 61, seed=21)
+  batches = list(_packed(source, shuffle=False, num_epochs=1))
+  for batch in batches:
+    assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {
+      "tokens": ((4, 64), np.int32),
+      "prompt_len": ((4, 3), np.int32),
+      "answer_len": ((4, 3), np.int32),
+    }
+    used = (batch["prompt_len"] + batch["answer_len"]).sum(1)
+    assert (used <= 64).all()
+    for row, end in zip(batch["tokens"], used):
+      assert (row[end:] == TOKENIZER.pad_id).all()
+  prompts, answers = zip(*(pair for batch in batches for pair in zip(*pipeline.batch_prompts_and_answers(batch))))
+  expected = sorted(
+    (TOKENIZER.encode(r["query"]), TOKENIZER.encode(r["response"]) + [TOKENIZER.eos_id]) for r in source
+  )
+  assert sorted(zip(prompts, answers)) == expected
+  rows = sum(len(b["tokens"]) for b in batches)
+  assert rows < 61 / 1.5  # examples of 21-63 tokens: most rows hold two or more
+  assert max(int((b["answer_len"] > 0).sum(1).max()) for b in batches) == 3
+
+
+def test_packing_leaves_less_padding():
+  source = tasks.generate_examples("train", 200, seed=22)
+  unpacked = pipeline.make_dataset(source, TOKENIZER, seq_len=64, batch_size=4, seed=0, num_epochs=1)
+  packed = _packed(source, num_epochs=1, max_segments=4, packing_bins=32, drop_remainder=True)
+  unpacked_pad = np.mean([pipeline.pad_fraction(b) for b in unpacked])
+  packed_pad = np.mean([pipeline.pad_fraction(b) for b in packed])
+  assert packed_pad < 0.2 < 0.3 < unpacked_pad
+
+
+def test_pad_fraction_counts_positions_outside_every_example():
+  batch = {
+    "tokens": np.zeros((2, 10), np.int32),
+    "prompt_len": np.asarray([[2, 1], [3, 0]]),
+    "answer_len": np.asarray([[4, 2], [1, 0]]),
+  }
+  assert pipeline.pad_fraction(batch) == pytest.approx(1 - 13 / 20)
+
+
+def test_packed_iterator_state_resumes_exactly_mid_pack():
+  source = tasks.generate_examples("train", 40, seed=23)
+  dataset = _packed(source, seed=5)
+  iterator = iter(dataset)
+  _take(iterator, 3)  # 12 rows: inside the second set of 8 packed bins
+  state = json.loads(json.dumps(iterator.get_state()))
+  expected = _take(iterator, 12)  # crosses into later epochs (40 examples fill about 20 rows)
+  resumed = iter(dataset)
+  resumed.set_state(state)
+  _assert_same_batches(_take(resumed, 12), expected)
 
 
 def test_exhausted_task_reports_its_own_example_count(monkeypatch):

@@ -5,6 +5,8 @@ very draws the jitted code uses (`objective.draw_randomness`), so layouts and
 losses must agree exactly (up to float rounding).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +24,7 @@ MASK_ID = VOCAB - 1
 EOS_ID = VOCAB - 2
 PAD_ID = 0
 LAYOUT_FIELDS = ("tokens", "positions", "labels", "ar_weights", "mdm_weights")
+LENGTH_KEYS = ("prompt_len", "answer_len")
 
 
 def make_config(kind, **overrides):
@@ -50,17 +53,46 @@ def reference_p(t, config):
   return np.float32(1.0 - config.eps) * np.float32(t) + np.float32(config.eps)
 
 
-def reference_refusion_row(tokens, P, A, draws, b, config):
+def row_lengths(batch, b):
+  """[(prompt_len, answer_len)] of the examples of row b, unused segments included."""
+  prompt_len, answer_len = (np.asarray(batch[key]).reshape(len(batch["tokens"]), -1)[b] for key in LENGTH_KEYS)
+  return list(zip(prompt_len.tolist(), answer_len.tolist()))
+
+
+def row_examples(batch, draws, b):
+  """Per example of row b: (its tokens, P, A, t, S, per-unit uniforms, per-unit ranks), per docs/method.md §1.
+
+  Unit k of an example draws at the column of its k-th answer token (see `objective.Draws`).
+  """
+  examples, start = [], 0
+  for k, (P, A) in enumerate(row_lengths(batch, b)):
+    answer_start = start + P
+    units = slice(answer_start, None)
+    examples.append(
+      (
+        batch["tokens"][b, start : start + P + A],
+        P,
+        A,
+        draws.t[b, k],
+        int(draws.slot_size[b, k]),
+        draws.mask_uniform[b, units],
+        draws.slot_rank[b, units],
+      )
+    )
+    start += P + A
+  return examples
+
+
+def reference_refusion_example(tokens, P, A, t, S, uniform, rank, length, config):
   """Stored (token, position, label, ar_weight, mdm_weight) of one example, per docs/method.md §1."""
-  p = reference_p(draws.t[b], config)
-  S = int(draws.slot_size[b])
+  p = reference_p(t, config)
   answer = tokens[P : P + A]
   # 1. Cut the answer into slots of S tokens; the last may be shorter.
   slots = [list(range(start, min(start + S, A))) for start in range(0, A, S)]
   # 2. Mask each slot independently with probability p.
-  masked = [bool(draws.mask_uniform[b, k] < p) for k in range(len(slots))]
+  masked = [bool(uniform[k] < p) for k in range(len(slots))]
   # 3. Prompt, then clean slots in random order, then masked slots in original order.
-  clean_order = sorted((k for k in range(len(slots)) if not masked[k]), key=lambda k: draws.slot_rank[b, k])
+  clean_order = sorted((k for k in range(len(slots)) if not masked[k]), key=lambda k: rank[k])
   rows = [(tokens[i], i, 0, 0.0, 0.0) for i in range(P)]
   for k in clean_order:
     for j, a in enumerate(slots[k]):
@@ -77,7 +109,7 @@ def reference_refusion_row(tokens, P, A, draws, b, config):
   return rows
 
 
-def reference_ar_row(tokens, P, A, draws, b, config):
+def reference_ar_example(tokens, P, A, t, S, uniform, rank, length, config):
   """Plain next-token prediction; only answer tokens are targets."""
   rows = []
   for i in range(P + A):
@@ -88,32 +120,35 @@ def reference_ar_row(tokens, P, A, draws, b, config):
   return rows
 
 
-def reference_mdm_row(tokens, P, A, draws, b, config):
+def reference_mdm_example(tokens, P, A, t, S, uniform, rank, length, config):
   """LLaDA-style: the answer, EOS-padded to the row's end; each of its tokens masked on its own w.p. p."""
   if A == 0:
     return []  # a padding row of a partial batch stays padding
-  p = reference_p(draws.t[b], config)
-  answer = list(tokens[P : P + A]) + [EOS_ID] * (len(tokens) - P - A)
+  p = reference_p(t, config)
+  answer = list(tokens[P : P + A]) + [EOS_ID] * (length - P - A)
   rows = [(tokens[i], i, 0, 0.0, 0.0) for i in range(P)]
   for a, token in enumerate(answer):
-    if draws.mask_uniform[b, a] < p:
+    if uniform[a] < p:
       rows.append((MASK_ID, P + a, token, 0.0, 1.0 / (p * len(answer))))
     else:
       rows.append((token, P + a, 0, 0.0, 0.0))
   return rows
 
 
-REFERENCE_ROWS = {"refusion": reference_refusion_row, "ar": reference_ar_row, "mdm": reference_mdm_row}
+REFERENCE_EXAMPLES = {"refusion": reference_refusion_example, "ar": reference_ar_example, "mdm": reference_mdm_example}
 
 
 def reference_layout(batch, draws, config):
-  """Per-example reference rows, padded with (pad_id, 0, 0, 0, 0) to the batch length."""
+  """Each row: its examples' reference rows one after the other, padded with (pad_id, 0, 0, 0, 0)."""
   draws = host_draws(draws)
   batch_size, length = batch["tokens"].shape
-  out = {name: np.zeros((batch_size, length), np.float64) for name in LAYOUT_FIELDS}
+  out = {name: np.zeros((batch_size, length), np.float64) for name in (*LAYOUT_FIELDS, "segment_ids")}
   for b in range(batch_size):
-    P, A = int(batch["prompt_len"][b]), int(batch["answer_len"][b])
-    rows = REFERENCE_ROWS[config.kind](batch["tokens"][b], P, A, draws, b, config)
+    rows = []
+    for k, example in enumerate(row_examples(batch, draws, b)):
+      example_rows = REFERENCE_EXAMPLES[config.kind](*example, length, config)
+      out["segment_ids"][b, len(rows) : len(rows) + len(example_rows)] = k + 1
+      rows += example_rows
     rows += [(PAD_ID, 0, 0, 0.0, 0.0)] * (length - len(rows))
     for name, column in zip(LAYOUT_FIELDS, zip(*rows)):
       out[name][b] = column
@@ -121,41 +156,44 @@ def reference_layout(batch, draws, config):
 
 
 def reference_loss(model, batch, draws, config):
-  """Per example: forward the reference layout alone, then docs/method.md §1 step 5 in float64.
+  """Per example: forward its reference layout alone, then docs/method.md §1 step 5 in float64.
 
-  Each example runs as a batch of one; the mask written here hides its padding
-  from every real query (causal for "refusion"/"ar", all real tokens for
-  "mdm"), so padding cannot change a real token's logits.
+  Each example runs as a batch of one, at the start of a row of its own; the
+  mask written here hides that row's padding from every real query (causal for
+  "refusion"/"ar", all real tokens for "mdm"), so padding cannot change a real
+  token's logits.
   """
-  layout = reference_layout(batch, draws, config)
+  host = host_draws(draws)
   length = batch["tokens"].shape[1]
-  ar_sum, ar_count, mdm_sum, real_rows = 0.0, 0.0, 0.0, 0
+  ar_sum, ar_count, mdm_sum, examples = 0.0, 0.0, 0.0, 0
   for b in range(batch["tokens"].shape[0]):
-    if batch["answer_len"][b] == 0:
-      continue
-    real_rows += 1
-    # An MDM answer runs to the row's end (EOS-padded).
-    n = length if config.kind == "mdm" else int(batch["prompt_len"][b] + batch["answer_len"][b])
-    if config.kind == "mdm":
-      mask = np.zeros((length, length), bool)
-      mask[:, :n] = True
-    else:
-      mask = np.tril(np.ones((length, length), bool))
-    tokens, positions = (layout[name][b : b + 1].astype(np.int32) for name in ("tokens", "positions"))
-    logits = np.asarray(jit_model(model, tokens, positions, mask[None]), np.float64)[0, :n]
-    log_probs = logits - logits.max(-1, keepdims=True)
-    log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
-    ce = -log_probs[np.arange(n), layout["labels"][b, :n].astype(int)]
-    ar_sum += (ce * layout["ar_weights"][b, :n]).sum()
-    ar_count += layout["ar_weights"][b, :n].sum()
-    mdm_sum += (ce * layout["mdm_weights"][b, :n]).sum()
-  return ar_sum / max(ar_count, 1.0) + mdm_sum / max(real_rows, 1)
+    for example in row_examples(batch, host, b):
+      if example[2] == 0:  # no answer: a padding row or an unused segment
+        continue
+      examples += 1
+      rows = REFERENCE_EXAMPLES[config.kind](*example, length, config)
+      n = len(rows)  # an MDM answer runs to the row's end (EOS-padded)
+      layout = dict(zip(LAYOUT_FIELDS, (np.asarray(c + (0,) * (length - n)) for c in zip(*rows))))
+      if config.kind == "mdm":
+        mask = np.zeros((length, length), bool)
+        mask[:, :n] = True
+      else:
+        mask = np.tril(np.ones((length, length), bool))
+      tokens, positions = (layout[name][None].astype(np.int32) for name in ("tokens", "positions"))
+      logits = np.asarray(jit_model(model, tokens, positions, mask[None]), np.float64)[0, :n]
+      log_probs = logits - logits.max(-1, keepdims=True)
+      log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+      ce = -log_probs[np.arange(n), layout["labels"][:n].astype(int)]
+      ar_sum += (ce * layout["ar_weights"][:n]).sum()
+      ar_count += layout["ar_weights"][:n].sum()
+      mdm_sum += (ce * layout["mdm_weights"][:n]).sum()
+  return ar_sum / max(ar_count, 1.0) + mdm_sum / max(examples, 1)
 
 
 # ---------------------------------------------------------------- jitted entry points
 
 build_inputs = jax.jit(objective.build_inputs, static_argnames="config")
-draw_randomness = jax.jit(objective.draw_randomness, static_argnums=(1, 2, 3))
+draw_randomness = jax.jit(objective.draw_randomness, static_argnums=(1, 2, 3, 4))
 
 
 @nnx.jit
@@ -222,17 +260,19 @@ def case_inputs(case, kind):
 
 
 def force(draws, overrides):
-  return draws.replace(
-    **{
-      name: jnp.broadcast_to(jnp.asarray(value, getattr(draws, name).dtype), getattr(draws, name).shape)
-      for name, value in overrides.items()
-    }
-  )
+  """Draws with some fields replaced: a value of the field's size fills it in order, a smaller one is broadcast."""
+
+  def forced(name, value):
+    current = getattr(draws, name)
+    value = jnp.asarray(value, current.dtype)
+    return value.reshape(current.shape) if value.size == current.size else jnp.broadcast_to(value, current.shape)
+
+  return draws.replace(**{name: forced(name, value) for name, value in overrides.items()})
 
 
 def assert_layout_matches_reference(inputs, batch, draws, config):
   expected = reference_layout(batch, draws, config)
-  for name in ("tokens", "positions", "labels"):
+  for name in ("tokens", "positions", "labels", "segment_ids"):
     np.testing.assert_array_equal(np.asarray(getattr(inputs, name)), expected[name], err_msg=name)
   for name in ("ar_weights", "mdm_weights"):
     np.testing.assert_allclose(np.asarray(getattr(inputs, name)), expected[name], rtol=1e-6, err_msg=name)
@@ -269,6 +309,103 @@ def test_layout_matches_numpy_reference_on_random_lengths(random_case, kind):
   batch = make_batch(np.random.default_rng(seed), prompt_lens, answer_lens, LENGTH)
   draws = force(draw_randomness(jax.random.key(seed), BATCH, LENGTH, config), {"slot_size": slot_sizes})
   assert_layout_matches_reference(build_inputs(batch, draws, config=config), batch, draws, config)
+
+
+# Packed rows: PACKED_BATCH rows of up to SEGMENTS examples each, and the same examples one per row.
+PACKED_BATCH, PACKED_LENGTH, SEGMENTS = 3, 40, 3
+
+
+@st.composite
+def packed_cases(draw):
+  """(prompt_len, answer_len [PACKED_BATCH, SEGMENTS], slot sizes of the examples, seed); one row may be empty."""
+  lengths = np.zeros((2, PACKED_BATCH, SEGMENTS), np.int32)
+  for row in range(PACKED_BATCH):
+    free = PACKED_LENGTH
+    for segment in range(draw(st.integers(1 if row == 0 else 0, SEGMENTS))):
+      if free < 2:
+        break
+      prompt = draw(st.integers(1, min(6, free - 1)))
+      answer = draw(st.integers(1, min(16, free - prompt)))
+      lengths[:, row, segment] = prompt, answer
+      free -= prompt + answer
+  slot_sizes = draw(st.lists(st.integers(1, 6), min_size=PACKED_BATCH * SEGMENTS, max_size=PACKED_BATCH * SEGMENTS))
+  return lengths[0], lengths[1], slot_sizes, draw(st.integers(0, 2**30))
+
+
+def packed_inputs(packed_case, kind):
+  """(packed batch, its draws, the same examples one per row, their draws, config).
+
+  Each unpacked example carries the draws of its span in the packed row (`objective.Draws`): the same
+  per-example randomness, so both layouts must agree example for example.
+  """
+  prompt_len, answer_len, slot_sizes, seed = packed_case
+  config = make_config(kind)
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(1, MASK_ID, (PACKED_BATCH, PACKED_LENGTH)).astype(np.int32)
+  packed = dict(tokens=tokens, prompt_len=prompt_len, answer_len=answer_len)
+  draws = draw_randomness(jax.random.key(seed), PACKED_BATCH, PACKED_LENGTH, config, SEGMENTS)
+  draws = host_draws(force(draws, {"slot_size": slot_sizes}))
+  spans = [
+    (b, k, int(prompt_len[b, :k].sum() + answer_len[b, :k].sum()), int(prompt_len[b, k]), int(answer_len[b, k]))
+    for b in range(PACKED_BATCH)
+    for k in range(SEGMENTS)
+    if answer_len[b, k]
+  ]
+  single = host_draws(draw_randomness(jax.random.key(seed + 1), len(spans), PACKED_LENGTH, config))
+  unpacked = dict(
+    tokens=rng.integers(1, MASK_ID, (len(spans), PACKED_LENGTH)).astype(np.int32),
+    prompt_len=np.asarray([span[3] for span in spans], np.int32),
+    answer_len=np.asarray([span[4] for span in spans], np.int32),
+  )
+  fields = {name: np.array(getattr(single, name)) for name in ("slot_size", "t", "mask_uniform", "slot_rank")}
+  for row, (b, k, start, P, A) in enumerate(spans):
+    unpacked["tokens"][row, : P + A] = tokens[b, start : start + P + A]
+    fields["slot_size"][row, 0], fields["t"][row, 0] = draws.slot_size[b, k], draws.t[b, k]
+    for name in ("mask_uniform", "slot_rank"):
+      fields[name][row, P : P + A] = getattr(draws, name)[b, start + P : start + P + A]
+  return packed, draws, unpacked, single.replace(**fields), config
+
+
+@settings(max_examples=15, deadline=None)
+@given(packed_cases(), st.sampled_from(["refusion", "ar"]))
+def test_packed_layout_matches_numpy_reference(packed_case, kind):
+  packed, draws, _, _, config = packed_inputs(packed_case, kind)
+  inputs = build_inputs(packed, draws, config=config)
+  assert_layout_matches_reference(inputs, packed, draws, config)
+  np.testing.assert_array_equal(inputs.real_examples, packed["answer_len"] > 0)
+
+
+@pytest.mark.parametrize("kind", ["refusion", "ar"])
+def test_packed_loss_and_gradients_equal_the_unpacked_ones(model, kind):
+  """docs/method.md §1: normalised by tokens and examples, never rows, packing changes nothing."""
+  case = (np.asarray([[4, 2, 3], [5, 6, 0], [2, 0, 0]]), np.asarray([[9, 12, 7], [16, 11, 0], [21, 0, 0]]))
+  packed, draws, unpacked, single, config = packed_inputs((*case, [1, 2, 3, 4, 5, 6, 2, 3, 4], 5), kind)
+  (packed_loss, packed_metrics), packed_grads = jit_loss_and_grad_from_draws(model, packed, draws, config=config)
+  (loss, metrics), grads = jit_loss_and_grad_from_draws(model, unpacked, single, config=config)
+  assert float(metrics["num_examples"]) == 6 and float(packed_metrics["num_examples"]) == 6
+  for name in metrics:
+    np.testing.assert_allclose(float(packed_metrics[name]), float(metrics[name]), rtol=1e-5, err_msg=name)
+  np.testing.assert_allclose(float(packed_loss), reference_loss(model, packed, draws, config), rtol=2e-5)
+  for packed_grad, grad in zip(jax.tree.leaves(packed_grads), jax.tree.leaves(grads)):
+    np.testing.assert_allclose(packed_grad, grad, rtol=1e-4, atol=1e-6)
+
+
+def test_packed_examples_do_not_see_each_other(model):
+  case = (np.asarray([[4, 2, 3], [5, 6, 0], [2, 0, 0]]), np.asarray([[9, 12, 7], [16, 11, 0], [21, 0, 0]]))
+  packed, draws, _, _, config = packed_inputs((*case, [2] * 9, 3), "refusion")
+  inputs = build_inputs(packed, draws, config=config)
+  logits = jit_forward(model, inputs, config=config)
+  # Row 0 holds examples of 13, 14 and 10 tokens: change the first example's last stored token.
+  changed = jit_forward(model, changed_token(inputs, 0, 12), config=config)
+  np.testing.assert_array_equal(changed[0, 13:], logits[0, 13:])
+  assert np.abs(changed[0, 12] - logits[0, 12]).max() > 1e-4
+  assert int(inputs.positions[0, 13]) == 0 and int(inputs.positions[0, 27]) == 0  # each example's prompt starts at 0
+
+
+def test_mdm_rows_cannot_be_packed():
+  packed, draws, _, _, config = packed_inputs((np.full((3, 3), 2), np.full((3, 3), 5), [1] * 9, 0), "mdm")
+  with pytest.raises(ValueError, match="one example"):
+    objective.build_inputs(packed, draws, config)
 
 
 def test_reorganize_uses_the_draws_of_its_key():
@@ -339,6 +476,22 @@ def test_padding_rows_add_nothing(model, kind):
   _, real_metrics = jit_loss_from_draws(model, real, jax.tree.map(lambda x: x[:2], draws), config=config)
   for name in real_metrics:
     np.testing.assert_allclose(float(padded_metrics[name]), float(real_metrics[name]), rtol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("chunk", [5])  # LENGTH = 24: a padded last chunk (whole chunks: test_cross_entropy.py)
+def test_chunked_loss_and_gradients_equal_the_dense_ones(model, kind, chunk):
+  batch, draws, dense = case_inputs("ragged_answers", kind)
+  chunked = make_config(kind, loss_chunk=chunk)
+  (dense_loss, dense_metrics), dense_grads = jit_loss_and_grad_from_draws(
+    model, batch, draws, config=dataclasses.replace(dense, loss_chunk=0)
+  )
+  (loss, metrics), grads = jit_loss_and_grad_from_draws(model, batch, draws, config=chunked)
+  for name in metrics:
+    np.testing.assert_allclose(float(metrics[name]), float(dense_metrics[name]), rtol=1e-6, err_msg=name)
+  np.testing.assert_allclose(float(loss), float(dense_loss), rtol=1e-6)
+  for grad, dense_grad in zip(jax.tree.leaves(grads), jax.tree.leaves(dense_grads)):
+    np.testing.assert_allclose(grad, dense_grad, rtol=1e-5, atol=1e-7)
 
 
 # ---------------------------------------------------------------- attention patterns

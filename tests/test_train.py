@@ -29,10 +29,13 @@ from refusion_jax.training.objective import ObjectiveConfig
 pytestmark = pytest.mark.usefixtures("compilation_cache")
 
 
-def test_one_step_trains_evaluates_and_checkpoints(tmp_path, data_dir):
+def test_one_step_trains_evaluates_and_checkpoints(tmp_path, data_dir, capsys):
   config = smoke_config(data_dir, num_train_steps=1, eval_every=1)
   result = train.train_and_evaluate(config, str(tmp_path))
   assert result.step == 1 and result.stopped_by == "finished"
+  (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[train] step 1:")]
+  pad_fraction = float(line.split("pad_fraction=")[1].split()[0])
+  assert 0.0 < pad_fraction < 0.3  # packed rows of the built-in tasks (unpacked: about a half)
   assert np.isfinite(result.losses[1])
   ((step, metrics),) = result.evals
   assert step == 1
@@ -64,6 +67,13 @@ def test_baseline_configs_train_and_decode_with_their_own_decoder(tmp_path, data
   else:
     assert metrics["ar_loss"] == 0.0
     assert metrics["mean_forwards"] == config.eval.mdm_steps  # every row runs all MDM steps
+
+
+def test_mdm_with_packing_is_refused_naming_the_field(tmp_path, data_dir):
+  config = smoke_config(data_dir, "mdm_baseline", num_train_steps=1)
+  config.data.packing = True
+  with pytest.raises(ValueError, match="--config.data.packing=False"):
+    train.train_and_evaluate(config, str(tmp_path))
 
 
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, data_dir):

@@ -18,6 +18,7 @@ _EXPORTS = {
   "build_query_response_json": "refusion_jax.data.builders",
   "make_dataset": "refusion_jax.data.pipeline",
   "batch_prompts_and_answers": "refusion_jax.data.pipeline",
+  "pad_fraction": "refusion_jax.data.pipeline",
   "decode_record": "refusion_jax.data.pipeline",
 }
 

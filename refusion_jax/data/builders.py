@@ -118,8 +118,23 @@ class QueryResponseJsonConfig(tfds.core.BuilderConfig):
   split_files: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
+def _json_lines(text: str, path: str) -> list:
+  records = []
+  for number, line in enumerate(text.splitlines(), 1):
+    if line.strip():
+      try:
+        records.append(json.loads(line))
+      except json.JSONDecodeError as error:
+        raise DataError(f"{path}, line {number}: not valid JSON ({error}).") from None
+  return records
+
+
 def _read_records(path: str) -> list:
-  """The records of one file: a JSON list, or JSON Lines for a `.jsonl` file."""
+  """The records of one file: a JSON list (the release's `train_data.json`), or JSON Lines.
+
+  A `.jsonl` file is JSON Lines; so is a `.json` file holding one JSON value
+  per line, which the release's loader (Hugging Face `datasets`' json) reads too.
+  """
   try:
     with open(path, encoding="utf-8") as f:
       text = f.read()
@@ -128,17 +143,12 @@ def _read_records(path: str) -> list:
   if not text.strip():
     raise DataError(f'{path} is empty; expected a JSON list of {{"query", "response"}} objects.')
   if path.endswith(".jsonl"):
-    records = []
-    for number, line in enumerate(text.splitlines(), 1):
-      if line.strip():
-        try:
-          records.append(json.loads(line))
-        except json.JSONDecodeError as error:
-          raise DataError(f"{path}, line {number}: not valid JSON ({error}).") from None
-    return records
+    return _json_lines(text, path)
   try:
     records = json.loads(text)
   except json.JSONDecodeError as error:
+    if error.msg == "Extra data":  # a first value parsed, then more: one value per line
+      return _json_lines(text, path)
     raise DataError(
       f'{path} is not valid JSON ({error}); expected a list of {{"query", "response"}} objects.'
     ) from None

@@ -4,14 +4,23 @@ Order of operations (all deterministic given the seed):
 
     source -> shard (every shard_count-th record from shard_index) -> shuffle(seed)
       -> repeat(num_epochs; reshuffled each epoch) -> tokenise -> drop too long
-      -> pad to seq_len -> [prefetch threads] -> batch
+      -> pad to seq_len, or pack several examples per row (best fit) -> [prefetch threads] -> batch
 
 Batch contract (numpy int32), B = batch_size, L = seq_len:
-    tokens      [B, L]  prompt ++ response ++ EOS ++ pad_id ...
-    prompt_len  [B]     number of prompt tokens
-    answer_len  [B]     number of response tokens + 1 (the EOS)
-A final partial batch (num_epochs set and drop_remainder=False) is filled with
-rows of pad_id whose prompt_len = answer_len = 0.
+    tokens      [B, L]  each row: its examples back to back, each prompt ++ response ++ EOS, then pad_id ...
+    prompt_len  [B]     number of prompt tokens        ([B, K] with packing: per example of the row)
+    answer_len  [B]     number of response tokens + 1 (the EOS)   ([B, K] with packing)
+Unpacked rows hold one example each. Packed rows (`packing=True`, docs/method.md
+§1) hold up to K = `max_segments` examples each, in the order of their lengths'
+entries; unused entries are 0. A final partial batch (num_epochs set and
+drop_remainder=False) is filled with rows of pad_id whose lengths are all 0.
+
+Packing is grain's best-fit packer: `packing_bins` rows are filled at once,
+each example going to the row it fits most tightly; when one fits none, those
+rows are emitted (in a seeded random order) and filling starts again. More
+bins leave less padding (`pad_fraction`); the iterator state stays exact
+(a restored iterator packs the current bins again from their first example and
+skips the rows already emitted).
 
 Examples whose prompt + response + EOS exceed L are *dropped*, never truncated:
 a truncated answer would teach the model to stop without EOS. During the first
@@ -156,14 +165,32 @@ class _PadToLength(grain.transforms.Map):
     return {"tokens": tokens, "prompt_len": np.int32(len(prompt)), "answer_len": np.int32(len(answer))}
 
 
+class _Concatenate(grain.transforms.Map):
+  """{"prompt", "answer"} -> {"tokens": int32 [P + A], "prompt_len": int32 [1], "answer_len": int32 [1]}, to pack."""
+
+  def map(self, example: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    prompt, answer = example["prompt"], example["answer"]
+    return {
+      "tokens": np.concatenate([prompt, answer]),
+      "prompt_len": np.asarray([len(prompt)], np.int32),
+      "answer_len": np.asarray([len(answer)], np.int32),
+    }
+
+
 def _stack_and_fill(rows: Sequence[Batch], batch_size: int, seq_len: int, pad_id: int) -> Batch:
-  """Stacks rows into a batch of exactly batch_size, filling with empty rows."""
+  """Stacks rows into a batch of exactly batch_size, filling with empty rows (packing's extra fields dropped)."""
   fill = batch_size - len(rows)
+  lengths = np.zeros((fill, *np.shape(rows[0]["prompt_len"])), np.int32)
   return {
     "tokens": np.concatenate([np.stack([row["tokens"] for row in rows]), np.full((fill, seq_len), pad_id, np.int32)]),
-    "prompt_len": np.asarray([row["prompt_len"] for row in rows] + [0] * fill, np.int32),
-    "answer_len": np.asarray([row["answer_len"] for row in rows] + [0] * fill, np.int32),
+    "prompt_len": np.concatenate([np.stack([row["prompt_len"] for row in rows]), lengths]).astype(np.int32),
+    "answer_len": np.concatenate([np.stack([row["answer_len"] for row in rows]), lengths]).astype(np.int32),
   }
+
+
+def pad_fraction(batch: Mapping[str, np.ndarray]) -> float:
+  """The share of a batch's row positions that hold no example (padding after packed or unpacked examples)."""
+  return 1.0 - float(np.sum(batch["prompt_len"]) + np.sum(batch["answer_len"])) / np.size(batch["tokens"])
 
 
 def make_dataset(
@@ -182,6 +209,9 @@ def make_dataset(
   read_options: grain.ReadOptions | None = None,
   name: str = "the data",
   warn_drop_fraction: float = 0.1,
+  packing: bool = False,
+  max_segments: int = 16,
+  packing_bins: int = 128,
 ) -> grain.IterDataset:
   """A grain dataset of token batches (see the module docstring for the contract).
 
@@ -203,6 +233,9 @@ def make_dataset(
     name: what the data is, for messages (e.g. "the training data (train.json)").
     warn_drop_fraction: warn once when the first pass drops more than this
       share of the shard's records for being longer than seq_len.
+    packing: pack several examples per row (see the module docstring).
+    max_segments: with packing, at most this many examples per row (K).
+    packing_bins: with packing, rows filled at once.
 
   Returns:
     A `grain.IterDataset`; `iter()` of it is a checkpointable `grain.DatasetIterator`.
@@ -214,6 +247,11 @@ def make_dataset(
     raise ValueError(f"shard_index={shard_index} must be in [0, shard_count={shard_count}).")
   if seq_len < 2 or batch_size < 1:
     raise ValueError(f"Need seq_len >= 2 and batch_size >= 1, got seq_len={seq_len}, batch_size={batch_size}.")
+  if packing and (max_segments < 1 or packing_bins < 1):
+    raise ValueError(
+      f"Packing needs max_segments >= 1 and packing_bins >= 1, got max_segments={max_segments}, "
+      f"packing_bins={packing_bins}."
+    )
   if num_epochs is not None and num_epochs < 1:
     raise ValueError(f"num_epochs={num_epochs}; pass a positive count, or None to repeat forever.")
   if not len(source):
@@ -231,12 +269,22 @@ def make_dataset(
     dataset = dataset.shuffle(seed=seed)
   if num_epochs != 1:
     dataset = dataset.repeat(num_epochs)
-  dataset = (
-    dataset.map(_Tokenize(tokenizer, chat_template, name))
-    .filter(_DropTooLong(seq_len, shard, name, warn_drop_fraction))
-    .map(_PadToLength(seq_len, tokenizer.pad_id))
+  dataset = dataset.map(_Tokenize(tokenizer, chat_template, name)).filter(
+    _DropTooLong(seq_len, shard, name, warn_drop_fraction)
   )
-  return dataset.to_iter_dataset(read_options or _DEFAULT_READ_OPTIONS).batch(
+  read_options = read_options or _DEFAULT_READ_OPTIONS
+  if packing:
+    rows = grain.experimental.BestFitPackIterDataset(
+      dataset.map(_Concatenate()).to_iter_dataset(read_options),
+      length_struct={"tokens": seq_len, "prompt_len": max_segments, "answer_len": max_segments},
+      padding_struct={"tokens": tokenizer.pad_id, "prompt_len": 0, "answer_len": 0},
+      num_packing_bins=packing_bins,
+      seed=seed,
+      shuffle_bins=shuffle,
+    )
+  else:
+    rows = dataset.map(_PadToLength(seq_len, tokenizer.pad_id)).to_iter_dataset(read_options)
+  return rows.batch(
     batch_size,
     drop_remainder=drop_remainder,
     batch_fn=lambda rows: _stack_and_fill(rows, batch_size, seq_len, tokenizer.pad_id),
@@ -244,15 +292,19 @@ def make_dataset(
 
 
 def batch_prompts_and_answers(batch: Mapping[str, np.ndarray]) -> tuple[list[list[int]], list[list[int]]]:
-  """Per real row of a batch, its prompt ids and its answer ids (response + EOS).
+  """Per example of a batch (packed rows: each of their examples in turn), its prompt ids and its answer ids.
 
-  Fill rows (prompt_len = answer_len = 0) are skipped.
+  Empty entries (prompt_len = answer_len = 0: fill rows, unused segments) are skipped.
   """
   tokens = np.asarray(batch["tokens"])
+  prompt_lens, answer_lens = (np.asarray(batch[key]).reshape(len(tokens), -1) for key in ("prompt_len", "answer_len"))
   prompts, answers = [], []
-  for row, prompt_len, answer_len in zip(tokens, np.asarray(batch["prompt_len"]), np.asarray(batch["answer_len"])):
-    if prompt_len == 0 and answer_len == 0:
-      continue
-    prompts.append(row[:prompt_len].tolist())
-    answers.append(row[prompt_len : prompt_len + answer_len].tolist())
+  for row, row_prompts, row_answers in zip(tokens, prompt_lens, answer_lens):
+    start = 0
+    for prompt_len, answer_len in zip(row_prompts, row_answers):
+      if prompt_len == 0 and answer_len == 0:
+        continue
+      prompts.append(row[start : start + prompt_len].tolist())
+      answers.append(row[start + prompt_len : start + prompt_len + answer_len].tolist())
+      start += prompt_len + answer_len
   return prompts, answers

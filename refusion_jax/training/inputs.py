@@ -59,7 +59,16 @@ def data_name(config: ml_collections.ConfigDict, split: str) -> str:
 def batches(
   source: Sequence[Any], tokenizer: Tokenizer, config: ml_collections.ConfigDict, *, train: bool
 ) -> grain.IterDataset:
-  """The grain dataset of this process's rows: endless and shuffled for training, one ordered pass for eval."""
+  """The grain dataset of this process's rows: endless and shuffled for training, one ordered pass for eval.
+
+  Both pack examples into rows when `config.data.packing` (the loss is normalised per token and per example, so
+  validation batches measure the same loss either way); the MDM baseline cannot pack (docs/method.md §1).
+  """
+  if config.data.packing and config.objective.kind == "mdm":
+    raise ValueError(
+      "The mdm objective runs every answer to the end of its row, so its rows cannot be packed "
+      "(docs/method.md §1): set --config.data.packing=False."
+    )
   return pipeline.make_dataset(
     source,
     tokenizer,
@@ -71,4 +80,6 @@ def batches(
     chat_template=config.data.chat_template,
     name=data_name(config, "train" if train else "validation"),
     warn_drop_fraction=config.data.warn_drop_fraction,
+    packing=config.data.packing,
+    max_segments=config.data.max_segments,
   )

@@ -46,6 +46,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from refusion_jax.checkpoints.orbax import CHECKPOINT_SUBDIR, Checkpoints, local_path, model_meta
+from refusion_jax.data import pipeline
 from refusion_jax.model.transformer import abstract_model
 from refusion_jax.parallel import sharding
 from refusion_jax.training import inputs, run_lock, start
@@ -308,18 +309,21 @@ class _DeviceQueue:
 
 
 class _Throughput:
-  """Tokens of examples (prompt + answer) fed since the last log line, per second."""
+  """Since the last log line: tokens of examples (prompt + answer) per second, and the share of row positions
+  that held no example (`pad_fraction`, the mean over the interval's batches)."""
 
   def __init__(self):
-    self._tokens, self._since = 0, time.perf_counter()
+    self._tokens, self._pad, self._batches, self._since = 0, 0.0, 0, time.perf_counter()
 
   def add(self, batch: Mapping[str, np.ndarray]) -> None:
-    self._tokens += int(np.sum(batch["prompt_len"] + batch["answer_len"]))
+    self._tokens += int(np.sum(batch["prompt_len"]) + np.sum(batch["answer_len"]))
+    self._pad += pipeline.pad_fraction(batch)
+    self._batches += 1
 
   def read(self) -> dict[str, float]:
     elapsed = time.perf_counter() - self._since
-    scalars = dict(tokens_per_second=self._tokens / max(elapsed, 1e-9))
-    self._tokens, self._since = 0, time.perf_counter()
+    scalars = dict(tokens_per_second=self._tokens / max(elapsed, 1e-9), pad_fraction=self._pad / max(self._batches, 1))
+    self._tokens, self._pad, self._batches, self._since = 0, 0.0, 0, time.perf_counter()
     return scalars
 
 

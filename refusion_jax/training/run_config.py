@@ -118,6 +118,7 @@ def objective_config_from(config: ml_collections.ConfigDict, model_config: Model
     kind=config.objective.kind,
     slot_sizes=tuple(config.objective.slot_sizes),
     eps=config.objective.eps,
+    loss_chunk=config.objective.loss_chunk,
     mask_id=mask_id,
     pad_id=model_config.pad_token_id,
     eos_id=model_config.eos_token_id,

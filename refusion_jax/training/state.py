@@ -141,7 +141,7 @@ def make_train_step(
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
   """The (un-jitted) step: average gradients over `grad_accum_steps` microbatches, one AdamW update.
 
-  Batch: tokens [batch, length], prompt_len [batch], answer_len [batch].
+  Batch: tokens [batch, length], prompt_len and answer_len [batch, segments] (packed rows) or [batch].
   Metrics: loss, ar_loss, mdm_loss, num_ar_tokens, num_mdm_tokens (microbatch
   means), grad_norm (before clipping), learning_rate (of this update).
   """
@@ -186,7 +186,8 @@ def make_eval_step(
 # ------------------------------------------------------------------ placement
 
 
-# Only the ranks matter for the shardings: tokens [batch, length], the rest [batch].
+# Only the ranks matter for the shardings: tokens [batch, length], the rest [batch] (a [batch, segments] array of
+# packed rows takes the same split: its segments axis is left whole).
 _BATCH_EXAMPLE = {
   "tokens": np.zeros((1, 1), np.int32),
   "prompt_len": np.zeros(1, np.int32),
