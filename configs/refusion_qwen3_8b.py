@@ -48,6 +48,7 @@ for.
 import pathlib
 
 import ml_collections
+from ml_collections import config_dict
 
 from refusion_jax.training.config_file import load_config
 
@@ -61,6 +62,8 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.tokenizer = ""  # unused: the tokenizer comes from init_from
   config.model = ml_collections.ConfigDict()  # shapes come from init_from's config.json
   config.model.preset = "qwen3_8b"  # the architecture init_from must have (checked; "" accepts any)
+  # None = the preset's 36; fewer for benchmarks and pod-fit reports (--config.model.num_layers=8)
+  config.model.num_layers = config_dict.placeholder(int)
   config.model.dtype = "bfloat16"  # compute in bf16
   config.model.param_dtype = "float32"  # float32 master weights for AdamW
   config.model.remat = "full"  # 36 layers x 4096 tokens: recompute each layer in the backward pass

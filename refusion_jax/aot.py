@@ -41,18 +41,18 @@ from refusion_jax.cli import report_errors
 from refusion_jax.decoding.driver import Decoder, loop_for_mesh, padded_rows, start_batch
 from refusion_jax.decoding.mesh import batch_shardings
 from refusion_jax.decoding.refusion import REFUSION, ReFusionKnobs, ReFusionSettings, picks_rows
-from refusion_jax.model.config import ModelConfig, preset
+from refusion_jax.model import flops
+from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import abstract_model, inference_config, init_model
 from refusion_jax.parallel import compiled, sharding
 from refusion_jax.parallel.activations import normalize_rules, sharded_activations
-from refusion_jax.training.run_config import objective_config_from
+from refusion_jax.training.run_config import objective_config_from, preset_with_overrides
 from refusion_jax.training.state import init_state_fn, make_optimizer, make_placement, make_train_step
 
 
 def model_config_of(config: ml_collections.ConfigDict) -> ModelConfig:
   """`config.model` (preset + overrides) with placeholder special ids where the config has none."""
-  fields = dict(config.model)
-  model_config = preset(fields.pop("preset"), **fields)
+  model_config = preset_with_overrides(config.model)
   last = model_config.vocab_size - 1
   return model_config.replace(
     mask_token_id=model_config.mask_token_id if model_config.mask_token_id is not None else last,
@@ -116,6 +116,9 @@ def train_report(config: ml_collections.ConfigDict, devices: Sequence[jax.Device
   )
   if model_config.scan_layers:  # XLA's cost analysis counts the scan's one layer once: no FLOPs rather than wrong ones
     report.flops = report.bytes_accessed = None
+  # MFU is judged on rows full of real tokens (packed rows come close): one causal example of seq_len per row.
+  rows = [config.data.seq_len] * config.batch_size
+  report.model_flops = flops.training_flops(model_config, rows, causal=objective.kind != "mdm") / len(devices)
   report.advice = train_advice(report, config, model_config, ways)
   return report
 
@@ -280,8 +283,9 @@ def report(f: flags.FlagValues) -> None:
   print(
     "Per device; GB = 1e9 bytes. TFLOP and GB accessed are the compiler's counts (a loop body counted once, "
     "times grad_accum for the training step); 'estimated s' is a roofline estimate (max of compute at peak "
-    "FLOP/s and memory traffic at peak bandwidth, no communication), not a measurement. With layers scanned "
-    "the cost columns are left out (the compiler counts the scanned layer once): compare policies unscanned."
+    "FLOP/s and memory traffic at peak bandwidth, no communication), not a measurement; 'MFU est.' is the "
+    "model FLOPs of rows full of real tokens over the chip's peak for that time. With layers scanned the cost "
+    "columns are left out (the compiler counts the scanned layer once): compare policies unscanned."
   )
   advice = [f"- {r.name}: {tip}" for r in reports for tip in r.advice]
   failed = [r for r in reports if r.fits is False]

@@ -193,5 +193,7 @@ def test_compiles_for_a_tpu_topology():
   assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
   assert "4 devices (TPU v5)" in out.stdout
   rows = [line for line in out.stdout.splitlines() if line.startswith(("| train step", "| decode"))]
-  # v5p's 95.74 GiB = 103 GB; on a TPU the roofline estimate (last column) is filled in.
-  assert len(rows) >= 2 and all("| 103 | yes |" in row and not row.endswith("| – |") for row in rows), rows
+  # v5p's 95.74 GiB = 103 GB; on a TPU the roofline estimate is filled in, and the training step's MFU estimate.
+  assert len(rows) >= 2 and all("| 103 | yes |" in row and row.split("|")[-3].strip() != "–" for row in rows), rows
+  train_mfu = [float(row.split("|")[-2].strip(" %")) for row in rows if row.startswith("| train step")]
+  assert train_mfu and all(0 < mfu <= 100 for mfu in train_mfu), rows

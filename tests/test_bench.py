@@ -89,6 +89,43 @@ def test_train_bench_times_every_objective_in_interleaved_rounds(monkeypatch):
   readings = iter(n * n for n in range(100))
   monkeypatch.setattr(train_bench, "time", types.SimpleNamespace(perf_counter=lambda: float(next(readings))))
   config = load_config("demo")
-  times = train_bench.time_objectives(config, ["ar", "refusion", "mdm"], steps=3)
+  timings = train_bench.time_objectives(config, ["ar", "refusion", "mdm"], steps=3)
   # One step per objective per round, in turn: ar, refusion, mdm, ar, ...
+  times = {kind: timing.seconds for kind, timing in timings.items()}
   assert times == {"ar": [1.0, 13.0, 25.0], "refusion": [5.0, 17.0, 29.0], "mdm": [9.0, 21.0, 33.0]}
+  # ReFusion and AR train on the same packed rows; MDM cannot pack, so it gets rows of one example each.
+  assert timings["ar"].tokens == timings["refusion"].tokens and timings["ar"].model_flops > 0
+  assert timings["refusion"].pad_fraction < timings["mdm"].pad_fraction
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_synthetic_batch_has_the_training_layout(packing):
+  batch = train_bench.synthetic_batch(4, 512, pad_id=300, packing=packing, max_segments=6, seed=1)
+  assert batch["tokens"].shape == (4, 512)
+  assert batch["prompt_len"].shape == ((4, 6) if packing else (4,)) == batch["answer_len"].shape
+  lengths = (batch["prompt_len"] + batch["answer_len"]).reshape(4, -1).sum(axis=1)
+  assert (lengths <= 512).all() and (lengths > 0).all()
+  for row, used in zip(batch["tokens"], lengths):
+    assert (row[:used] < 256).all() and (row[used:] == 300).all()
+
+
+def test_recipe_config_takes_a_layer_count_for_benchmarks(monkeypatch):
+  import pathlib
+  import sys
+
+  from absl import flags
+  from ml_collections import config_flags
+
+  from refusion_jax.data.tokenizer import load_tokenizer
+  from refusion_jax.training.run_config import model_config_from
+
+  path = pathlib.Path(__file__).parents[1] / "configs" / "refusion_qwen3_8b.py"
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "", flag_values=values, lock_config=True)
+  argv = ["train_bench", f"--config={path}", "--config.model.num_layers=8"]
+  monkeypatch.setattr(sys, "argv", argv)  # config_flags reads the overrides from sys.argv
+  values(argv)
+  short = model_config_from(values.config, load_tokenizer("bytes"))
+  full = model_config_from(load_config("refusion_qwen3_8b", variant=""), load_tokenizer("bytes"))
+  assert (full.num_layers, short.num_layers) == (36, 8)
+  assert short.replace(num_layers=36) == full

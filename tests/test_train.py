@@ -36,6 +36,10 @@ def test_one_step_trains_evaluates_and_checkpoints(tmp_path, data_dir, capsys):
   (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[train] step 1:")]
   pad_fraction = float(line.split("pad_fraction=")[1].split()[0])
   assert 0.0 < pad_fraction < 0.3  # packed rows of the built-in tasks (unpacked: about a half)
+  scalars = dict(item.split("=") for item in line.split(": ", 1)[1].split())
+  # Throughput per chip; no MFU where the chip's peak is unknown (this CPU).
+  assert float(scalars["tokens_per_second_per_chip"]) > 0 and float(scalars["model_tflops_per_chip"]) > 0
+  assert "mfu" not in scalars
   assert np.isfinite(result.losses[1])
   ((step, metrics),) = result.evals
   assert step == 1

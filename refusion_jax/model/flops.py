@@ -10,7 +10,7 @@ utilisation (MFU) a run earns for its users.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -45,3 +45,26 @@ def training_flops(config: ModelConfig, segment_lengths: Sequence[int] | np.ndar
   # Per (query, key) pair and layer: q.k and p.v, 2 FLOPs per multiply-add over every head's head_dim.
   attention = 4 * config.num_layers * config.num_heads * config.head_dim * attention_pairs(segment_lengths, causal)
   return 3.0 * (2 * matmul_weights(config) * tokens + attention)
+
+
+def example_lengths(batch: Mapping[str, np.ndarray]) -> np.ndarray:
+  """[examples] the real tokens of each example of a training batch (prompt + answer; 0 for unused segments).
+
+  Batch: prompt_len and answer_len [batch] (one example per row) or [batch, segments] (packed rows).
+  """
+  return (np.asarray(batch["prompt_len"], np.int64) + np.asarray(batch["answer_len"], np.int64)).ravel()
+
+
+def per_chip(flops: float, tokens: int, seconds: float, chips: int, peak_flops: float | None) -> dict[str, float]:
+  """What `seconds` of `chips` earned: real tokens/s and model TFLOP/s per chip, and MFU against `peak_flops`.
+
+  `mfu` is left out when the chip's peak is unknown (`peak_flops` None: CPUs, unlisted devices).
+  """
+  seconds = max(seconds, 1e-9)
+  scalars = dict(
+    tokens_per_second_per_chip=tokens / seconds / chips,
+    model_tflops_per_chip=flops / seconds / chips / 1e12,
+  )
+  if peak_flops:
+    scalars["mfu"] = flops / seconds / chips / peak_flops
+  return scalars

@@ -43,16 +43,32 @@ CHIPS = {
   "TPU v5 lite": Chip("TPU v5e", 16 * GIB, 197e12, 8.19e11),
   "TPU v6 lite": Chip("TPU v6e", 32 * GIB, 918e12, 1.64e12),
 }
+# GPUs by a name their `device_kind` contains ("NVIDIA H100 80GB HBM3"), most specific first: the PCIe and NVL
+# H100s are slower than the SXM one. Dense bf16 peaks (the sheets' sparse numbers halved).
+GPU_CHIPS = {
+  "H100 PCIe": Chip("NVIDIA H100 PCIe", 80e9, 756e12, 2.0e12),
+  "H100 NVL": Chip("NVIDIA H100 NVL", 94e9, 835e12, 3.9e12),
+  "H100": Chip("NVIDIA H100 SXM", 80e9, 989e12, 3.35e12),
+  "H200": Chip("NVIDIA H200", 141e9, 989e12, 4.8e12),
+  "A100": Chip("NVIDIA A100 80GB", 80e9, 312e12, 2.04e12),
+}
 
 
 def chip_of(device: jax.Device, hbm_gib: float | None = None) -> Chip | None:
-  """The `Chip` of `device` (None when unknown: CPU, GPU); `hbm_gib` overrides or supplies its memory."""
-  chip = CHIPS.get(device.device_kind)
+  """The `Chip` of `device` (None when unknown, e.g. a CPU); `hbm_gib` overrides or supplies its memory."""
+  kind = device.device_kind
+  chip = CHIPS.get(kind) or next((chip for name, chip in GPU_CHIPS.items() if name in kind), None)
   if hbm_gib is None:
     return chip
   if chip is None:
-    return Chip(device.device_kind, hbm_gib * GIB, 0.0, 0.0)
+    return Chip(kind, hbm_gib * GIB, 0.0, 0.0)
   return dataclasses.replace(chip, hbm_bytes=hbm_gib * GIB)
+
+
+def peak_flops(device: jax.Device) -> float | None:
+  """The device's dense bf16 FLOP/s, the denominator of MFU; None where unknown (CPUs, unlisted devices)."""
+  chip = chip_of(device)
+  return chip.peak_flops if chip is not None and chip.peak_flops else None
 
 
 def topology_devices(topology: str) -> list[jax.Device]:
@@ -92,6 +108,7 @@ class Report:
   flops: float | None = None
   bytes_accessed: float | None = None
   error_temporaries: int | None = None  # from the compiler's out-of-memory message, when the compile failed
+  model_flops: float | None = None  # the model FLOPs one run does per device (model/flops.py), for the MFU estimate
   error: str = ""
   advice: list[str] = dataclasses.field(default_factory=list)
 
@@ -125,6 +142,17 @@ class Report:
     compute = self.flops / self.chip.peak_flops
     memory = self.bytes_accessed / self.chip.hbm_bandwidth
     return self.loop_count * max(compute, memory)
+
+  @property
+  def estimated_mfu(self) -> float | None:
+    """The MFU the roofline estimate implies: model FLOPs over what the chip does at peak in `estimated_seconds`.
+
+    Below 1 by the FLOPs the compiled program adds (rematerialisation, masked attention blocks) and by memory-bound
+    time; as rough as the estimate it divides by.
+    """
+    if self.model_flops is None or self.estimated_seconds is None:
+      return None
+    return self.model_flops / (self.estimated_seconds * self.chip.peak_flops)
 
 
 # The TPU compiler's out-of-memory messages, e.g. "... the total memory required for HLO temporaries
@@ -186,19 +214,20 @@ def format_table(reports: Sequence[Report]) -> str:
 
   rows = [
     "| program | devices | arguments GB | outputs GB | temporaries GB | total GB | HBM GB | fits | "
-    "TFLOP | GB accessed | estimated s |",
-    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
+    "TFLOP | GB accessed | estimated s | MFU est. |",
+    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
   ]
   for r in reports:
     fits = {True: "yes", False: "NO", None: "?"}[r.fits]
     flops = "–" if r.flops is None else f"{r.flops * r.loop_count / 1e12:.3g}"
     accessed = "–" if r.bytes_accessed is None else gb(r.bytes_accessed * r.loop_count)
     estimate = "–" if r.estimated_seconds is None else f"{r.estimated_seconds:.3g}"
+    mfu = "–" if r.estimated_mfu is None else f"{100 * r.estimated_mfu:.3g}%"
     hbm = "–" if r.chip is None else gb(r.chip.hbm_bytes)
     temporaries = gb(r.temporaries) if not r.error else f">= {gb(r.error_temporaries)}"
     total = gb(r.total) if not r.error else f">= {gb(r.total)}"
     rows.append(
       f"| {r.name} | {r.devices} | {gb(r.arguments)} | {gb(r.outputs)} | {temporaries} | {total} | "
-      f"{hbm} | {fits} | {flops} | {accessed} | {estimate} |"
+      f"{hbm} | {fits} | {flops} | {accessed} | {estimate} | {mfu} |"
     )
   return "\n".join(rows)

@@ -47,8 +47,10 @@ from jax.experimental import multihost_utils
 
 from refusion_jax.checkpoints.orbax import CHECKPOINT_SUBDIR, Checkpoints, local_path, model_meta
 from refusion_jax.data import pipeline
+from refusion_jax.model import flops
+from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import abstract_model
-from refusion_jax.parallel import sharding
+from refusion_jax.parallel import compiled, sharding
 from refusion_jax.training import inputs, run_lock, start
 from refusion_jax.training.interrupts import Interrupts, RunInterrupted, StopRequested
 from refusion_jax.training.metrics import MetricsLogger, console
@@ -187,7 +189,7 @@ def _train(
   saver = _Saver(checkpoints, model_meta(model_config, run.start.tokenizer_name, objective=objective.kind), interrupts)
   saver.last_saved = run.start.resume_step
   evaluator = _Evaluator(config, validation, run, eval_fn, graphdef, logger, interrupts, alone)
-  throughput = _Throughput()
+  throughput = _Throughput(model_config, causal=objective.kind != "mdm")
   position = _Position(run.train_iterator)
   try:
     while step < total_steps:
@@ -211,10 +213,11 @@ def _train(
       metrics = device.sync(result, logger, saver.last_saved, checkpoints)
       if "log" in due:
         logger.write(step, dict(_scalars(metrics), **throughput.read()), "train")
-      if "eval" in due:
-        evaluator.run(step, state.params, result)
-      if "save" in due:
-        saver.save(step, state, position)
+      with throughput.paused():
+        if "eval" in due:
+          evaluator.run(step, state.params, result)
+        if "save" in due:
+          saver.save(step, state, position)
       device.restart_clock()  # evaluating and saving are not the device's step time
       result.stopped_by = _stop_reason(config, interrupts, checkpoints, step)
       if result.stopped_by != "finished":
@@ -309,21 +312,45 @@ class _DeviceQueue:
 
 
 class _Throughput:
-  """Since the last log line: tokens of examples (prompt + answer) per second, and the share of row positions
-  that held no example (`pad_fraction`, the mean over the interval's batches)."""
+  """What the steps since the last log line earned: real (example) tokens per second, overall and per chip, model
+  TFLOP/s per chip and MFU (model/flops.py; left out where the chip's peak is unknown, e.g. CPUs), and
+  `pad_fraction`, the share of row positions that held no example (the mean over the interval's batches).
 
-  def __init__(self):
-    self._tokens, self._pad, self._batches, self._since = 0, 0.0, 0, time.perf_counter()
+  Time spent evaluating and saving (`paused`) is not the steps' time.
+  """
+
+  def __init__(self, model_config: ModelConfig, causal: bool):
+    self._model_config, self._causal = model_config, causal
+    self._chips, self._peak = jax.device_count(), compiled.peak_flops(jax.devices()[0])
+    self._reset()
+
+  def _reset(self) -> None:
+    self._tokens, self._flops, self._pad, self._batches = 0, 0.0, 0.0, 0
+    self._since, self._paused = time.perf_counter(), 0.0
 
   def add(self, batch: Mapping[str, np.ndarray]) -> None:
-    self._tokens += int(np.sum(batch["prompt_len"]) + np.sum(batch["answer_len"]))
+    lengths = flops.example_lengths(batch)
+    self._tokens += int(lengths.sum())
+    self._flops += flops.training_flops(self._model_config, lengths, self._causal)
     self._pad += pipeline.pad_fraction(batch)
     self._batches += 1
 
+  @contextlib.contextmanager
+  def paused(self) -> Iterator[None]:
+    started = time.perf_counter()
+    try:
+      yield
+    finally:
+      self._paused += time.perf_counter() - started
+
   def read(self) -> dict[str, float]:
-    elapsed = time.perf_counter() - self._since
-    scalars = dict(tokens_per_second=self._tokens / max(elapsed, 1e-9), pad_fraction=self._pad / max(self._batches, 1))
-    self._tokens, self._pad, self._batches, self._since = 0, 0.0, 0, time.perf_counter()
+    seconds = max(time.perf_counter() - self._since - self._paused, 1e-9)
+    scalars = dict(
+      tokens_per_second=self._tokens / seconds,
+      **flops.per_chip(self._flops, self._tokens, seconds, self._chips, self._peak),
+      pad_fraction=self._pad / max(self._batches, 1),
+    )
+    self._reset()
     return scalars
 
 

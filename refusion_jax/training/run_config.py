@@ -31,16 +31,25 @@ _ARCHITECTURE_FIELDS = ("architecture", *(f for f in ARRAY_FIELDS if f != "vocab
 _SPECIAL_ID_FIELDS = {"mask": "mask_token_id", "eos": "eos_token_id", "pad": "pad_token_id"}
 
 
+def preset_with_overrides(model_fields: ml_collections.ConfigDict) -> ModelConfig:
+  """`model_fields.preset` with every other field that is set (not None) as an override.
+
+  A config may declare a field as `config_dict.placeholder(int)` (None until a flag sets it), so that
+  `--config.model.num_layers=8` works on a config that otherwise takes the preset's value.
+  """
+  fields = {name: value for name, value in dict(model_fields).items() if value is not None}
+  return preset(fields.pop("preset"), **fields)
+
+
 def model_config_from(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> ModelConfig:
-  """`config.model.preset` with every other `config.model` field as an override.
+  """`config.model.preset` with every other `config.model` field that is set as an override.
 
   Special token ids follow `resolve_special_tokens`: ids set in `config.model`,
   then the tokenizer's, then the preset's; the model config records them, so
   that a checkpoint's model config is enough to decode.
   """
-  fields = dict(config.model)
-  model_config = preset(fields.pop("preset"), **fields)
-  explicit = SpecialTokens(**{name: fields.get(field) for name, field in _SPECIAL_ID_FIELDS.items()})
+  model_config = preset_with_overrides(config.model)
+  explicit = SpecialTokens(**{name: config.model.get(field) for name, field in _SPECIAL_ID_FIELDS.items()})
   return with_special_tokens(model_config, resolve_special_tokens(explicit, tokenizer=tokenizer, config=model_config))
 
 
@@ -59,7 +68,7 @@ def check_hf_architecture(model_fields: ml_collections.ConfigDict, hf_config: Mo
   name = model_fields.get("preset", "")
   if not name:
     return
-  overrides = {k: v for k, v in dict(model_fields).items() if k not in _RUNTIME_FIELDS}
+  overrides = {k: v for k, v in dict(model_fields).items() if k not in _RUNTIME_FIELDS and v is not None}
   expected = preset(name, **overrides)
   for field in _ARCHITECTURE_FIELDS:
     want, got = getattr(expected, field), getattr(hf_config, field)
