@@ -20,8 +20,6 @@ from refusion_jax.model.config import tiny
 from refusion_jax.model.transformer import abstract_model, init_model
 from refusion_jax.training import loop as train
 
-pytestmark = pytest.mark.usefixtures("compilation_cache")
-
 
 def _params_of(workdir: str) -> dict:
   model, _ = load(workdir)

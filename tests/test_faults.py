@@ -22,8 +22,6 @@ from refusion_jax.data.pipeline import DataError
 from refusion_jax.training import inputs, loop, run_lock, start
 from refusion_jax.training.interrupts import RunInterrupted
 
-pytestmark = pytest.mark.usefixtures("compilation_cache")
-
 
 def _config(data_dir: str, **overrides):
   # In-process runs must never meet the watchdog's os._exit: a long grace.
@@ -313,7 +311,7 @@ def test_stale_lock_of_a_dead_or_recycled_process_is_taken_over_with_a_warning(t
 
 
 @pytest.fixture(scope="module")
-def trained_workdir(tmp_path_factory, data_dir, compilation_cache):
+def trained_workdir(tmp_path_factory, data_dir):
   """A run of 4 steps with checkpoints at steps 2 and 4, and its losses."""
   workdir = str(tmp_path_factory.mktemp("trained"))
   config = _config(data_dir, num_train_steps=4)

@@ -26,8 +26,6 @@ from refusion_jax.training import run_config
 from refusion_jax.training import state as train_state
 from refusion_jax.training.objective import ObjectiveConfig
 
-pytestmark = pytest.mark.usefixtures("compilation_cache")
-
 
 def test_one_step_trains_evaluates_and_checkpoints(tmp_path, data_dir, capsys):
   config = smoke_config(data_dir, num_train_steps=1, eval_every=1)
