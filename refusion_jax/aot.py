@@ -282,9 +282,10 @@ def report(f: flags.FlagValues) -> None:
   print("\n" + compiled.format_table(reports))
   print(
     "Per device; GB = 1e9 bytes. TFLOP and GB accessed are the compiler's counts (a loop body counted once, "
-    "times grad_accum for the training step); 'estimated s' is a roofline estimate (max of compute at peak "
-    "FLOP/s and memory traffic at peak bandwidth, no communication), not a measurement; 'MFU est.' is the "
-    "model FLOPs of rows full of real tokens over the chip's peak for that time. With layers scanned the cost "
+    "times grad_accum for the training step; nothing inside a custom kernel such as splash attention); "
+    "'estimated s' is a roofline estimate (max of compute at peak FLOP/s, on the larger of the compiler's and "
+    "the model's FLOPs, and memory traffic at peak bandwidth, no communication), not a measurement; 'MFU est.' "
+    "is the model FLOPs of rows full of real tokens over the chip's peak for that time. With layers scanned the cost "
     "columns are left out (the compiler counts the scanned layer once): compare policies unscanned."
   )
   advice = [f"- {r.name}: {tip}" for r in reports for tip in r.advice]

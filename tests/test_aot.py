@@ -159,6 +159,17 @@ def test_train_advice_names_the_knobs():
     check_batch_split(64, 3, mesh)
 
 
+def test_roofline_times_compute_on_at_least_the_model_flops():
+  chip = compiled.Chip("test", 10e9, 1e12, 1e11)  # 1 TFLOP/s, 100 GB/s
+  counted = compiled.Report("t", 1, chip, flops=3e12, bytes_accessed=1e9, model_flops=2e12, loop_count=2)
+  assert counted.estimated_seconds == pytest.approx(6.0) and counted.estimated_mfu == pytest.approx(2 / 6)
+  # A compiler count below the model's (a scanned loss counted once, a custom kernel not at all) cannot give MFU > 1.
+  undercounted = compiled.Report("t", 1, chip, flops=1e12, bytes_accessed=1e9, model_flops=5e12)
+  assert undercounted.estimated_seconds == pytest.approx(5.0) and undercounted.estimated_mfu == pytest.approx(1.0)
+  memory_bound = compiled.Report("t", 1, chip, flops=1e12, bytes_accessed=1e12, model_flops=1e12)
+  assert memory_bound.estimated_seconds == pytest.approx(10.0) and memory_bound.estimated_mfu == pytest.approx(0.1)
+
+
 def test_out_of_memory_compile_becomes_a_report_that_does_not_fit():
   mesh = make_mesh({"data": 1}, jax.devices()[:1])
   state = jax.ShapeDtypeStruct((1000, 250), np.float32, sharding=NamedSharding(mesh, PartitionSpec()))

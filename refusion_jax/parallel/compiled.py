@@ -136,19 +136,23 @@ class Report:
     """Roofline estimate: the slower of compute at peak FLOP/s and memory traffic at peak bandwidth.
 
     An estimate only: it ignores communication between devices and overlap.
+    The compiler's count can fall short of the model's FLOPs: it counts a
+    loop body once (the chunked loss's scan over the length) and nothing
+    inside a custom kernel (splash attention), so compute is timed on the
+    larger of the two counts.
     """
     if self.flops is None or self.chip is None or not self.chip.peak_flops:
       return None
-    compute = self.flops / self.chip.peak_flops
-    memory = self.bytes_accessed / self.chip.hbm_bandwidth
-    return self.loop_count * max(compute, memory)
+    compute = max(self.loop_count * self.flops, self.model_flops or 0.0) / self.chip.peak_flops
+    memory = self.loop_count * self.bytes_accessed / self.chip.hbm_bandwidth
+    return max(compute, memory)
 
   @property
   def estimated_mfu(self) -> float | None:
     """The MFU the roofline estimate implies: model FLOPs over what the chip does at peak in `estimated_seconds`.
 
-    Below 1 by the FLOPs the compiled program adds (rematerialisation, masked attention blocks) and by memory-bound
-    time; as rough as the estimate it divides by.
+    At most 1; below it by the FLOPs the compiled program adds (rematerialisation, masked attention blocks) and
+    by memory-bound time; as rough as the estimate it divides by.
     """
     if self.model_flops is None or self.estimated_seconds is None:
       return None
