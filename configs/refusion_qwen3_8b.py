@@ -19,23 +19,28 @@ Memory (ahead-of-time compile for v5p with `python -m refusion_jax.aot --config
 configs/refusion_qwen3_8b.py --topology ...`, per chip, HBM 95.74 GiB = 102.8 GB;
 gcloud names count TensorCores, two per v5p chip):
 
-| chips (topology)          | attention          | grad_accum | temporaries | total    | fits  |
-| ------------------------- | ------------------ | ---------- | ----------- | -------- | ----- |
-| 8 (v5p:2x2x2, v5p-16)     | auto (splash)      | 1          | 55.1 GB     | 67.4 GB  | yes   |
-| 64 (v5p:4x4x4, v5p-128)   | xla (dense scores) | 1          | 26.1 GB     | 27.6 GB  | yes   |
-| 8                         | xla                | 1          | ≥ 144 GB    | ≥ 156 GB | no    |
-| 8                         | xla                | 2          | ≥ 116 GB    | ≥ 129 GB | no    |
-| 8                         | xla                | 4          | 66.8 GB     | 79.1 GB  | yes   |
-| 8                         | chunked            | 2          | 89.8 GB     | 102 GB   | by 1% |
+| chips (topology)        | what differs from the recipe               | temporaries | total    | fits  |
+| ----------------------- | ------------------------------------------ | ----------- | -------- | ----- |
+| 8 (v5p:2x2x2, v5p-16)   | nothing (splash, scanned, chunked loss)    | 33.5 GB     | 45.8 GB  | yes   |
+| 64 (v5p:4x4x4, v5p-128) | nothing                                    | 7.36 GB     | 8.9 GB   | yes   |
+| 8                       | `objective.loss_chunk=0` (dense loss)      | 55.1 GB     | 67.4 GB  | yes   |
+| 8                       | `model.attention_impl=xla` (dense scores)  | 64.9 GB     | 77.2 GB  | yes   |
+| 8                       | `model.scan_layers=False` (unrolled)       | 93.4 GB     | 106 GB   | no    |
+| 8                       | `model.remat=projections_except_mlp`       | 56 GB       | 68.3 GB  | yes   |
+| 8                       | `model.remat=projections`                  | ≥ 114 GB    | ≥ 126 GB | no    |
+| 8                       | `model.remat=none`                         | ≥ 342 GB    | ≥ 354 GB | no    |
 
-(the splash row with `--config.model.scan_layers=True`, which adds a stacked
-bfloat16 copy of the layer weights, about 2 GB per chip here). So with splash
-attention, the default on TPU, the recipe as written fits 8 chips at
-grad_accum 1 with a third of the HBM spare; the dense-score rows are what
-`--config.model.attention_impl=xla` costs. Activations follow each chip's rows
-of the batch, so memory falls as chips are added. Decoding for the periodic
-evaluation (prompt 512, 512 generated, S = 8) fits one chip: 18.9 GB at batch
-1, 35.6 GB at batch 32.
+all at grad_accum 1 (before packed rows, the chunked loss, splash attention
+and scanned layers, 8 chips needed ≥ 156 GB per chip and fit only at
+grad_accum 4). So the recipe as written fits 8 chips with more than half of
+the HBM spare, room for longer rows or a larger batch per chip. Unrolled,
+the TPU compiler schedules every layer's recomputation early and keeps the
+MLP activations of many layers alive, so remat saves little; scanned, each
+layer is recomputed in its turn of the backward loop (docs/method.md §5).
+Activations follow each chip's rows of the batch, so memory falls as chips
+are added. Decoding for the periodic evaluation (prompt 512, 512 generated,
+S = 8) fits one chip: 18.9 GB at batch 1, 35.6 GB at batch 32; on the 64-chip
+mesh it pads the batch to 64 rows, 5.22 GB per chip.
 
 `init_from` and `data.train_files` are required; the checkpoint must be a
 Qwen3-8B (its config.json is checked against the `qwen3_8b` preset, naming the
@@ -69,8 +74,10 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.model.remat = "full"  # 36 layers x 4096 tokens: recompute each layer in the backward pass
   config.model.attention_impl = "auto"  # splash attention on TPU, Pallas flash attention on GPU (no [T, T] scores)
   config.model.attention_chunk = 512  # query rows per chunk, if attention_impl="chunked"
-  # one layer body in the compiled step (compiles faster, but the AOT report then cannot count FLOPs)
-  config.model.scan_layers = False
+  # One layer body in the compiled step. Scanned, each layer's recomputation runs inside the backward loop;
+  # unrolled, the TPU compiler schedules the 36 recomputations early and keeps their MLP activations alive
+  # (8 chips: 106 GB per chip unrolled vs 45.8 GB scanned). False unrolls them (the AOT cost columns need that).
+  config.model.scan_layers = True
 
   config.objective.slot_sizes = (4, 8, 16, 32)  # the paper's slot sizes
 
