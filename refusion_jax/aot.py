@@ -15,7 +15,7 @@ plan-and-infill while_loop) per `--decode_batch`, at `--decode_prompt_length`
 TPU is needed: a topology is described by libtpu (`pip install
 "jax[tpu]==<your jax version>"`). For each program it prints the per-device
 memory (arguments, outputs, temporaries, total) against the chip's HBM, the
-compiled FLOPs and bytes, and a roofline *estimate* of its time; it exits with
+compiled FLOPs and bytes, a roofline *estimate* of its time and its compile time; it exits with
 status 1, saying what to change, when something does not fit.
 
 Shapes come from `config.model` (preset + overrides), not from
@@ -288,6 +288,7 @@ def report(f: flags.FlagValues) -> None:
     "is the model FLOPs of rows full of real tokens over the chip's peak for that time. With layers scanned the cost "
     "columns are left out (the compiler counts the scanned layer once): compare policies unscanned."
   )
+  print("Compile times on this host: " + "; ".join(f"{r.name}: {r.compile_seconds:.0f} s" for r in reports))
   advice = [f"- {r.name}: {tip}" for r in reports for tip in r.advice]
   failed = [r for r in reports if r.fits is False]
   for r in failed:

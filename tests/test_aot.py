@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -111,6 +112,8 @@ def test_aot_cli_reports_memory_and_exits_1_saying_what_does_not_fit():
   assert all(float(cell) > 0 for cell in cells), train_row  # arguments, outputs, temporaries, total
   assert any(line.startswith("| decode (prefill + 1 loop iteration), batch 8") and "| NO |" in line for line in lines)
   assert "DOES NOT FIT: decode" in out.stdout and "--decode_mesh=tensor=N" in out.stdout
+  times = next(line for line in lines if line.startswith("Compile times on this host: "))
+  assert re.search(r"train step, batch 8 x 64, [^;]*: \d+ s; decode", times), times
 
 
 def test_aot_cli_compiles_the_train_step_once_per_remat_policy():

@@ -18,6 +18,7 @@ import dataclasses
 import math
 import os
 import re
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -109,6 +110,7 @@ class Report:
   bytes_accessed: float | None = None
   error_temporaries: int | None = None  # from the compiler's out-of-memory message, when the compile failed
   model_flops: float | None = None  # the model FLOPs one run does per device (model/flops.py), for the MFU estimate
+  compile_seconds: float | None = None  # lowering + compiling, on this host
   error: str = ""
   advice: list[str] = dataclasses.field(default_factory=list)
 
@@ -185,12 +187,14 @@ def compile_report(
   not fit, with the arguments' bytes and the temporaries it asked for.
   """
   report = Report(name=name, devices=len(devices), chip=chip, loop_count=loop_count)
+  start = time.perf_counter()
   try:
     compiled = lower().compile()
   except Exception as error:  # the compiler's RESOURCE_EXHAUSTED is a JaxRuntimeError
     message = str(error)
     if "RESOURCE_EXHAUSTED" not in message:
       raise
+    report.compile_seconds = time.perf_counter() - start
     report.error = message.splitlines()[0][:400]
     report.arguments = argument_bytes(arguments)
     asked = _OOM.search(message)
@@ -198,6 +202,7 @@ def compile_report(
       size, unit = asked.group(1, 2) if asked.group(1) else asked.group(3, 4)
       report.error_temporaries = int(float(size) * _UNITS[unit])
     return report
+  report.compile_seconds = time.perf_counter() - start
   memory = compiled.memory_analysis()
   report.arguments = memory.argument_size_in_bytes
   report.outputs = memory.output_size_in_bytes
