@@ -16,27 +16,27 @@ The global batch is not fixed by the recipe notes we follow: 64 x 4096
 tokens is a starting point; scale it with the pod.
 
 Memory (ahead-of-time compile for v5p with `python -m refusion_jax.aot --config
-configs/refusion_qwen3_8b.py --topology ...`, per chip, HBM 95.74 GiB = 102.8 GB;
-gcloud names count TensorCores, two per v5p chip):
+configs/refusion_qwen3_8b.py --topology ...`; temporaries / total GB per chip,
+of HBM 95.74 GiB = 102.8 GB; gcloud names count TensorCores, two per v5p chip):
 
-| chips (topology)        | what differs from the recipe               | temporaries | total    | fits  |
-| ----------------------- | ------------------------------------------ | ----------- | -------- | ----- |
-| 8 (v5p:2x2x2, v5p-16)   | nothing (splash, scanned, chunked loss)    | 33.5 GB     | 45.8 GB  | yes   |
-| 64 (v5p:4x4x4, v5p-128) | nothing                                    | 7.36 GB     | 8.9 GB   | yes   |
-| 8                       | `objective.loss_chunk=0` (dense loss)      | 55.1 GB     | 67.4 GB  | yes   |
-| 8                       | `model.attention_impl=xla` (dense scores)  | 64.9 GB     | 77.2 GB  | yes   |
-| 8                       | `model.scan_layers=False` (unrolled)       | 93.4 GB     | 106 GB   | no    |
-| 8                       | `model.remat=projections_except_mlp`       | 56 GB       | 68.3 GB  | yes   |
-| 8                       | `model.remat=projections`                  | ≥ 114 GB    | ≥ 126 GB | no    |
-| 8                       | `model.remat=none`                         | ≥ 342 GB    | ≥ 354 GB | no    |
+| what differs from the recipe               | 8 chips (v5p:2x2x2, v5p-16) | 64 chips (v5p:4x4x4, v5p-128) |
+| ------------------------------------------ | --------------------------- | ----------------------------- |
+| nothing (splash, scanned, chunked loss)    | 33.5 / 45.8                 | 7.36 / 8.9                    |
+| `objective.loss_chunk=0` (dense loss)      | 55.1 / 67.4                 | 11.9 / 13.4                   |
+| `model.attention_impl=xla` (dense scores)  | 64.9 / 77.2                 | 9.02 / 10.6                   |
+| `model.scan_layers=False` (unrolled)       | 93.4 / 106, does not fit    | 26.4 / 27.9                   |
+| `model.remat=projections_except_mlp`       | 56 / 68.3                   | 13 / 14.5                     |
+| `model.remat=projections`                  | ≥ 114 / ≥ 126, does not fit | 20.2 / 21.8                   |
+| `model.remat=none`                         | ≥ 342 / ≥ 354, does not fit | 49 / 50.5                     |
 
 all at grad_accum 1 (before packed rows, the chunked loss, splash attention
 and scanned layers, 8 chips needed ≥ 156 GB per chip and fit only at
-grad_accum 4). So the recipe as written fits 8 chips with more than half of
-the HBM spare, room for longer rows or a larger batch per chip. Unrolled,
-the TPU compiler schedules every layer's recomputation early and keeps the
-MLP activations of many layers alive, so remat saves little; scanned, each
-layer is recomputed in its turn of the backward loop (docs/method.md §5).
+grad_accum 4; 64 chips needed 27.6 GB). So the recipe as written fits 8
+chips with more than half of the HBM spare, room for longer rows or a larger
+batch per chip. Unrolled, the TPU compiler schedules every layer's
+recomputation early and keeps the MLP activations of many layers alive, so
+remat saves little; scanned, each layer is recomputed in its turn of the
+backward loop (docs/method.md §5).
 Activations follow each chip's rows of the batch, so memory falls as chips
 are added. Decoding for the periodic evaluation (prompt 512, 512 generated,
 S = 8) fits one chip: 18.9 GB at batch 1, 35.6 GB at batch 32; on the 64-chip
