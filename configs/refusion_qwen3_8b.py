@@ -76,7 +76,8 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.model.attention_chunk = 512  # query rows per chunk, if attention_impl="chunked"
   # One layer body in the compiled step. Scanned, each layer's recomputation runs inside the backward loop;
   # unrolled, the TPU compiler schedules the 36 recomputations early and keeps their MLP activations alive
-  # (8 chips: 106 GB per chip unrolled vs 45.8 GB scanned). False unrolls them (the AOT cost columns need that).
+  # (8 chips: 106 GB per chip unrolled vs 45.8 GB scanned). False unrolls them, which the AOT report's memory
+  # traffic column needs (the compiler counts a scanned layer once).
   config.model.scan_layers = True
 
   config.objective.slot_sizes = (4, 8, 16, 32)  # the paper's slot sizes

@@ -111,9 +111,9 @@ def train_report(config: ml_collections.ConfigDict, devices: Sequence[jax.Device
     f"remat {model_config.remat}{', layers scanned' if model_config.scan_layers else ''}, mesh {_mesh_text(mesh)}"
   )
   args = (placement.abstract_state, batch)
-  report = compiled.compile_report(
-    name, lambda: step.lower(*args), args, list(mesh.devices.flat), chip, loop_count=accum
-  )
+  traced = step.trace(*args)
+  report = compiled.compile_report(name, traced.lower, args, list(mesh.devices.flat), chip, loop_count=accum)
+  report.traced_flops = compiled.matmul_flops(traced.jaxpr) / len(devices)
   if model_config.scan_layers:  # XLA's cost analysis counts the scan's one layer once: no FLOPs rather than wrong ones
     report.flops = report.bytes_accessed = None
   # MFU is judged on rows full of real tokens (packed rows come close): one causal example of seq_len per row.
@@ -283,10 +283,12 @@ def report(f: flags.FlagValues) -> None:
   print(
     "Per device; GB = 1e9 bytes. TFLOP and GB accessed are the compiler's counts (a loop body counted once, "
     "times grad_accum for the training step; nothing inside a custom kernel such as splash attention); "
-    "'estimated s' is a roofline estimate (max of compute at peak FLOP/s, on the larger of the compiler's and "
-    "the model's FLOPs, and memory traffic at peak bandwidth, no communication), not a measurement; 'MFU est.' "
-    "is the model FLOPs of rows full of real tokens over the chip's peak for that time. With layers scanned the cost "
-    "columns are left out (the compiler counts the scanned layer once): compare policies unscanned."
+    "'estimated s' is a roofline estimate (max of compute at peak FLOP/s, on the largest of the compiler's, "
+    "the traced and the model's FLOPs, and memory traffic at peak bandwidth, no communication), not a "
+    "measurement; 'MFU est.' is the model FLOPs of rows full of real tokens over the chip's peak for that time. "
+    "With layers scanned the compiler counts one layer, so TFLOP is the traced program's matrix products "
+    "('traced': every loop at its trip count, recomputation included, custom kernels not) and the estimate is "
+    "compute time alone."
   )
   print("Compile times on this host: " + "; ".join(f"{r.name}: {r.compile_seconds:.0f} s" for r in reports))
   advice = [f"- {r.name}: {tip}" for r in reports for tip in r.advice]

@@ -9,11 +9,12 @@ import sys
 import textwrap
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from refusion_jax.aot import train_advice
+from refusion_jax.aot import train_advice, train_report
 from refusion_jax.model.config import tiny
 from refusion_jax.parallel import compiled
 from refusion_jax.parallel.activations import activation_sharding, constrain
@@ -171,6 +172,40 @@ def test_roofline_times_compute_on_at_least_the_model_flops():
   assert undercounted.estimated_seconds == pytest.approx(5.0) and undercounted.estimated_mfu == pytest.approx(1.0)
   memory_bound = compiled.Report("t", 1, chip, flops=1e12, bytes_accessed=1e12, model_flops=1e12)
   assert memory_bound.estimated_seconds == pytest.approx(10.0) and memory_bound.estimated_mfu == pytest.approx(0.1)
+
+  # Layers scanned: no compiler counts, so compute time on the traced count (and the model's, if larger).
+  traced = compiled.Report("t", 1, chip, traced_flops=4e12, model_flops=2e12, loop_count=2)
+  assert traced.estimated_seconds == pytest.approx(4.0) and traced.estimated_mfu == pytest.approx(0.5)
+
+
+def test_matmul_flops_count_loops_at_their_trip_count_and_the_costliest_branch():
+  def program(x, w, b):
+    y = jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w)[0]  # 8 x [16,32]@[32,32]
+    z = jnp.einsum("bij,bjk->bik", b, b)  # batched: 3 x [4,4]@[4,4]
+    return jax.lax.cond(y.sum() > 0, lambda: y @ w[0] @ w[1], lambda: y @ w[0]) + z.sum()
+
+  rng = np.random.default_rng(0)
+  x, w, b = (rng.normal(size=s).astype(np.float32) for s in ((16, 32), (8, 32, 32), (3, 4, 4)))
+  expected = 2 * (8 * 16 * 32 * 32 + 3 * 4 * 4 * 4 + 2 * 16 * 32 * 32)
+  assert compiled.matmul_flops(jax.make_jaxpr(program)(x, w, b)) == expected
+
+
+def test_traced_flops_see_every_scanned_layer_and_the_recomputation():
+  # XLA's cost analysis counts a scanned layer once; the trace counts all of them, as unrolled.
+  config = load_config("configs/demo.py", "smoke")
+  config.model.update(vocab_size=1024, num_kv_heads=2, attention_impl="xla")
+  config.data.seq_len, config.batch_size = 64, 4
+  config.mesh.update(data=1, fsdp=1, tensor=1)
+  reports = {}
+  for scan, remat in ((False, "none"), (False, "full"), (True, "full")):
+    config.model.update(scan_layers=scan, remat=remat)
+    reports[scan, remat] = train_report(config, jax.devices()[:1], None)
+  unrolled, scanned, no_remat = reports[False, "full"], reports[True, "full"], reports[False, "none"]
+  assert scanned.flops is None and scanned.traced_flops == unrolled.traced_flops
+  # Only the matrix products: the compiler adds norms, softmax and activations on top.
+  assert 0.85 * unrolled.flops < unrolled.traced_flops < unrolled.flops
+  # Full remat recomputes each layer's forward in the backward pass: 6 -> 8 FLOPs per weight per token.
+  assert no_remat.model_flops < no_remat.traced_flops < unrolled.traced_flops < 1.4 * no_remat.traced_flops
 
 
 def test_out_of_memory_compile_becomes_a_report_that_does_not_fit():

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from refusion_jax.parallel.compiled import sub_jaxprs
 from refusion_jax.training.cross_entropy import weighted_cross_entropy
 
 BATCH, LENGTH, EMBED, VOCAB = 3, 40, 16, 96
@@ -61,23 +62,9 @@ def _largest_vocab_array(jaxpr) -> int:
       shape = getattr(var.aval, "shape", ())
       if VOCAB in shape:
         largest = max(largest, int(np.prod(shape)))
-    for sub in _sub_jaxprs(eqn.params.values()):
+    for sub in sub_jaxprs(eqn.params.values()):
       largest = max(largest, _largest_vocab_array(sub))
   return largest
-
-
-def _sub_jaxprs(values):
-  """The jaxprs among an equation's parameters (scan/remat bodies, cond branches), open or closed.
-
-  By duck type: jax 0.12 removed `jax.core.jaxprs_in_params`, and the jaxpr classes moved between releases.
-  """
-  for value in values:
-    if isinstance(value, (list, tuple)):
-      yield from _sub_jaxprs(value)
-    elif hasattr(value, "eqns"):
-      yield value
-    elif hasattr(getattr(value, "jaxpr", None), "eqns"):
-      yield value.jaxpr
 
 
 def test_backward_pass_holds_one_chunk_of_logits_at_a_time():

@@ -9,7 +9,9 @@ configuration is checked before a pod is rented.
 
 `compile_report` turns one such compile into a `Report`; a compile the
 compiler itself rejects for lack of memory becomes a report that does not fit
-(with the compiler's own numbers when its message has them).
+(with the compiler's own numbers when its message has them). XLA's cost
+analysis counts a loop body once, so a program whose layers are scanned is
+also counted from its trace (`matmul_flops`), every loop at its trip count.
 """
 
 from __future__ import annotations
@@ -96,6 +98,9 @@ class Report:
 
   loop_count: how many times the compiled cost must be counted for one run
     of what the report names (XLA's cost analysis counts a loop body once).
+  traced_flops: the matrix-product FLOPs of one run per device, counted on
+    the traced program (`matmul_flops`): rematerialisation included, loops at
+    their trip count, custom kernels left out.
   """
 
   name: str
@@ -109,6 +114,7 @@ class Report:
   flops: float | None = None
   bytes_accessed: float | None = None
   error_temporaries: int | None = None  # from the compiler's out-of-memory message, when the compile failed
+  traced_flops: float | None = None
   model_flops: float | None = None  # the model FLOPs one run does per device (model/flops.py), for the MFU estimate
   compile_seconds: float | None = None  # lowering + compiling, on this host
   error: str = ""
@@ -138,16 +144,21 @@ class Report:
     """Roofline estimate: the slower of compute at peak FLOP/s and memory traffic at peak bandwidth.
 
     An estimate only: it ignores communication between devices and overlap.
-    The compiler's count can fall short of the model's FLOPs: it counts a
-    loop body once (the chunked loss's scan over the length) and nothing
-    inside a custom kernel (splash attention), so compute is timed on the
-    larger of the two counts.
+    Every FLOP count falls short somewhere: the compiler's counts a loop body
+    once (scanned layers, the chunked loss) and nothing inside a custom
+    kernel (splash attention); the traced count has only matrix products;
+    the model's has no rematerialisation. So compute is timed on the largest.
+    Memory traffic comes from the compiler alone: without it (scanned layers)
+    the estimate is compute time.
     """
-    if self.flops is None or self.chip is None or not self.chip.peak_flops:
+    compiled = None if self.flops is None else self.loop_count * self.flops
+    if self.chip is None or not self.chip.peak_flops or (compiled is None and self.traced_flops is None):
       return None
-    compute = max(self.loop_count * self.flops, self.model_flops or 0.0) / self.chip.peak_flops
-    memory = self.loop_count * self.bytes_accessed / self.chip.hbm_bandwidth
-    return max(compute, memory)
+    counts = [count for count in (compiled, self.traced_flops, self.model_flops) if count is not None]
+    compute = max(counts) / self.chip.peak_flops
+    if self.bytes_accessed is None:
+      return compute
+    return max(compute, self.loop_count * self.bytes_accessed / self.chip.hbm_bandwidth)
 
   @property
   def estimated_mfu(self) -> float | None:
@@ -171,6 +182,55 @@ def argument_bytes(arguments: Any) -> int:
   """Bytes one device holds of a pytree of `jax.ShapeDtypeStruct`s carrying shardings (the largest shard)."""
   leaves = [x for x in jax.tree.leaves(arguments) if isinstance(x, jax.ShapeDtypeStruct)]
   return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
+
+
+def sub_jaxprs(values: Any):
+  """The jaxprs among an equation's parameters (scan and remat bodies, cond branches), open or closed.
+
+  By duck type: jax 0.12 removed `jax.core.jaxprs_in_params`, and the jaxpr classes moved between releases.
+  """
+  for value in values:
+    if isinstance(value, (list, tuple)):
+      yield from sub_jaxprs(value)
+    elif hasattr(value, "eqns"):
+      yield value
+    elif hasattr(getattr(value, "jaxpr", None), "eqns"):
+      yield value.jaxpr
+
+
+def matmul_flops(jaxpr: Any) -> float:
+  """FLOPs of the matrix products in a (closed) jaxpr: 2 x the multiply-adds of every `dot_general`.
+
+  A `scan` body counts `length` times and a `cond` its costliest branch; a
+  `shard_map` body, written per device, counts once per device of its mesh.
+  What runs in a custom kernel (`pallas_call`) is not counted, nor a
+  `while_loop` beyond one trip (its trip count is not in the trace). Recomputed
+  activations are counted where the differentiated program recomputes them.
+  """
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  total = 0.0
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name == "dot_general":
+      lhs, rhs = (v.aval.shape for v in eqn.invars)
+      (_, rhs_contracting), (_, rhs_batch) = eqn.params["dimension_numbers"]
+      rhs_free = [size for axis, size in enumerate(rhs) if axis not in (*rhs_contracting, *rhs_batch)]
+      total += 2.0 * math.prod(lhs) * math.prod(rhs_free)
+    elif name == "pallas_call":
+      continue
+    else:
+      counts = [matmul_flops(sub) for sub in sub_jaxprs(eqn.params.values())]
+      if not counts:
+        continue
+      if name == "cond":
+        total += max(counts)
+      elif name == "scan":
+        total += eqn.params["length"] * sum(counts)
+      elif name == "shard_map":
+        total += eqn.params["mesh"].size * sum(counts)
+      else:
+        total += sum(counts)
+  return total
 
 
 def compile_report(
@@ -228,7 +288,10 @@ def format_table(reports: Sequence[Report]) -> str:
   ]
   for r in reports:
     fits = {True: "yes", False: "NO", None: "?"}[r.fits]
-    flops = "–" if r.flops is None else f"{r.flops * r.loop_count / 1e12:.3g}"
+    if r.flops is not None:
+      flops = f"{r.flops * r.loop_count / 1e12:.3g}"
+    else:
+      flops = "–" if r.traced_flops is None else f"{r.traced_flops / 1e12:.3g} traced"
     accessed = "–" if r.bytes_accessed is None else gb(r.bytes_accessed * r.loop_count)
     estimate = "–" if r.estimated_seconds is None else f"{r.estimated_seconds:.3g}"
     mfu = "–" if r.estimated_mfu is None else f"{100 * r.estimated_mfu:.3g}%"
