@@ -10,7 +10,6 @@ read the answers back (docs/method.md §3.3, §3.4).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import time
@@ -20,15 +19,18 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from refusion_jax.decoding.batching import Batch, DecodeOutputs, run_rows
 from refusion_jax.decoding.checks import check_positive, check_prompts, check_special_id, decoder_special_tokens
-from refusion_jax.decoding.mesh import loop_on_mesh, place_params
+from refusion_jax.decoding.compilations import compilations, tagged
+from refusion_jax.decoding.mesh import loop_shardings
 from refusion_jax.decoding.prompts import pad_prompts
 from refusion_jax.decoding.result import PHASE_NONE, DecodeResult
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer, inference_view
-from refusion_jax.parallel.sharding import LOGICAL_AXIS_RULES, batch_parallel_ways
+from refusion_jax.parallel.activations import activation_sharding, normalize_rules
+from refusion_jax.parallel.sharding import LOGICAL_AXIS_RULES, Rules, batch_parallel_ways, state_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,31 +73,83 @@ class Decoder:
   eos_id: int
 
 
-_COMPILATIONS: collections.Counter[str] = collections.Counter()
-
-
-def _decode_rows(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, max_iterations, knobs, program) -> Batch:
-  """Run `program` = (method, settings) over `batch` (the body of every compiled decode loop)."""
+def _decode_rows(
+  graphdef: nnx.GraphDef,
+  params: nnx.State,
+  batch: Batch,
+  max_iterations: jax.Array,
+  knobs: Any,
+  program: tuple[Method, Hashable],
+  placement: Placement | None,
+) -> Batch:
+  """Run `program` = (method, settings) over `batch` (the body of every compiled decode loop); on a mesh
+  (`placement`) the forwards carry their activation constraints and the batch leaves with its shardings."""
   method, settings = program
-  # The body runs only when JAX traces it, so this counts compilations without JAX's private cache API.
-  _COMPILATIONS[method.name] += 1
   model = nnx.merge(graphdef, params)
   admit = functools.partial(method.admit, model, knobs, settings)
   step = functools.partial(method.step, model, knobs, settings)
-  return run_rows(batch, max_iterations, admit, step)
+  if placement is None:
+    return run_rows(batch, max_iterations, admit, step)
+  with activation_sharding(placement.mesh, placement.rules):
+    batch = run_rows(batch, max_iterations, admit, step)
+  return jax.lax.with_sharding_constraint(batch, loop_shardings(batch, placement.mesh, placement.rules))
 
 
-# decode_loop(graphdef, params, batch, max_iterations, knobs, program=(method, settings)) -> the Batch after
-# up to max_iterations iterations. Weights, the batch, the iteration count and the knobs are traced: only the
-# graph, the program and the shapes (rows, queue entries, prompt bucket) compile anew.
-decode_loop = jax.jit(_decode_rows, static_argnames=("graphdef", "program"))
+# decode_loop(graphdef, params, batch, max_iterations, knobs, program=(method, settings), placement) -> the Batch
+# after up to max_iterations iterations. Weights, the batch, the iteration count and the knobs are traced: only the
+# graph, the program, the placement, the shapes (rows, queue entries, prompt bucket) and the inputs' shardings
+# compile anew, so `Loop` hands every input over placed the same way on every call.
+decode_loop = jax.jit(_decode_rows, static_argnames=("graphdef", "program", "placement"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where a decode loop runs: on `mesh`, split by the logical-axis `rules` (`refusion_jax.decoding.mesh`)."""
+
+  mesh: jax.sharding.Mesh
+  rules: Rules
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+  """`decode_loop` for one program and placement, as a function (params, batch, max_iterations, knobs) -> Batch.
+
+  Every call places every input explicitly first: on a mesh by the shardings of `refusion_jax.decoding.mesh`,
+  else on the default device. So the compiled program sees the same input shardings on the first call
+  (host arrays) and on a refill (the previous call's device arrays), and compiles once.
+  """
+
+  graphdef: nnx.GraphDef
+  program: tuple[Method, Hashable]
+  placement: Placement | None = None
+
+  def shardings(self, params: Any, batch: Batch) -> tuple[Any, Batch, Any, Any]:
+    """The shardings of (params, batch, max_iterations, knobs); `params` and `batch` may be abstract."""
+    if self.placement is None:
+      device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+      return device, device, device, device
+    mesh, rules = self.placement.mesh, self.placement.rules
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return state_shardings(params, mesh, rules), loop_shardings(batch, mesh, rules), replicated, replicated
+
+  def __call__(self, params: Any, batch: Batch, max_iterations: Any, knobs: Any) -> Batch:
+    placed = jax.device_put((params, batch, max_iterations, knobs), self.shardings(params, batch))
+    return decode_loop(self.graphdef, *placed, program=self.program, placement=self.placement)
+
+  def lower(self, params: Any, batch: Batch, max_iterations: Any, knobs: Any) -> jax.stages.Lowered:
+    """The loop lowered for abstract inputs (`jax.ShapeDtypeStruct`s carrying their shardings)."""
+    return decode_loop.lower(
+      self.graphdef, params, batch, max_iterations, knobs, program=self.program, placement=self.placement
+    )
 
 
 def compile_count(method: str | None = None) -> int:
-  """Compilations of the decode loop for one method (`Method.name`: "refusion", "ar", "mdm"), or of all."""
-  if method is None:
-    return sum(_COMPILATIONS.values())
-  return _COMPILATIONS[method]
+  """XLA compilations of the decode loop for one method (`Method.name`: "refusion", "ar", "mdm"), or of all
+  its calls, as JAX reports them (`refusion_jax.decoding.compilations`)."""
+  return compilations(_LOOP_TAG if method is None else f"{_LOOP_TAG}/{method}")
+
+
+_LOOP_TAG = "decode_loop"
 
 
 def padded_rows(rows: int, mesh: jax.sharding.Mesh | None, rules=LOGICAL_AXIS_RULES) -> int:
@@ -104,12 +158,12 @@ def padded_rows(rows: int, mesh: jax.sharding.Mesh | None, rules=LOGICAL_AXIS_RU
   return -(-rows // ways) * ways
 
 
-def loop_for_mesh(
-  decoder: Decoder, graphdef: nnx.GraphDef, params: Any, batch: Batch, mesh: jax.sharding.Mesh, rules=LOGICAL_AXIS_RULES
-) -> Callable:
-  """`decoder`'s compiled loop on `mesh`, as `run_decoder(..., mesh=)` runs it (`mesh.loop_on_mesh`): a function
-  of (params, batch, max_iterations, knobs) -> Batch. `params` and `batch` may be abstract."""
-  return loop_on_mesh(_decode_rows, (decoder.method, decoder.settings), graphdef, params, batch, mesh, rules)
+def loop_for(
+  decoder: Decoder, graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh | None = None, rules=LOGICAL_AXIS_RULES
+) -> Loop:
+  """`decoder`'s compiled loop, on `mesh` or the default device, as `run_decoder` runs it."""
+  placement = None if mesh is None else Placement(mesh, normalize_rules(rules))
+  return Loop(graphdef, (decoder.method, decoder.settings), placement)
 
 
 def start_batch(decoder: Decoder, config: ModelConfig, rows: int, prompt_width: int) -> Batch:
@@ -221,14 +275,11 @@ def run_decoder(
   feed = _Feed(tokens, lengths, batch)
   batch = feed.refill(batch, batch.waiting, batch.out)
   graphdef, params = nnx.split(model)
-  if mesh is None:
-    call = functools.partial(decode_loop, graphdef, program=(decoder.method, decoder.settings))
-  else:
-    params = place_params(params, mesh)
-    call = loop_for_mesh(decoder, graphdef, params, batch, mesh)
+  loop = loop_for(decoder, graphdef, mesh)
   iterations = np.int32(chunk_iterations or np.iinfo(np.int32).max)
-  while feed.left:
-    batch = feed.collect(call(params, batch, iterations, decoder.knobs))
+  with tagged(_LOOP_TAG, f"{_LOOP_TAG}/{decoder.method.name}"):
+    while feed.left:
+      batch = feed.collect(loop(params, batch, iterations, decoder.knobs))
   widths = jax.device_get(batch.widths)
   seconds = time.perf_counter() - start
   out = feed.results
