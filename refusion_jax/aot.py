@@ -40,7 +40,7 @@ from ml_collections import config_flags
 from refusion_jax.cli import report_errors
 from refusion_jax.decoding.driver import Decoder, loop_for, padded_rows, start_batch
 from refusion_jax.decoding.mesh import loop_shardings
-from refusion_jax.decoding.refusion import REFUSION, ReFusionKnobs, ReFusionSettings, picks_rows
+from refusion_jax.decoding.refusion import REFUSION, ReFusionKnobs, ReFusionSettings, pick_rows_on
 from refusion_jax.model import flops
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import abstract_model, inference_config, init_model
@@ -154,7 +154,7 @@ def decode_report(
   knobs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), knobs)
   ev = config.eval
   settings = ReFusionSettings(
-    ev.gen_length, ev.slot_size, ev.serial_blocks, sample=False, pick_rows=picks_rows(mesh, rules)
+    ev.gen_length, ev.slot_size, ev.serial_blocks, sample=False, pick_rows=pick_rows_on(mesh, rules)
   )
   decoder = Decoder(REFUSION, settings, knobs, model_config.eos_token_id)
   rows, ways = padded_rows(batch, mesh, rules), sharding.batch_parallel_ways(mesh, rules)

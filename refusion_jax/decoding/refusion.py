@@ -25,7 +25,7 @@ after the row's cache entries in compact order, and a commit, always a prefix
 of the active tokens, makes that many of them valid
 (`refusion_jax.model.cache.stage` / `commit`).
 
-Rows advance independently. The decoder is the `REFUSION` `driver.Method`,
+Rows advance independently. The decoder is the `REFUSION` `contract.Method`,
 run by `refusion_jax.decoding.driver.run_decoder`: with `batch_size`, a
 finished row takes the next queued prompt (`refusion_jax.decoding.batching`),
 continuous batching, each prompt decoded exactly as it would be alone.
@@ -34,6 +34,7 @@ continuous batching, each prompt decoded exactly as it would be alone.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 
 import flax.struct
@@ -41,9 +42,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from refusion_jax.decoding.batching import DecodeOutputs, count_width, host_zeros, put_cache_row, put_row
+from refusion_jax.decoding.batching import DecodeOutputs, count_width, host_zeros, put_row
 from refusion_jax.decoding.checks import check_refusion_knobs
-from refusion_jax.decoding.driver import Decoder, Method, run_decoder
+from refusion_jax.decoding.contract import Method
+from refusion_jax.decoding.driver import Decoder, run_decoder
 from refusion_jax.decoding.prompts import prefill
 from refusion_jax.decoding.result import (
   PHASE_INFILL,
@@ -62,7 +64,7 @@ from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer
 from refusion_jax.parallel.sharding import LOGICAL_AXIS_RULES, Rules, batch_parallel_ways
 
-__all__ = ["REFUSION", "ReFusionKnobs", "ReFusionSettings", "generate", "start_rows"]
+__all__ = ["REFUSION", "ReFusionKnobs", "ReFusionSettings", "generate", "pick_rows_on", "start_rows"]
 
 # Token budget of a width-fitted forward, in slots per row kept busy: each compiled (rows, width) shape
 # holds max(T, ROW_BUDGET_SLOTS × K × S) tokens (`_forward_shapes`). How it was chosen, with the numbers
@@ -85,7 +87,7 @@ class ReFusionSettings:
   # Forwards only as wide as the active slots (False: always the whole block, one compiled width).
   fit_width: bool = True
   # Narrow forwards of fewer rows than K (`_forward_shapes`); False where rows are split over devices
-  # (`picks_rows`).
+  # (`pick_rows_on`).
   pick_rows: bool = True
 
   @property
@@ -378,18 +380,6 @@ def _token_list(x: jax.Array, axis: int, size: int, fill: int = 0) -> jax.Array:
   return jnp.pad(merged, padding, constant_values=fill)
 
 
-def _cache_rows(cache: kv_cache.KVCache, rows: jax.Array | None) -> kv_cache.KVCache:
-  if rows is None:
-    return cache
-  return kv_cache.KVCache(
-    k=jnp.take(cache.k, rows, axis=1),
-    v=jnp.take(cache.v, rows, axis=1),
-    positions=cache.positions[rows],
-    valid=cache.valid[rows],
-    length=cache.length[rows],
-  )
-
-
 def _scheduled_forward(model: Transformer, state: _RowState, tokens, positions, sees, active, noise, live, settings):
   """One forward of the rows and columns that fit one compiled (rows, width) shape.
 
@@ -439,7 +429,7 @@ def _scheduled_forward(model: Transformer, state: _RowState, tokens, positions, 
       fed = _gather_columns(_take_rows(tokens, pick), columns, 1)
       block_sees = _gather_columns(_gather_columns(_take_rows(sees, pick), columns, 1), columns, 2)
       fed_positions = _gather_columns(_take_rows(positions, pick), columns, 1)
-      rows_cache = _cache_rows(cache, pick)
+      rows_cache = cache if pick is None else cache.take_rows(pick)
       logits, kv = model(fed, fed_positions, kv_cache.block_mask(rows_cache, block_sees), rows_cache)
       scores = _token_scores(
         logits, fed, None if noise is None else _gather_columns(_take_rows(noise, pick), columns, 1)
@@ -499,13 +489,13 @@ def _step(
   knobs: ReFusionKnobs,
   settings: ReFusionSettings,
   state: _RowState,
-  out,
-  widths,
-  live,
-  entry,
-  prompt,
-):
-  """One forward for all rows, then each live row advances by its stage (a `batching.Step`)."""
+  out: DecodeOutputs,
+  widths: jax.Array,
+  live: jax.Array,
+  entry: jax.Array,
+  prompt: jax.Array,
+) -> tuple[_RowState, DecodeOutputs, jax.Array, jax.Array]:
+  """One forward for all rows, then each live row advances by its stage (a `contract.Step`)."""
   S, T = settings.slot_size, settings.block_length
   stage = state.stage
   steps = out.steps.at[entry].get(mode="fill", fill_value=0)
@@ -565,18 +555,17 @@ def _admit(
   knobs: ReFusionKnobs,
   settings: ReFusionSettings,
   state: _RowState,
-  out,
-  row,
-  entry,
-  prompt,
-  tokens,
-  length,
-):
-  """Prefill the prompt of `entry` ([P] tokens, true length) into row `row` and reset its state (a `batching.Admit`)."""
+  out: DecodeOutputs,
+  row: jax.Array,
+  entry: jax.Array,
+  prompt: jax.Array,
+  tokens: jax.Array,
+  length: jax.Array,
+) -> tuple[_RowState, DecodeOutputs]:
+  """Prefill the prompt of `entry` ([P] tokens, true length) into row `row` and reset its state (a `contract.Admit`)."""
   del knobs, prompt  # the prefill draws nothing
   _, one = prefill(model, tokens[None], length[None], state.cache.capacity)
-  fresh = _fresh_rows(settings, 1).replace(prompt_length=length[None])
-  state = put_row(state.replace(cache=None), row, fresh).replace(cache=put_cache_row(state.cache, row, one))
+  state = put_row(state, row, _fresh_rows(settings, 1).replace(cache=one, prompt_length=length[None]))
   # The prompt prefill is a forward too; counting it keeps TPF comparable
   # with the AR baseline, whose prefill yields its first token.
   return state, out.replace(num_forwards=out.num_forwards.at[entry].set(1))
@@ -586,14 +575,17 @@ def _rows(settings: ReFusionSettings, config: ModelConfig, batch: int, capacity:
   return _fresh_rows(settings, batch).replace(cache=KVCache.create(config, batch, capacity))
 
 
-def start_rows(settings: ReFusionSettings, config: ModelConfig, batch: int, prompt_width: int):
-  """Idle rows (cache capacity = prompt bucket + G) and zero width counters (a `Method.start`)."""
+def start_rows(
+  settings: ReFusionSettings, config: ModelConfig, batch: int, prompt_width: int
+) -> tuple[_RowState, np.ndarray]:
+  """Idle rows (cache capacity = prompt bucket + G) and zero width counters (a `contract.StartRows`)."""
   rows = host_zeros(_rows, settings, config, batch, prompt_width + settings.gen_length)
   return rows, np.zeros((1 + len(STAGE_NAMES), settings.block_length + 1), np.int32)
 
 
-def picks_rows(mesh: jax.sharding.Mesh | None, rules: Rules = LOGICAL_AXIS_RULES) -> bool:
-  """Whether forwards may take a subset of the rows on `mesh`: not where rows are split over devices.
+def pick_rows_on(mesh: jax.sharding.Mesh | None, rules: Rules = LOGICAL_AXIS_RULES) -> bool:
+  """`ReFusionSettings.pick_rows` for `mesh`: whether forwards may take a subset of the rows, which they may
+  not where rows are split over devices.
 
   There a pick gathers rows across devices in every forward, and XLA's TPU compiler (libtpu 0.0.42)
   aborts on the gather (a failed check in its all-gather / dynamic-slice cancellation).
@@ -666,9 +658,21 @@ def generate(
     eos_id=jnp.int32(checked.eos_id),
   )
   settings = ReFusionSettings(
-    gen_length, slot_size, serial_blocks, checked.temperature > 0, fit_width=fit_width, pick_rows=picks_rows(mesh)
+    gen_length, slot_size, serial_blocks, checked.temperature > 0, fit_width=fit_width, pick_rows=pick_rows_on(mesh)
   )
   decoder = Decoder(REFUSION, settings, knobs, checked.eos_id)
   return run_decoder(
     model, prompt_ids, decoder, pad_id=pad_id, mesh=mesh, batch_size=batch_size, chunk_iterations=chunk_iterations
   )
+
+
+def __getattr__(name: str):
+  if name == "picks_rows":
+    warnings.warn(
+      "refusion_jax.decoding.refusion.picks_rows is renamed pick_rows_on (it gives ReFusionSettings.pick_rows); "
+      "picks_rows will be removed.",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    return pick_rows_on
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
