@@ -14,7 +14,7 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refusion_jax.decoding import ar, mdm, refusion
+from refusion_jax.decoding import ar, mdm, refusion, scheduler
 from refusion_jax.decoding.compilations import compilations
 from refusion_jax.decoding.driver import compile_count
 from refusion_jax.decoding.result import STAGE_NAMES
@@ -211,14 +211,14 @@ def test_row_picks_are_a_stable_descending_sort(priority, data):
   count = data.draw(st.integers(1, len(priority)))
   priority = np.asarray(priority, np.int32)
   want = np.argsort(-priority, kind="stable")[:count]
-  np.testing.assert_array_equal(jax.jit(refusion._leading, static_argnums=1)(priority, count), want)
+  np.testing.assert_array_equal(jax.jit(scheduler._leading, static_argnums=1)(priority, count), want)
 
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.lists(st.booleans(), min_size=8, max_size=8), min_size=1, max_size=4))
 def test_compact_order_is_the_stable_partition_and_its_inverse(active):
   active = np.asarray(active)
-  order, back = jax.jit(refusion._compact_order)(active)
+  order, back = jax.jit(scheduler._compact_order)(active)
   np.testing.assert_array_equal(order, np.argsort(~active, axis=-1, kind="stable"))
   np.testing.assert_array_equal(
     np.take_along_axis(np.asarray(back), np.asarray(order), -1), np.broadcast_to(np.arange(8), active.shape)
