@@ -101,7 +101,7 @@ class Loop:
   def shardings(self, params: Any, batch: LoopState) -> tuple[Any, LoopState, Any, Any]:
     """The shardings of (params, batch, max_iterations, knobs); `params` and `batch` may be abstract."""
     if self.placement is None:
-      device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+      device = jax.sharding.SingleDeviceSharding(_default_device())
       return device, device, device, device
     mesh, rules = self.placement.mesh, self.placement.rules
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -109,13 +109,23 @@ class Loop:
 
   def __call__(self, params: Any, batch: LoopState, max_iterations: Any, knobs: Any) -> LoopState:
     placed = jax.device_put((params, batch, max_iterations, knobs), self.shardings(params, batch))
-    return decode_loop(self.graphdef, *placed, program=self.program, placement=self.placement)
+    name = self.program[0].name
+    with tagged(_LOOP_TAG, f"{_LOOP_TAG}/{name}"):  # the loop's compiles, not those of placing its inputs
+      return decode_loop(self.graphdef, *placed, program=self.program, placement=self.placement)
 
   def lower(self, params: Any, batch: LoopState, max_iterations: Any, knobs: Any) -> jax.stages.Lowered:
     """The loop lowered for abstract inputs (`jax.ShapeDtypeStruct`s carrying their shardings)."""
     return decode_loop.lower(
       self.graphdef, params, batch, max_iterations, knobs, program=self.program, placement=self.placement
     )
+
+
+def _default_device() -> jax.Device:
+  """Where jitted work runs without a mesh: `jax.default_device` where set, else the first device."""
+  default = jax.config.jax_default_device
+  if isinstance(default, str):  # a platform name
+    return jax.devices(default)[0]
+  return default or jax.devices()[0]
 
 
 def compile_count(method: str | None = None) -> int:
@@ -252,9 +262,8 @@ def run_decoder(
   graphdef, params = nnx.split(model)
   loop = loop_for(decoder, graphdef, mesh)
   iterations = np.int32(chunk_iterations or np.iinfo(np.int32).max)
-  with tagged(_LOOP_TAG, f"{_LOOP_TAG}/{decoder.method.name}"):
-    while feed.left:
-      batch = feed.collect(loop(params, batch, iterations, decoder.knobs))
+  while feed.left:
+    batch = feed.collect(loop(params, batch, iterations, decoder.knobs))
   widths = jax.device_get(batch.widths)
   seconds = time.perf_counter() - start
   out = feed.results
