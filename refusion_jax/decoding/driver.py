@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -281,3 +282,22 @@ def run_decoder(
       name: {w: int(c) for w, c in enumerate(counts) if c} for name, counts in zip(decoder.method.width_names, widths)
     },
   )
+
+
+def loop_for_mesh(
+  decoder: Decoder,
+  graphdef: nnx.GraphDef,
+  params: Any,
+  batch: LoopState,
+  mesh: jax.sharding.Mesh,
+  rules=LOGICAL_AXIS_RULES,
+) -> Loop:
+  """Deprecated: `loop_for(decoder, graphdef, mesh, rules)` (the loop no longer needs `params` or `batch`)."""
+  del params, batch
+  warnings.warn(
+    "refusion_jax.decoding.driver.loop_for_mesh is deprecated: use loop_for(decoder, graphdef, mesh, rules); "
+    "loop_for_mesh will be removed.",
+    DeprecationWarning,
+    stacklevel=2,
+  )
+  return loop_for(decoder, graphdef, mesh, rules)

@@ -21,6 +21,7 @@ loop's output pinned to them (docs/method.md §5):
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import jax
@@ -93,3 +94,15 @@ def loop_shardings(batch: Any, mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES) ->
   counters replicated."""
   rules = normalize_rules(rules)
   return batch.shardings(functools.partial(row_shardings, mesh=mesh, rules=rules), NamedSharding(mesh, PartitionSpec()))
+
+
+def __getattr__(name: str) -> Any:
+  if name == "batch_shardings":
+    warnings.warn(
+      "refusion_jax.decoding.mesh.batch_shardings is renamed loop_shardings (parallel.sharding.batch_shardings "
+      "is the training batch's); batch_shardings will be removed.",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    return loop_shardings
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
