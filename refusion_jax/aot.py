@@ -38,9 +38,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import config_flags
 
 from refusion_jax.cli import report_errors
-from refusion_jax.decoding.driver import Decoder, loop_for_mesh, padded_rows, start_batch
-from refusion_jax.decoding.mesh import batch_shardings
-from refusion_jax.decoding.refusion import REFUSION, ReFusionKnobs, ReFusionSettings, picks_rows
+from refusion_jax.decoding.driver import Decoder, loop_for, padded_rows, start_batch
+from refusion_jax.decoding.mesh import loop_shardings
+from refusion_jax.decoding.refusion import REFUSION, ReFusionKnobs, ReFusionSettings, pick_rows_on
 from refusion_jax.model import flops
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import abstract_model, inference_config, init_model
@@ -154,13 +154,13 @@ def decode_report(
   knobs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), knobs)
   ev = config.eval
   settings = ReFusionSettings(
-    ev.gen_length, ev.slot_size, ev.serial_blocks, sample=False, pick_rows=picks_rows(mesh, rules)
+    ev.gen_length, ev.slot_size, ev.serial_blocks, sample=False, pick_rows=pick_rows_on(mesh, rules)
   )
   decoder = Decoder(REFUSION, settings, knobs, model_config.eos_token_id)
   rows, ways = padded_rows(batch, mesh, rules), sharding.batch_parallel_ways(mesh, rules)
   state = start_batch(decoder, model_config, rows, prompt_length)
-  loop = loop_for_mesh(decoder, graphdef, params, state, mesh, rules)
-  state = _abstract(state, batch_shardings(state, mesh, rules))
+  loop = loop_for(decoder, graphdef, mesh, rules)
+  state = _abstract(state, loop_shardings(state, mesh, rules))
   max_iterations = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
 
   padding = f" as {rows} rows (a multiple of {ways} batch-parallel devices)" if rows != batch else ""

@@ -467,7 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--sizes", default="tiny,small", help="comma-separated model presets (random weights).")
   p.add_argument("--batch", type=int, default=16, help="the large batch (batch 1 is always measured too).")
   p.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up; the median is reported.")
-  _add_refusion_flags(p, serial_blocks=defaults.REFUSION["serial_blocks"])
+  _add_refusion_flags(p, serial_blocks=defaults.REFUSION_KNOBS["serial_blocks"])
   p.add_argument("--mdm_block_length", type=int, help="MDM tokens per block (default min(32, gen_length)).")
   p.add_argument("--mdm_steps", type=int, help="MDM unmasking steps in all (default gen_length: one token per step).")
   p.add_argument("--sharpen", type=float, default=128.0, help="LM-head scale of the random models (1: plain init).")
@@ -500,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_refusion_flags(parser: argparse.ArgumentParser, serial_blocks: int) -> None:
   parser.add_argument("--gen_length", type=int, default=defaults.GEN_LENGTH, help="G, answer tokens at most.")
-  for name, value in dict(defaults.REFUSION, serial_blocks=serial_blocks).items():
+  for name, value in dict(defaults.REFUSION_KNOBS, serial_blocks=serial_blocks).items():
     parser.add_argument(f"--{name}", type=type(value), default=value, help="ReFusion decoding (docs/method.md §2).")
 
 

@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
   knobs = parser.add_argument_group("decoding")
   knobs.add_argument("--method", choices=sorted(METHODS), default="refusion")
-  refusion = defaults.REFUSION
+  refusion = defaults.REFUSION_KNOBS
   knobs.add_argument("--gen_length", type=int, default=defaults.GEN_LENGTH, help="G, answer tokens at most.")
   knobs.add_argument("--slot_size", type=int, default=refusion["slot_size"], help="refusion: S, tokens per slot.")
   knobs.add_argument(

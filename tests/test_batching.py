@@ -10,10 +10,12 @@ one bucket) so that they compile once each.
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refusion_jax.decoding import ar, mdm, refusion
+from refusion_jax.decoding import ar, mdm, refusion, scheduler
+from refusion_jax.decoding.compilations import compilations
 from refusion_jax.decoding.driver import compile_count
 from refusion_jax.decoding.result import STAGE_NAMES
 from refusion_jax.decoding.sampler import Sampler
@@ -128,16 +130,36 @@ def test_the_loop_runs_in_chunks_state_in_state_out_without_recompiling(method):
   assert compile_count(method) == before
 
 
+def test_compilations_counts_what_jax_builds_not_what_it_traces():
+  """A program compiled again for an argument's placement alone (no new trace) is counted too."""
+  double = jax.jit(lambda x: 2 * x)
+  host = np.arange(5.0, dtype=np.float32)
+  before = compilations()
+  double(host)
+  assert compilations() == before + 1
+  double(host + 1)
+  assert compilations() == before + 1
+  double(jax.device_put(host, jax.devices()[0]))  # committed where the first call's argument was not
+  assert compilations() == before + 2
+
+
 def test_one_compile_for_any_prompt_count_at_one_batch_size():
-  """The queue is fed from the host: 5, 16, 64 or 100 prompts of one bucket at K = 8 share one program."""
+  """The queue is fed from the host: 16, 64, 100 or 5 prompts of one bucket at K = 8 share one program, also on
+  the first call that refills the queue (the loop's inputs arrive placed alike on every call)."""
   model, prompts, eos, rng = random_setup(10, count=100)
+  # Weights committed to a device, as loaded checkpoints are: loop outputs come back committed too.
+  graphdef, params = nnx.split(model)
+  model = nnx.merge(graphdef, jax.device_put(params, jax.devices()[0]))
   # A slot layout no other test compiles at 8 rows, so the count below starts from zero.
   knobs = refusion_knobs(rng, eos_id=eos, gen_length=20, slot_size=5)
   singles = [refusion.generate(model, [p], **knobs) for p in prompts]
   before = compile_count("refusion")
-  for count in (5, 16, 64, 100):
-    assert_each_row_is_its_own_decode(refusion.generate(model, prompts[:count], **knobs, batch_size=8), singles[:count])
+  assert_each_row_is_its_own_decode(refusion.generate(model, prompts[:16], **knobs, batch_size=8), singles[:16])
   assert compile_count("refusion") == before + 1
+  every_compile = compilations()
+  for count in (64, 100, 5):
+    assert_each_row_is_its_own_decode(refusion.generate(model, prompts[:count], **knobs, batch_size=8), singles[:count])
+  assert compilations() == every_compile
 
 
 HAND_WIDTHS = {
@@ -189,14 +211,14 @@ def test_row_picks_are_a_stable_descending_sort(priority, data):
   count = data.draw(st.integers(1, len(priority)))
   priority = np.asarray(priority, np.int32)
   want = np.argsort(-priority, kind="stable")[:count]
-  np.testing.assert_array_equal(jax.jit(refusion._leading, static_argnums=1)(priority, count), want)
+  np.testing.assert_array_equal(jax.jit(scheduler._leading, static_argnums=1)(priority, count), want)
 
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.lists(st.booleans(), min_size=8, max_size=8), min_size=1, max_size=4))
 def test_compact_order_is_the_stable_partition_and_its_inverse(active):
   active = np.asarray(active)
-  order, back = jax.jit(refusion._compact_order)(active)
+  order, back = jax.jit(scheduler._compact_order)(active)
   np.testing.assert_array_equal(order, np.argsort(~active, axis=-1, kind="stable"))
   np.testing.assert_array_equal(
     np.take_along_axis(np.asarray(back), np.asarray(order), -1), np.broadcast_to(np.arange(8), active.shape)
@@ -228,3 +250,21 @@ def test_bad_batch_size_or_chunk_is_rejected(name, value):
   model, prompts, eos, rng = random_setup(9, count=2)
   with pytest.raises(ValueError, match=f"{name}=.* must be a positive integer"):
     refusion.generate(model, prompts, **refusion_knobs(rng, eos_id=eos), **{name: value})
+
+
+@pytest.mark.parametrize(
+  "module, old, new",
+  [
+    ("batching", "Batch", "LoopState"),
+    ("mdm", "MDMSchedule", "MDMSettings"),
+    ("defaults", "REFUSION", "REFUSION_KNOBS"),
+    ("refusion", "picks_rows", "pick_rows_on"),
+    ("mesh", "batch_shardings", "loop_shardings"),
+  ],
+)
+def test_renamed_decoding_names_still_work_with_a_warning_naming_the_new_one(module, old, new):
+  import importlib
+
+  decoding = importlib.import_module(f"refusion_jax.decoding.{module}")
+  with pytest.warns(DeprecationWarning, match=new):
+    assert getattr(decoding, old) is getattr(decoding, new)

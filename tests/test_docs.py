@@ -1,5 +1,7 @@
 """The README's module map names every module, config and launch script, and the public API it lists is the real one."""
 
+import ast
+import inspect
 import pathlib
 import re
 
@@ -52,3 +54,14 @@ def test_the_readme_calls_only_public_names():
   text = (ROOT / "README.md").read_text()
   called = set(re.findall(r"\brj\.(\w+)\(", text))
   assert called <= set(rj.__all__), sorted(called - set(rj.__all__))
+
+
+def test_architecture_quotes_the_decoder_contract_as_the_code_defines_it():
+  from refusion_jax.decoding import contract
+
+  defined = ast.parse(inspect.getsource(contract.Method)).body[0]
+  defined.body = [node for node in defined.body if not isinstance(node, ast.Expr)]  # the docstring
+  doc = (ROOT / "docs" / "architecture.md").read_text()
+  section = doc[doc.index("## 4.") : doc.index("## 5.")]
+  quoted = section[section.index("```python\n") + len("```python\n") :].split("```")[0]
+  assert ast.dump(ast.parse(quoted).body[0]) == ast.dump(defined), "docs/architecture.md §4 misquotes contract.Method"

@@ -63,7 +63,7 @@ def test_timed_decode_reruns_only_calls_that_compiled(monkeypatch, repeats):
   compiled = [0]
   calls = []
   now = [0.0]
-  monkeypatch.setattr(runner, "compile_count", lambda: compiled[0])
+  monkeypatch.setattr(runner, "compilations", lambda: compiled[0])
   monkeypatch.setattr(runner, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
 
   def call(compiles: bool):

@@ -19,6 +19,7 @@ _SHARDED_VS_SINGLE = textwrap.dedent("""
     from flax import nnx
     import refusion_jax as rj
     from refusion_jax.decoding import ar, mdm, refusion
+    from refusion_jax.decoding.driver import compile_count
     from refusion_jax.decoding.prompts import prefill
     from refusion_jax.decoding.mesh import place_params
     from refusion_jax.model.config import tiny
@@ -46,10 +47,15 @@ _SHARDED_VS_SINGLE = textwrap.dedent("""
 
     # ReFusion on every mesh; the baselines (same front end, same helpers) on the mixed one.
     runs = {"{}": {name: summary(fn(None)) for name, fn in decoders.items()}}
+    compiles = {}
     for shape, names in (({"data": 8}, ["refusion"]), ({"fsdp": 4, "tensor": 2}, ["refusion"]),
                          ({"data": 2, "fsdp": 2, "tensor": 2}, list(decoders))):
       mesh = rj.make_mesh(shape)
-      runs[json.dumps(shape)] = {name: summary(decoders[name](mesh)) for name in names}
+      runs[json.dumps(shape)] = {}
+      for name in names:
+        before = compile_count()
+        runs[json.dumps(shape)][name] = summary(decoders[name](mesh))
+        compiles[name] = compile_count() - before  # the last mesh's count
 
     # Where the parameters and the prefilled cache live on fsdp=4 x tensor=2.
     mesh = rj.make_mesh({"fsdp": 4, "tensor": 2})
@@ -60,7 +66,7 @@ _SHARDED_VS_SINGLE = textwrap.dedent("""
     prefilled = lambda p, t, l: prefill(nnx.merge(graphdef, p), t, l, 32)[1]
     cache = jax.jit(sharded_activations(prefilled, mesh))(params, tokens, jnp.full((8,), 16, jnp.int32))
     print(json.dumps(dict(
-      devices=len(jax.devices()), runs=runs,
+      devices=len(jax.devices()), runs=runs, compiles=compiles,
       q_proj=[list(q_proj.shape), list(q_proj.addressable_shards[0].data.shape)],
       cache_k=[list(cache.k.shape), list(cache.k.addressable_shards[0].data.shape)],
       cache_valid=[list(cache.valid.shape), list(cache.valid.addressable_shards[0].data.shape)])))
@@ -76,6 +82,8 @@ def test_sharded_decoding_matches_single_device():
     for name, result in results.items():
       assert result == single[name], (seed, mesh, name)
   assert single["refusion_chunked"] == single["refusion"]
+  # One compile per program on a mesh too, however many loop calls (chunks of 3 iterations) a run takes.
+  assert report["compiles"] == dict(refusion=1, refusion_chunked=1, ar=1, mdm=1)
   # embed over fsdp (4 ways), heads over tensor (2 ways); cache rows over fsdp, KV heads over tensor.
   (embed, heads, head_dim), shard = report["q_proj"]
   assert shard == [embed // 4, heads // 2, head_dim]

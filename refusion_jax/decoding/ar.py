@@ -1,8 +1,8 @@
 """The autoregressive baseline: plain next-token decoding with the KV cache, on ReFusion's backbone.
 
 One prompt prefill yields the first token, then one forward per further
-token. An `AR` `driver.Method`: batched and jitted end to end as one
-`lax.while_loop` over a `refusion_jax.decoding.batching.Batch` (so
+token. An `AR` `contract.Method`: batched and jitted end to end as one
+`lax.while_loop` over a `refusion_jax.decoding.batching.LoopState` (so
 `batch_size` gives continuous batching), run by
 `refusion_jax.decoding.driver.run_decoder`, whose `DecodeResult` records
 `PHASE_STEP` for every token.
@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from refusion_jax.decoding.batching import DecodeOutputs, count_width, host_zeros, put_cache_row, put_row
+from refusion_jax.decoding.batching import DecodeOutputs, count_width, host_zeros, put_row
 from refusion_jax.decoding.checks import check_temperature, optional_eos_id
-from refusion_jax.decoding.driver import Decoder, Method, run_decoder
+from refusion_jax.decoding.contract import Method
+from refusion_jax.decoding.driver import Decoder, run_decoder
 from refusion_jax.decoding.prompts import prefill
 from refusion_jax.decoding.result import PHASE_STEP, DecodeResult
 from refusion_jax.decoding.scoring import pick_tokens
@@ -31,15 +32,15 @@ from refusion_jax.model.transformer import Transformer
 
 @dataclasses.dataclass(frozen=True)
 class ARSettings:
-  """What fixes the compiled program: the answer length G and whether to sample."""
+  """What fixes the compiled program (a static, hashable jit argument): the answer length G, whether to sample."""
 
   gen_length: int
   sample: bool
 
 
 @flax.struct.dataclass
-class _Sampling:
-  """The traced knobs: Gumbel-max temperature and key, and the stop id."""
+class ARKnobs:
+  """Scalars that change nothing in the compiled program (traced): Gumbel-max temperature and key, the stop id."""
 
   key: jax.Array
   temperature: jax.Array
@@ -74,20 +75,40 @@ def _record(out: DecodeOutputs, entry: jax.Array, step: jax.Array, token: jax.Ar
   )
 
 
-def _admit(model: Transformer, knobs: _Sampling, settings: ARSettings, state, out, row, entry, prompt, tokens, length):
-  """Prefill the prompt of `entry` into row `row`; the prefill yields the first token (a `batching.Admit`)."""
+def _admit(
+  model: Transformer,
+  knobs: ARKnobs,
+  settings: ARSettings,
+  state: _RowState,
+  out: DecodeOutputs,
+  row: jax.Array,
+  entry: jax.Array,
+  prompt: jax.Array,
+  tokens: jax.Array,
+  length: jax.Array,
+) -> tuple[_RowState, DecodeOutputs]:
+  """Prefill the prompt of `entry` into row `row`; the prefill yields the first token (a `contract.Admit`)."""
   logits, one = prefill(model, tokens[None], length[None], state.cache.capacity)
   last = jax.lax.dynamic_slice_in_dim(logits, length - 1, 1, axis=1)
   first, _ = pick_tokens(last, knobs.key, prompt[None], jnp.zeros((1,), jnp.int32), knobs.temperature, settings.sample)
   first = first[:, 0]
   done = (first == knobs.eos_id) | (settings.gen_length == 1)
-  fresh = _RowState(cache=None, prompt_length=length[None], token=first, done=done)
-  state = put_row(state.replace(cache=None), row, fresh).replace(cache=put_cache_row(state.cache, row, one))
+  state = put_row(state, row, _RowState(cache=one, prompt_length=length[None], token=first, done=done))
   return state, _record(out, entry[None], jnp.zeros((1,), jnp.int32), first)
 
 
-def _step(model: Transformer, knobs: _Sampling, settings: ARSettings, state, out, widths, live, entry, prompt):
-  """Feed each unfinished row its last token (a `batching.Step`); a row with its answer finishes without one."""
+def _step(
+  model: Transformer,
+  knobs: ARKnobs,
+  settings: ARSettings,
+  state: _RowState,
+  out: DecodeOutputs,
+  widths: jax.Array,
+  live: jax.Array,
+  entry: jax.Array,
+  prompt: jax.Array,
+) -> tuple[_RowState, DecodeOutputs, jax.Array, jax.Array]:
+  """Feed each unfinished row its last token (a `contract.Step`); a row with its answer finishes without one."""
   working = live & ~state.done
   step = out.steps.at[entry].get(mode="fill", fill_value=0)  # answer tokens so far
   positions = (state.prompt_length + step - 1)[:, None]
@@ -108,12 +129,14 @@ def _rows(config: ModelConfig, batch: int, capacity: int) -> _RowState:
   return _RowState(cache=cache, prompt_length=zeros, token=zeros, done=jnp.zeros((batch,), bool))
 
 
-def _start(settings: ARSettings, config: ModelConfig, batch: int, prompt_width: int):
-  """Idle rows and a zero count of the width-1 forwards (a `Method.start`)."""
+def start_rows(
+  settings: ARSettings, config: ModelConfig, batch: int, prompt_width: int
+) -> tuple[_RowState, np.ndarray]:
+  """Idle rows and a zero count of the width-1 forwards (a `contract.StartRows`)."""
   return host_zeros(_rows, config, batch, prompt_width + settings.gen_length), np.zeros((1, 2), np.int32)
 
 
-AR = Method("ar", _start, _admit, _step)
+AR = Method("ar", start_rows, _admit, _step)
 
 
 def ar_generate(
@@ -150,7 +173,7 @@ def ar_generate(
   """
   temperature = check_temperature(temperature)
   eos = optional_eos_id(eos_id, model.config)
-  knobs = _Sampling(key=jax.random.key(seed), temperature=jnp.float32(temperature), eos_id=jnp.int32(eos))
+  knobs = ARKnobs(key=jax.random.key(seed), temperature=jnp.float32(temperature), eos_id=jnp.int32(eos))
   decoder = Decoder(AR, ARSettings(gen_length, sample=temperature > 0), knobs, eos)
   return run_decoder(
     model, prompt_ids, decoder, pad_id=pad_id, mesh=mesh, batch_size=batch_size, chunk_iterations=chunk_iterations

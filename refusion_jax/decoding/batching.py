@@ -1,6 +1,6 @@
 """Continuous batching inside the compiled decode loop: K rows kept busy over a queue of prompts.
 
-Every jitted decoder (ReFusion, AR, MDM) carries a `Batch`: K *rows*, each
+Every jitted decoder (ReFusion, AR, MDM) carries a `LoopState`: K *rows*, each
 decoding one prompt, and a queue of Q = `queue_entries(K)` *entries*, each
 holding a prompt and its outputs. Each loop iteration first admits waiting
 prompts into idle rows, in input order (the decoder's `admit`: a prefill into
@@ -11,7 +11,7 @@ prompt gets its B = 1 decode whatever row decodes it and whenever.
 
 The queue is not the list of prompts: the host feeds it (`run_decoder`). The
 loop returns when a row turns idle with no prompt waiting while the host
-holds more (`Batch.more`), after `max_iterations` iterations, or when all is
+holds more (`LoopState.more`), after `max_iterations` iterations, or when all is
 done; the host then reads back the finished entries, refills them with the
 next prompts and calls again. So the compiled shapes (K rows, Q entries, the
 prompt bucket) do not depend on how many prompts a call decodes, and a server
@@ -23,8 +23,9 @@ batch-parallel axes.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.struct
 import jax
@@ -34,6 +35,10 @@ import numpy as np
 from refusion_jax.decoding.mesh import constrain_rows
 from refusion_jax.decoding.result import PHASE_NONE
 from refusion_jax.model.cache import KVCache
+
+if TYPE_CHECKING:
+  from refusion_jax.decoding.contract import Method, Settings
+  from refusion_jax.model.transformer import Transformer
 
 # The queue holds at least this many entries, and at least two per row: the host refills it about once
 # per Q - K prompts decoded, so a few rows do not hand back to the host after every prompt or two.
@@ -71,7 +76,7 @@ class DecodeOutputs:
 
 
 @flax.struct.dataclass
-class Batch:
+class LoopState:
   """The state a decode loop carries, and returns after each call.
 
   rows:          the decoder's per-row state (leading axis K; a `KVCache` in it has K on axis 1)
@@ -99,7 +104,7 @@ class Batch:
   widths: jax.Array
 
   @classmethod
-  def create(cls, rows: Any, widths: np.ndarray, prompt_width: int, gen_length: int) -> Batch:
+  def create(cls, rows: Any, widths: np.ndarray, prompt_width: int, gen_length: int) -> LoopState:
     """K idle rows (K = the rows' leading size) before an empty queue of `queue_entries(K)` entries."""
     batch = jax.tree.leaves(rows)[-1].shape[0]
     entries = queue_entries(batch)
@@ -116,8 +121,8 @@ class Batch:
       widths=widths,
     )
 
-  def shardings(self, rows: Callable[[Any], Any], replicated: Any) -> Batch:
-    """The Batch's shardings on a mesh: `rows(tree)` for the rows, queue and outputs, the rest replicated."""
+  def shardings(self, rows: Callable[[Any], Any], replicated: Any) -> LoopState:
+    """The LoopState's shardings on a mesh: `rows(tree)` for the rows, queue and outputs, the rest replicated."""
     return self.replace(
       rows=rows(self.rows),
       entry=rows(self.entry),
@@ -132,31 +137,27 @@ class Batch:
     )
 
 
-# admit(rows, out, row, entry, prompt, tokens [P], length) -> (rows, out): start the prompt of queue entry `entry`
-# (input index `prompt`) in row `row`.
-Admit = Callable[[Any, DecodeOutputs, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], tuple[Any, DecodeOutputs]]
-# step(rows, out, widths, live [K], entry [K], prompt [K]) -> (rows, out, widths, finished [K]); entry = Q on idle rows.
-Step = Callable[
-  [Any, DecodeOutputs, jax.Array, jax.Array, jax.Array, jax.Array], tuple[Any, DecodeOutputs, jax.Array, jax.Array]
-]
-
-
-def run_rows(batch: Batch, max_iterations: jax.Array, admit: Admit, step: Step) -> Batch:
+def run_rows(
+  batch: LoopState, max_iterations: jax.Array, method: Method, model: Transformer, knobs: Any, settings: Settings
+) -> LoopState:
   """Admit and step until nothing is left to do, the host must refill the queue, or `max_iterations` steps ran.
 
-  Call under `jax.jit`.
+  `method`'s admit and step get `model`, the traced `knobs` and the static `settings` first
+  (`contract.Admit`, `contract.Step`). Call under `jax.jit`.
   """
   entries = batch.waiting.shape[0]
 
-  def can_admit(b: Batch) -> jax.Array:
+  def can_admit(b: LoopState) -> jax.Array:
     return jnp.any(~b.busy) & jnp.any(b.waiting)
 
-  def admit_next(b: Batch) -> Batch:
+  def admit_next(b: LoopState) -> LoopState:
     # The first idle row takes the waiting prompt that comes first in the input.
     row = jnp.argmin(b.busy)
     entry = jnp.argmin(jnp.where(b.waiting, b.queue_prompt, jnp.iinfo(jnp.int32).max))
     prompt = b.queue_prompt[entry]
-    rows, out = admit(b.rows, b.out, row, entry, prompt, b.queue_tokens[entry], b.queue_lengths[entry])
+    rows, out = method.admit(
+      model, knobs, settings, b.rows, b.out, row, entry, prompt, b.queue_tokens[entry], b.queue_lengths[entry]
+    )
     return b.replace(
       rows=rows,
       out=out,
@@ -165,19 +166,20 @@ def run_rows(batch: Batch, max_iterations: jax.Array, admit: Admit, step: Step) 
       waiting=b.waiting.at[entry].set(False),
     )
 
-  def body(carry: tuple[Batch, jax.Array]) -> tuple[Batch, jax.Array]:
+  def body(carry: tuple[LoopState, jax.Array]) -> tuple[LoopState, jax.Array]:
     b, iteration = carry
     b = jax.lax.while_loop(can_admit, admit_next, b)
     entry = jnp.where(b.busy, b.entry, entries)
-    rows, out, widths, finished = step(b.rows, b.out, b.widths, b.busy, entry, b.queue_prompt[b.entry])
+    prompt = b.queue_prompt[b.entry]
+    rows, out, widths, finished = method.step(model, knobs, settings, b.rows, b.out, b.widths, b.busy, entry, prompt)
     return b.replace(rows=rows, out=out, widths=widths, busy=b.busy & ~finished), iteration + 1
 
-  def cond(carry: tuple[Batch, jax.Array]) -> jax.Array:
+  def cond(carry: tuple[LoopState, jax.Array]) -> jax.Array:
     b, iteration = carry
     starved = b.more & jnp.any(~b.busy) & ~jnp.any(b.waiting)
     return (jnp.any(b.busy) | can_admit(b)) & ~starved & (iteration < max_iterations)
 
-  def pin(carry: tuple[Batch, jax.Array]) -> tuple[Batch, jax.Array]:
+  def pin(carry: tuple[LoopState, jax.Array]) -> tuple[LoopState, jax.Array]:
     # On a mesh the rows and the outputs keep their row sharding in every iteration (not left to propagation).
     b, iteration = carry
     return b.replace(rows=constrain_rows(b.rows), out=constrain_rows(b.out)), iteration
@@ -187,20 +189,14 @@ def run_rows(batch: Batch, max_iterations: jax.Array, admit: Admit, step: Step) 
 
 
 def put_row(full: Any, row: jax.Array, one: Any) -> Any:
-  """`full` (leading axis K) with entry `row` replaced by the leading-size-1 `one` (same tree)."""
-  return jax.tree.map(lambda f, o: jax.lax.dynamic_update_slice_in_dim(f, o.astype(f.dtype), row, axis=0), full, one)
+  """`full` (leading axis K; a `KVCache`'s batch axis) with entry `row` replaced by the size-1 `one` (same tree)."""
 
+  def put(f, o):
+    if isinstance(f, KVCache):
+      return f.put_rows(row, o)
+    return jax.lax.dynamic_update_slice_in_dim(f, o.astype(f.dtype), row, axis=0)
 
-def put_cache_row(cache: KVCache, row: jax.Array, one: KVCache) -> KVCache:
-  """`cache` with row `row` replaced by the batch-1 cache `one` (keys and values hold the batch on axis 1)."""
-  put = lambda f, o, axis: jax.lax.dynamic_update_slice_in_dim(f, o, row, axis=axis)
-  return cache.replace(
-    k=put(cache.k, one.k, 1),
-    v=put(cache.v, one.v, 1),
-    positions=put(cache.positions, one.positions, 0),
-    valid=put(cache.valid, one.valid, 0),
-    length=put(cache.length, one.length, 0),
-  )
+  return jax.tree.map(put, full, one, is_leaf=lambda x: isinstance(x, KVCache))
 
 
 def count_width(widths: jax.Array, width: jax.Array | int, counts: jax.Array) -> jax.Array:
@@ -217,3 +213,15 @@ def host_zeros(build: Callable[..., Any], *args: Any) -> Any:
   """The pytree `build(*args)` would return, as numpy zeros: no device work, and its shapes are traced
   once per distinct (hashable) `build` and `args`, since starting a batch is on every decode call's path."""
   return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), _shapes(build, *args))
+
+
+def __getattr__(name: str) -> Any:
+  if name == "Batch":
+    warnings.warn(
+      "refusion_jax.decoding.batching.Batch is renamed LoopState (the word Batch is the training batch elsewhere); "
+      "Batch will be removed.",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    return LoopState
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

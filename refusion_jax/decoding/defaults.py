@@ -7,9 +7,11 @@ when it is shorter).
 
 from __future__ import annotations
 
+import warnings
+
 GEN_LENGTH = 64
 # ReFusion (docs/method.md §2): slot size S, serial blocks NB and the two thresholds.
-REFUSION = dict(slot_size=4, serial_blocks=1, slot_threshold=0.9, token_threshold=0.9)
+REFUSION_KNOBS = dict(slot_size=4, serial_blocks=1, slot_threshold=0.9, token_threshold=0.9)
 MDM_BLOCK_LENGTH = 32
 
 
@@ -26,7 +28,19 @@ def mdm_steps(gen_length: int) -> int:
 def method_defaults(method: str, gen_length: int = GEN_LENGTH) -> dict:
   """Every knob a method's decoder needs that has a default, for an answer of `gen_length` tokens."""
   if method == "refusion":
-    return dict(gen_length=gen_length, **REFUSION)
+    return dict(gen_length=gen_length, **REFUSION_KNOBS)
   if method == "mdm":
     return dict(gen_length=gen_length, block_length=mdm_block_length(gen_length), steps=mdm_steps(gen_length))
   return dict(gen_length=gen_length)
+
+
+def __getattr__(name: str):
+  if name == "REFUSION":
+    warnings.warn(
+      "refusion_jax.decoding.defaults.REFUSION is renamed REFUSION_KNOBS (refusion.REFUSION is the decoding "
+      "Method); REFUSION will be removed.",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    return REFUSION_KNOBS
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

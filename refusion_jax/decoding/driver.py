@@ -1,8 +1,8 @@
-"""The host side of every jitted decoder: the method contract, the one compiled loop, and the driver around it.
+"""The host side of every jitted decoder: the one compiled loop, and the driver around it.
 
-A decoding method (ReFusion, AR, MDM) is a `Method`: how to start idle rows,
-how to admit a prompt into a row, how to step every row. `decode_loop` is the
-one jitted loop that runs any of them over a `batching.Batch`, counted by
+A decoding method (ReFusion, AR, MDM) is a `contract.Method`: how to start
+idle rows, how to admit a prompt into a row, how to step every row. `decode_loop` is the
+one jitted loop that runs any of them over a `batching.LoopState`, counted by
 `compile_count`; `run_decoder` is the one front end every `*_generate` ends
 in: check, pad into a prompt bucket, feed the queue from the host in chunks,
 read the answers back (docs/method.md §3.3, §3.4).
@@ -10,48 +10,28 @@ read the answers back (docs/method.md §3.3, §3.4).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import functools
 import time
-from collections.abc import Callable, Hashable, Sequence
+import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
-from refusion_jax.decoding.batching import Batch, DecodeOutputs, run_rows
+from refusion_jax.decoding.batching import DecodeOutputs, LoopState, run_rows
 from refusion_jax.decoding.checks import check_positive, check_prompts, check_special_id, decoder_special_tokens
-from refusion_jax.decoding.mesh import loop_on_mesh, place_params
+from refusion_jax.decoding.compilations import compilations, tagged
+from refusion_jax.decoding.contract import Method, Settings
+from refusion_jax.decoding.mesh import loop_shardings
 from refusion_jax.decoding.prompts import pad_prompts
 from refusion_jax.decoding.result import PHASE_NONE, DecodeResult
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer, inference_view
-from refusion_jax.parallel.sharding import LOGICAL_AXIS_RULES, batch_parallel_ways
-
-
-@dataclasses.dataclass(frozen=True)
-class Method:
-  """A decoding method as the batching loop runs it: the contract every jitted decoder implements.
-
-  Each callable takes the method's static `settings` (hashable; `gen_length` among them) first, and
-  admit / step take the model and the traced knobs before it.
-
-  Attributes:
-    name: what `compile_count` counts its compilations under.
-    start: (settings, model config, rows K, prompt width P) -> (the idle per-row state, its
-      `Batch.widths` counters [len(width_names), largest width + 1]), all host zeros (`batching.host_zeros`).
-    admit: (model, knobs, settings, *`batching.Admit` arguments) -> (rows, out).
-    step: (model, knobs, settings, *`batching.Step` arguments) -> (rows, out, widths, finished).
-    width_names: the names of the `Batch.widths` rows ("forward" first).
-  """
-
-  name: str
-  start: Callable[..., tuple[Any, np.ndarray]]
-  admit: Callable[..., tuple[Any, DecodeOutputs]]
-  step: Callable[..., tuple[Any, DecodeOutputs, jax.Array, jax.Array]]
-  width_names: tuple[str, ...] = ("forward",)
+from refusion_jax.parallel.activations import activation_sharding, normalize_rules
+from refusion_jax.parallel.sharding import LOGICAL_AXIS_RULES, Rules, batch_parallel_ways, state_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,36 +46,96 @@ class Decoder:
   """
 
   method: Method
-  settings: Hashable
+  settings: Settings
   knobs: Any
   eos_id: int
 
 
-_COMPILATIONS: collections.Counter[str] = collections.Counter()
-
-
-def _decode_rows(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, max_iterations, knobs, program) -> Batch:
-  """Run `program` = (method, settings) over `batch` (the body of every compiled decode loop)."""
+def _decode_rows(
+  graphdef: nnx.GraphDef,
+  params: nnx.State,
+  batch: LoopState,
+  max_iterations: jax.Array,
+  knobs: Any,
+  program: tuple[Method, Settings],
+  placement: Placement | None,
+) -> LoopState:
+  """Run `program` = (method, settings) over `batch` (the body of every compiled decode loop); on a mesh
+  (`placement`) the forwards carry their activation constraints and the batch leaves with its shardings."""
   method, settings = program
-  # The body runs only when JAX traces it, so this counts compilations without JAX's private cache API.
-  _COMPILATIONS[method.name] += 1
   model = nnx.merge(graphdef, params)
-  admit = functools.partial(method.admit, model, knobs, settings)
-  step = functools.partial(method.step, model, knobs, settings)
-  return run_rows(batch, max_iterations, admit, step)
+  if placement is None:
+    return run_rows(batch, max_iterations, method, model, knobs, settings)
+  with activation_sharding(placement.mesh, placement.rules):
+    batch = run_rows(batch, max_iterations, method, model, knobs, settings)
+  return jax.lax.with_sharding_constraint(batch, loop_shardings(batch, placement.mesh, placement.rules))
 
 
-# decode_loop(graphdef, params, batch, max_iterations, knobs, program=(method, settings)) -> the Batch after
-# up to max_iterations iterations. Weights, the batch, the iteration count and the knobs are traced: only the
-# graph, the program and the shapes (rows, queue entries, prompt bucket) compile anew.
-decode_loop = jax.jit(_decode_rows, static_argnames=("graphdef", "program"))
+# decode_loop(graphdef, params, batch, max_iterations, knobs, program=(method, settings), placement) -> the LoopState
+# after up to max_iterations iterations. Weights, the batch, the iteration count and the knobs are traced: only the
+# graph, the program, the placement, the shapes (rows, queue entries, prompt bucket) and the inputs' shardings
+# compile anew, so `Loop` hands every input over placed the same way on every call.
+decode_loop = jax.jit(_decode_rows, static_argnames=("graphdef", "program", "placement"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where a decode loop runs: on `mesh`, split by the logical-axis `rules` (`refusion_jax.decoding.mesh`)."""
+
+  mesh: jax.sharding.Mesh
+  rules: Rules
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+  """`decode_loop` for one program and placement, as a function (params, batch, max_iterations, knobs) -> LoopState.
+
+  Every call places every input explicitly first: on a mesh by the shardings of `refusion_jax.decoding.mesh`,
+  else on the default device. So the compiled program sees the same input shardings on the first call
+  (host arrays) and on a refill (the previous call's device arrays), and compiles once.
+  """
+
+  graphdef: nnx.GraphDef
+  program: tuple[Method, Settings]
+  placement: Placement | None = None
+
+  def shardings(self, params: Any, batch: LoopState) -> tuple[Any, LoopState, Any, Any]:
+    """The shardings of (params, batch, max_iterations, knobs); `params` and `batch` may be abstract."""
+    if self.placement is None:
+      device = jax.sharding.SingleDeviceSharding(_default_device())
+      return device, device, device, device
+    mesh, rules = self.placement.mesh, self.placement.rules
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return state_shardings(params, mesh, rules), loop_shardings(batch, mesh, rules), replicated, replicated
+
+  def __call__(self, params: Any, batch: LoopState, max_iterations: Any, knobs: Any) -> LoopState:
+    placed = jax.device_put((params, batch, max_iterations, knobs), self.shardings(params, batch))
+    name = self.program[0].name
+    with tagged(_LOOP_TAG, f"{_LOOP_TAG}/{name}"):  # the loop's compiles, not those of placing its inputs
+      return decode_loop(self.graphdef, *placed, program=self.program, placement=self.placement)
+
+  def lower(self, params: Any, batch: LoopState, max_iterations: Any, knobs: Any) -> jax.stages.Lowered:
+    """The loop lowered for abstract inputs (`jax.ShapeDtypeStruct`s carrying their shardings)."""
+    return decode_loop.lower(
+      self.graphdef, params, batch, max_iterations, knobs, program=self.program, placement=self.placement
+    )
+
+
+def _default_device() -> jax.Device:
+  """Where jitted work runs without a mesh: `jax.default_device` where set, else the first device."""
+  default = jax.config.jax_default_device
+  if isinstance(default, str):  # a platform name
+    return jax.devices(default)[0]
+  return default or jax.devices()[0]
 
 
 def compile_count(method: str | None = None) -> int:
-  """Compilations of the decode loop for one method (`Method.name`: "refusion", "ar", "mdm"), or of all."""
-  if method is None:
-    return sum(_COMPILATIONS.values())
-  return _COMPILATIONS[method]
+  """XLA compilations of the decode loop for one method (`Method.name`: "refusion", "ar", "mdm"), or of all
+  its calls, as JAX reports them (`refusion_jax.decoding.compilations`)."""
+  return compilations(_LOOP_TAG if method is None else f"{_LOOP_TAG}/{method}")
+
+
+_LOOP_TAG = "decode_loop"
 
 
 def padded_rows(rows: int, mesh: jax.sharding.Mesh | None, rules=LOGICAL_AXIS_RULES) -> int:
@@ -104,24 +144,24 @@ def padded_rows(rows: int, mesh: jax.sharding.Mesh | None, rules=LOGICAL_AXIS_RU
   return -(-rows // ways) * ways
 
 
-def loop_for_mesh(
-  decoder: Decoder, graphdef: nnx.GraphDef, params: Any, batch: Batch, mesh: jax.sharding.Mesh, rules=LOGICAL_AXIS_RULES
-) -> Callable:
-  """`decoder`'s compiled loop on `mesh`, as `run_decoder(..., mesh=)` runs it (`mesh.loop_on_mesh`): a function
-  of (params, batch, max_iterations, knobs) -> Batch. `params` and `batch` may be abstract."""
-  return loop_on_mesh(_decode_rows, (decoder.method, decoder.settings), graphdef, params, batch, mesh, rules)
+def loop_for(
+  decoder: Decoder, graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh | None = None, rules=LOGICAL_AXIS_RULES
+) -> Loop:
+  """`decoder`'s compiled loop, on `mesh` or the default device, as `run_decoder` runs it."""
+  placement = None if mesh is None else Placement(mesh, normalize_rules(rules))
+  return Loop(graphdef, (decoder.method, decoder.settings), placement)
 
 
-def start_batch(decoder: Decoder, config: ModelConfig, rows: int, prompt_width: int) -> Batch:
+def start_batch(decoder: Decoder, config: ModelConfig, rows: int, prompt_width: int) -> LoopState:
   """K = `rows` idle rows before an empty queue, for prompts padded to `prompt_width` (host arrays only)."""
-  row_state, widths = decoder.method.start(decoder.settings, config, rows, prompt_width)
-  return Batch.create(row_state, widths, prompt_width, decoder.settings.gen_length)
+  row_state, widths = decoder.method.start_rows(decoder.settings, config, rows, prompt_width)
+  return LoopState.create(row_state, widths, prompt_width, decoder.settings.gen_length)
 
 
 class _Feed:
   """The host's side of the queue: which prompt each entry holds, the next prompt, the outputs read back."""
 
-  def __init__(self, tokens: np.ndarray, lengths: np.ndarray, batch: Batch):
+  def __init__(self, tokens: np.ndarray, lengths: np.ndarray, batch: LoopState):
     self.tokens, self.lengths = tokens, lengths
     self.queue_tokens = np.array(batch.queue_tokens)
     self.queue_lengths = np.array(batch.queue_lengths)
@@ -132,7 +172,7 @@ class _Feed:
     self.results = DecodeOutputs.empty(len(tokens), gen_length)
     self.left = len(tokens)  # prompts whose outputs are not read back yet
 
-  def refill(self, batch: Batch, waiting: np.ndarray, out: DecodeOutputs) -> Batch:
+  def refill(self, batch: LoopState, waiting: np.ndarray, out: DecodeOutputs) -> LoopState:
     """`batch` with its free entries holding the next prompts (waiting, outputs reset)."""
     free = np.flatnonzero(self.held < 0)[: len(self.tokens) - self.queued]
     prompts = np.arange(self.queued, self.queued + len(free))
@@ -162,7 +202,7 @@ class _Feed:
       out=jax.tree.map(reset, out, empty),
     )
 
-  def collect(self, batch: Batch) -> Batch:
+  def collect(self, batch: LoopState) -> LoopState:
     """Read back the entries whose prompt finished, then refill them (`batch` after a loop call)."""
     busy, entry, waiting, out = jax.device_get((batch.busy, batch.entry, batch.waiting, batch.out))
     decoding = np.zeros(self.held.shape, bool)
@@ -221,14 +261,10 @@ def run_decoder(
   feed = _Feed(tokens, lengths, batch)
   batch = feed.refill(batch, batch.waiting, batch.out)
   graphdef, params = nnx.split(model)
-  if mesh is None:
-    call = functools.partial(decode_loop, graphdef, program=(decoder.method, decoder.settings))
-  else:
-    params = place_params(params, mesh)
-    call = loop_for_mesh(decoder, graphdef, params, batch, mesh)
+  loop = loop_for(decoder, graphdef, mesh)
   iterations = np.int32(chunk_iterations or np.iinfo(np.int32).max)
   while feed.left:
-    batch = feed.collect(call(params, batch, iterations, decoder.knobs))
+    batch = feed.collect(loop(params, batch, iterations, decoder.knobs))
   widths = jax.device_get(batch.widths)
   seconds = time.perf_counter() - start
   out = feed.results
@@ -246,3 +282,22 @@ def run_decoder(
       name: {w: int(c) for w, c in enumerate(counts) if c} for name, counts in zip(decoder.method.width_names, widths)
     },
   )
+
+
+def loop_for_mesh(
+  decoder: Decoder,
+  graphdef: nnx.GraphDef,
+  params: Any,
+  batch: LoopState,
+  mesh: jax.sharding.Mesh,
+  rules=LOGICAL_AXIS_RULES,
+) -> Loop:
+  """Deprecated: `loop_for(decoder, graphdef, mesh, rules)` (the loop no longer needs `params` or `batch`)."""
+  del params, batch
+  warnings.warn(
+    "refusion_jax.decoding.driver.loop_for_mesh is deprecated: use loop_for(decoder, graphdef, mesh, rules); "
+    "loop_for_mesh will be removed.",
+    DeprecationWarning,
+    stacklevel=2,
+  )
+  return loop_for(decoder, graphdef, mesh, rules)

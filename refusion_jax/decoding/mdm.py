@@ -3,8 +3,8 @@
 No cache: every step is one bidirectional forward over prompt + answer. The
 answer is decoded in semi-autoregressive blocks, and per step the most
 confident masked tokens of the current block are unmasked (LLaDA's
-`generate.py`). An `MDM` `driver.Method`: batched and jitted end to end as one
-`lax.while_loop` over a `refusion_jax.decoding.batching.Batch` (so
+`generate.py`). An `MDM` `contract.Method`: batched and jitted end to end as one
+`lax.while_loop` over a `refusion_jax.decoding.batching.LoopState` (so
 `batch_size` gives continuous batching), run by
 `refusion_jax.decoding.driver.run_decoder`, whose `DecodeResult` records
 `PHASE_STEP` for every token.
@@ -13,6 +13,7 @@ confident masked tokens of the current block are unmasked (LLaDA's
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 
 import flax.struct
@@ -20,9 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from refusion_jax.decoding.batching import count_width, put_row
+from refusion_jax.decoding.batching import DecodeOutputs, count_width, put_row
 from refusion_jax.decoding.checks import check_special_id, check_temperature, decoder_special_tokens, optional_eos_id
-from refusion_jax.decoding.driver import Decoder, Method, run_decoder
+from refusion_jax.decoding.contract import Method
+from refusion_jax.decoding.driver import Decoder, run_decoder
 from refusion_jax.decoding.result import PHASE_NONE, PHASE_STEP, DecodeResult
 from refusion_jax.decoding.scoring import pick_tokens
 from refusion_jax.model.config import ModelConfig
@@ -65,8 +67,8 @@ def check_mdm_schedule(gen_length: int, block_length: int, steps: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class MDMSchedule:
-  """What fixes the compiled program: the block/step split and sampling."""
+class MDMSettings:
+  """What fixes the compiled program (a static, hashable jit argument): the block/step split and sampling."""
 
   gen_length: int
   block_length: int
@@ -79,8 +81,8 @@ class MDMSchedule:
 
 
 @flax.struct.dataclass
-class _Sampling:
-  """The traced knobs: Gumbel-max temperature and key, and the mask id."""
+class MDMKnobs:
+  """Scalars that change nothing in the compiled program (traced): Gumbel-max temperature and key, the mask id."""
 
   key: jax.Array
   temperature: jax.Array
@@ -103,8 +105,19 @@ class _RowState:
   committed_at: jax.Array
 
 
-def _admit(model: Transformer, knobs: _Sampling, schedule: MDMSchedule, state, out, row, entry, prompt, tokens, length):
-  """Put the prompt of `entry` into row `row` with a fully masked answer (a `batching.Admit`; no forward)."""
+def _admit(
+  model: Transformer,
+  knobs: MDMKnobs,
+  schedule: MDMSettings,
+  state: _RowState,
+  out: DecodeOutputs,
+  row: jax.Array,
+  entry: jax.Array,
+  prompt: jax.Array,
+  tokens: jax.Array,
+  length: jax.Array,
+) -> tuple[_RowState, DecodeOutputs]:
+  """Put the prompt of `entry` into row `row` with a fully masked answer (a `contract.Admit`; no forward)."""
   del model, entry, prompt  # no prefill: the first step reads the prompt
   G = schedule.gen_length
   fresh = _RowState(
@@ -116,8 +129,18 @@ def _admit(model: Transformer, knobs: _Sampling, schedule: MDMSchedule, state, o
   return put_row(state, row, fresh), out
 
 
-def _step(model: Transformer, knobs: _Sampling, schedule: MDMSchedule, state, out, widths, live, entry, prompt):
-  """One unmasking step of every row: a bidirectional forward over [prompt bucket | answer] (a `batching.Step`).
+def _step(
+  model: Transformer,
+  knobs: MDMKnobs,
+  schedule: MDMSettings,
+  state: _RowState,
+  out: DecodeOutputs,
+  widths: jax.Array,
+  live: jax.Array,
+  entry: jax.Array,
+  prompt: jax.Array,
+) -> tuple[_RowState, DecodeOutputs, jax.Array, jax.Array]:
+  """One unmasking step of every row: a bidirectional forward over [prompt bucket | answer] (a `contract.Step`).
 
   The prompt keeps its right padding and the answer follows the bucket, but
   every token carries its true position (answer j sits at length + j) and no
@@ -159,8 +182,10 @@ def _step(model: Transformer, knobs: _Sampling, schedule: MDMSchedule, state, ou
   return state, out, widths, live & (step + 1 >= schedule.steps)
 
 
-def _start(schedule: MDMSchedule, config: ModelConfig, batch: int, prompt_width: int):
-  """Idle rows and a zero count of the [prompt | answer]-wide forwards (a `Method.start`)."""
+def start_rows(
+  schedule: MDMSettings, config: ModelConfig, batch: int, prompt_width: int
+) -> tuple[_RowState, np.ndarray]:
+  """Idle rows and a zero count of the [prompt | answer]-wide forwards (a `contract.StartRows`)."""
   del config  # no cache
   G = schedule.gen_length
   state = _RowState(
@@ -172,7 +197,7 @@ def _start(schedule: MDMSchedule, config: ModelConfig, batch: int, prompt_width:
   return state, np.zeros((1, prompt_width + G + 1), np.int32)
 
 
-MDM = Method("mdm", _start, _admit, _step)
+MDM = Method("mdm", start_rows, _admit, _step)
 
 
 def mdm_generate(
@@ -219,8 +244,20 @@ def mdm_generate(
   temperature = check_temperature(temperature)
   mask = check_special_id("mask_id", decoder_special_tokens(config, mask_id=mask_id).mask, config)
   eos = optional_eos_id(eos_id, config)
-  knobs = _Sampling(key=jax.random.key(seed), temperature=jnp.float32(temperature), mask_id=jnp.int32(mask))
-  decoder = Decoder(MDM, MDMSchedule(gen_length, block_length, steps, sample=temperature > 0), knobs, eos)
+  knobs = MDMKnobs(key=jax.random.key(seed), temperature=jnp.float32(temperature), mask_id=jnp.int32(mask))
+  decoder = Decoder(MDM, MDMSettings(gen_length, block_length, steps, sample=temperature > 0), knobs, eos)
   return run_decoder(
     model, prompt_ids, decoder, pad_id=pad_id, mesh=mesh, batch_size=batch_size, chunk_iterations=chunk_iterations
   )
+
+
+def __getattr__(name: str):
+  if name == "MDMSchedule":
+    warnings.warn(
+      "refusion_jax.decoding.mdm.MDMSchedule is renamed MDMSettings (as ReFusionSettings, ARSettings); "
+      "MDMSchedule will be removed.",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    return MDMSettings
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,8 +1,8 @@
 """Decoding on a device mesh: rows over the batch-parallel axes, parameters and cache by logical axes.
 
-`generate(..., mesh=mesh)` (and the baselines) run their loop body through
-`loop_on_mesh`, one `jax.jit` with explicit in/out shardings
-(docs/method.md §5):
+`generate(..., mesh=mesh)` (and the baselines) run the one jitted decode loop
+(`driver.decode_loop`) with every input placed by the shardings below and the
+loop's output pinned to them (docs/method.md §5):
 
 - decode rows are padded to a multiple of the batch-parallel devices
   (`run_decoder`: padded rows stay idle), and they and the queue entries are
@@ -21,7 +21,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import warnings
 from typing import Any
 
 import jax
@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from refusion_jax.model.cache import KVCache
-from refusion_jax.parallel.activations import constrain, normalize_rules, sharded_activations
+from refusion_jax.parallel.activations import constrain, normalize_rules
 from refusion_jax.parallel.sharding import (
   LOGICAL_AXIS_RULES,
   Rules,
@@ -89,38 +89,20 @@ def place_params(params: nnx.State, mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULE
   return jax.device_put(params, state_shardings(params, mesh, normalize_rules(rules)))
 
 
-def batch_shardings(batch: Any, mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES) -> Any:
-  """The shardings of a `batching.Batch` on `mesh`: rows, queue and outputs split by row, counters replicated."""
+def loop_shardings(batch: Any, mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES) -> Any:
+  """The shardings of a decode loop's `batching.LoopState` on `mesh`: rows, queue and outputs split by row,
+  counters replicated."""
   rules = normalize_rules(rules)
   return batch.shardings(functools.partial(row_shardings, mesh=mesh, rules=rules), NamedSharding(mesh, PartitionSpec()))
 
 
-# (loop body, static arguments, graphdef, mesh, rules) -> the jitted, sharded loop.
-_JITTED: dict[tuple, Callable] = {}
-
-
-def loop_on_mesh(
-  body: Callable, static: Any, graphdef: nnx.GraphDef, params: Any, batch: Any, mesh: Mesh, rules: Rules
-) -> Callable:
-  """`body(graphdef, params, batch, max_iterations, knobs, static)` jitted for `mesh`, as a function of
-  (params, batch, max_iterations, knobs).
-
-  Parameters are split by their logical axes (`params` may be abstract: only their tree and shapes are
-  read), the batch by `batch_shardings`, the iteration count and the knobs replicated; the forwards inside
-  carry the activation constraints. One jit per (body, static, graphdef, mesh, rules).
-  """
-  rules = normalize_rules(rules)
-  key = (body, static, graphdef, mesh, rules)
-  if key not in _JITTED:
-
-    def run(params, batch, max_iterations, knobs):
-      return body(graphdef, params, batch, max_iterations, knobs, static)
-
-    replicated = NamedSharding(mesh, PartitionSpec())
-    rows = batch_shardings(batch, mesh, rules)
-    _JITTED[key] = jax.jit(
-      sharded_activations(run, mesh, rules),
-      in_shardings=(state_shardings(params, mesh, rules), rows, replicated, replicated),
-      out_shardings=rows,
+def __getattr__(name: str) -> Any:
+  if name == "batch_shardings":
+    warnings.warn(
+      "refusion_jax.decoding.mesh.batch_shardings is renamed loop_shardings (parallel.sharding.batch_shardings "
+      "is the training batch's); batch_shardings will be removed.",
+      DeprecationWarning,
+      stacklevel=2,
     )
-  return _JITTED[key]
+    return loop_shardings
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,7 +17,7 @@ The block-diagonal mask of draft/check replaces the official code's
 per-slot copies of the cache. Only a stage's *active* slots (undecided ones
 for a plan, chosen ones otherwise) matter: no active token sees another
 slot's. So the forward runs only as wide as the work: the active slots are
-moved into the leading columns and the forward runs at the smallest of a few
+moved into the leading columns (`refusion_jax.decoding.scheduler`) and the forward runs at the smallest of a few
 compiled widths (S, 2S, 4S, ... up to T) that holds every row's active
 tokens, chosen inside the loop by `lax.switch`; its token scores go back to
 the block layout, where the stage logic reads them. Each forward's KV is staged
@@ -25,7 +25,7 @@ after the row's cache entries in compact order, and a commit, always a prefix
 of the active tokens, makes that many of them valid
 (`refusion_jax.model.cache.stage` / `commit`).
 
-Rows advance independently. The decoder is the `REFUSION` `driver.Method`,
+Rows advance independently. The decoder is the `REFUSION` `contract.Method`,
 run by `refusion_jax.decoding.driver.run_decoder`: with `batch_size`, a
 finished row takes the next queued prompt (`refusion_jax.decoding.batching`),
 continuous batching, each prompt decoded exactly as it would be alone.
@@ -34,6 +34,7 @@ continuous batching, each prompt decoded exactly as it would be alone.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 
 import flax.struct
@@ -41,9 +42,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from refusion_jax.decoding.batching import DecodeOutputs, count_width, host_zeros, put_cache_row, put_row
+from refusion_jax.decoding.batching import DecodeOutputs, count_width, host_zeros, put_row
 from refusion_jax.decoding.checks import check_refusion_knobs
-from refusion_jax.decoding.driver import Decoder, Method, run_decoder
+from refusion_jax.decoding.contract import Method
+from refusion_jax.decoding.driver import Decoder, run_decoder
 from refusion_jax.decoding.prompts import prefill
 from refusion_jax.decoding.result import (
   PHASE_INFILL,
@@ -55,22 +57,15 @@ from refusion_jax.decoding.result import (
   STAGE_VERIFY,
   DecodeResult,
 )
-from refusion_jax.decoding.scoring import first_argmax, log_partition, row_gumbel_noise, token_probs
+from refusion_jax.decoding.scheduler import BlockQuery, TokenScores, forward_shapes, scheduled_forward
+from refusion_jax.decoding.scoring import row_gumbel_noise
 from refusion_jax.model import cache as kv_cache
 from refusion_jax.model.cache import KVCache
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer
 from refusion_jax.parallel.sharding import LOGICAL_AXIS_RULES, Rules, batch_parallel_ways
 
-__all__ = ["REFUSION", "ReFusionKnobs", "ReFusionSettings", "generate", "start_rows"]
-
-# Token budget of a width-fitted forward, in slots per row kept busy: each compiled (rows, width) shape
-# holds max(T, ROW_BUDGET_SLOTS × K × S) tokens (`_forward_shapes`). How it was chosen, with the numbers
-# measured: README.md, "Benchmarks".
-ROW_BUDGET_SLOTS = 2
-# What a forward costs regardless of its size, in tokens of forward width: the scheduler divides the work a
-# shape would serve by its tokens plus this (`_scheduled_forward`). How it was fitted: README.md, "Benchmarks".
-FORWARD_OVERHEAD_TOKENS = 16
+__all__ = ["REFUSION", "ReFusionKnobs", "ReFusionSettings", "generate", "pick_rows_on", "start_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +79,8 @@ class ReFusionSettings:
   sample: bool
   # Forwards only as wide as the active slots (False: always the whole block, one compiled width).
   fit_width: bool = True
-  # Narrow forwards of fewer rows than K (`_forward_shapes`); False where rows are split over devices
-  # (`picks_rows`).
+  # Narrow forwards of fewer rows than K (`scheduler.forward_shapes`); False where rows are split over devices
+  # (`pick_rows_on`).
   pick_rows: bool = True
 
   @property
@@ -206,24 +201,7 @@ def _query(state: _RowState, settings: ReFusionSettings, mask_id: jax.Array):
   return tokens, sees
 
 
-@flax.struct.dataclass
-class _TokenScores:
-  """What the stage logic reads from a forward, per block token [B, T] (junk on inactive tokens).
-
-  greedy:        argmax of the logits (the infill drafts)
-  planned:       the plan's draft: argmax of the logits, plus Gumbel noise when sampling
-  planned_prob:  the un-noised probability of `planned`
-  previous_prob: the probability of the token fed at t under the logits at t - 1 (AR
-                 verification; read only where t is not the first of its slot)
-  """
-
-  greedy: jax.Array
-  planned: jax.Array
-  planned_prob: jax.Array
-  previous_prob: jax.Array
-
-
-def _plan(scores: _TokenScores, state: _RowState, knobs: ReFusionKnobs, settings: ReFusionSettings):
+def _plan(scores: TokenScores, state: _RowState, knobs: ReFusionKnobs, settings: ReFusionSettings):
   """Step 1: drafts [B, T] of every slot and the chosen slots [B, N]."""
   # Slot confidence: the un-noised probability of the slot's first drafted token.
   first_prob = scores.planned_prob[:, :: settings.slot_size]
@@ -234,7 +212,7 @@ def _plan(scores: _TokenScores, state: _RowState, knobs: ReFusionKnobs, settings
   return scores.planned, chosen
 
 
-def _global_verify(scores: _TokenScores, state: _RowState, knobs: ReFusionKnobs, settings: ReFusionSettings):
+def _global_verify(scores: TokenScores, state: _RowState, knobs: ReFusionKnobs, settings: ReFusionSettings):
   """Step 2 on the chosen drafts, causal over the chosen tokens in slot order.
 
   Returns:
@@ -255,7 +233,7 @@ def _global_verify(scores: _TokenScores, state: _RowState, knobs: ReFusionKnobs,
   return take, _leading_run(passes, S)
 
 
-def _infill_draft(scores: _TokenScores, state: _RowState, settings: ReFusionSettings):
+def _infill_draft(scores: TokenScores, state: _RowState, settings: ReFusionSettings):
   """Step 3a: argmax drafts for the chosen slots' unaccepted tokens."""
   S = settings.slot_size
   unaccepted = _offset_in_slot(settings)[None] >= _per_token(state.accepted, S)
@@ -263,7 +241,7 @@ def _infill_draft(scores: _TokenScores, state: _RowState, settings: ReFusionSett
   return jnp.where(redraft, scores.greedy, state.drafts)
 
 
-def _infill_check(scores: _TokenScores, state: _RowState, knobs: ReFusionKnobs, settings: ReFusionSettings):
+def _infill_check(scores: TokenScores, state: _RowState, knobs: ReFusionKnobs, settings: ReFusionSettings):
   """Steps 3b-c: grow each slot's accepted prefix, stop at the first EOS slot.
 
   Returns:
@@ -291,183 +269,12 @@ def _infill_check(scores: _TokenScores, state: _RowState, knobs: ReFusionKnobs, 
   return chosen, accepted, take & done[:, None]
 
 
-def _gather_columns(x: jax.Array, columns: jax.Array, axis: int, batch_axis: int = 0) -> jax.Array:
-  """x[..., columns[b, j], ...] along `axis`, for each b along `batch_axis`; columns: [B, W]."""
-  shape = [1] * x.ndim
-  shape[batch_axis], shape[axis] = columns.shape
-  return jnp.take_along_axis(x, columns.reshape(shape), axis=axis)
-
-
-def _token_scores(logits: jax.Array, tokens: jax.Array, noise: jax.Array | None) -> _TokenScores:
-  """The per-token reads of the stage logic from logits [B, W, vocab] of the fed tokens [B, W]."""
-  log_z = log_partition(logits)  # probabilities of given tokens only, never [B, W, vocab] (docs/method.md §3)
-  greedy = first_argmax(logits)
-  planned = greedy if noise is None else first_argmax(logits + noise)
-  previous = token_probs(logits[:, :-1], log_z[:, :-1], tokens[:, 1:])
-  return _TokenScores(
-    greedy=greedy,
-    planned=planned,
-    planned_prob=token_probs(logits, log_z, planned),
-    previous_prob=jnp.concatenate([jnp.ones_like(previous[:, :1]), previous], axis=1),
-  )
-
-
-def _forward_shapes(settings: ReFusionSettings, rows: int) -> tuple[tuple[int, int], ...]:
-  """(rows, width) of each compiled forward over K = `rows` resident rows.
-
-  Widths S, 2S, 4S, ... T, each with as many rows as a budget of
-  max(T, ROW_BUDGET_SLOTS·K·S) tokens holds: a forward costs about its tokens
-  on a CPU, so every shape costs about the same and narrow work is done for
-  many rows at once. Without fit_width: one shape, every row at the whole block. Without pick_rows: every
-  width over all K rows.
-  """
-  if not settings.fit_width:
-    return ((rows, settings.block_length),)
-  if not settings.pick_rows:
-    return tuple((rows, width) for width in settings.widths)
-  budget = max(settings.block_length, ROW_BUDGET_SLOTS * rows * settings.slot_size)
-  return tuple((min(rows, budget // width), width) for width in settings.widths)
-
-
-def _take_rows(tree, rows: jax.Array | None, axis: int = 0):
-  """Every leaf's entries `rows` along `axis` (all of them when rows is None)."""
-  return tree if rows is None else jax.tree.map(lambda x: jnp.take(x, rows, axis=axis), tree)
-
-
-def _put_rows(batch: int, part: jax.Array, rows: jax.Array | None) -> jax.Array:
-  """`part` scattered at `rows` into zeros with `batch` leading entries (`part` when rows is None)."""
-  if rows is None:
-    return part
-  return jnp.zeros((batch, *part.shape[1:]), part.dtype).at[rows].set(part)
-
-
-def _leading(priority: jax.Array, count: int) -> jax.Array:
-  """The indices of the `count` largest of priority [K], largest first, ties to the lower index.
-
-  What a stable descending argsort's first `count` entries are, from pairwise
-  comparisons: XLA's CPU sort costs several microseconds per call even on a
-  handful of rows, and the scheduler asks once per shape every iteration.
-  """
-  index = jnp.arange(priority.shape[0])
-  ahead = (priority[None, :] > priority[:, None]) | (
-    (priority[None, :] == priority[:, None]) & (index < index[:, None])
-  )
-  rank = jnp.sum(ahead, axis=1)  # rank[i]: the rows ahead of row i
-  return jnp.sum(jnp.where(rank[None, :] == jnp.arange(count)[:, None], index[None, :], 0), axis=1)
-
-
-def _compact_order(active: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """The stable partition of the block columns, active ones first: order [B, T] (compact column -> block
-  column) and its inverse back [B, T] (block column -> compact column), from cumulative sums, not sorts."""
-  length = active.shape[-1]
-  back = jnp.where(
-    active,
-    jnp.cumsum(active, axis=-1) - 1,
-    jnp.sum(active, axis=-1, keepdims=True) + jnp.cumsum(~active, axis=-1) - 1,
-  )
-  at = back[:, None, :] == jnp.arange(length)[None, :, None]  # [B, compact, block]
-  order = jnp.sum(jnp.where(at, jnp.arange(length), 0), axis=-1)
-  return order, back
-
-
-def _token_list(x: jax.Array, axis: int, size: int, fill: int = 0) -> jax.Array:
-  """x with its (rows, width) axes `axis`, `axis` + 1 merged into one of `size` tokens, padded with `fill`."""
-  merged = x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2 :])
-  padding = [(0, 0)] * merged.ndim
-  padding[axis] = (0, size - merged.shape[axis])
-  return jnp.pad(merged, padding, constant_values=fill)
-
-
-def _cache_rows(cache: kv_cache.KVCache, rows: jax.Array | None) -> kv_cache.KVCache:
-  if rows is None:
-    return cache
-  return kv_cache.KVCache(
-    k=jnp.take(cache.k, rows, axis=1),
-    v=jnp.take(cache.v, rows, axis=1),
-    positions=cache.positions[rows],
-    valid=cache.valid[rows],
-    length=cache.length[rows],
-  )
-
-
-def _scheduled_forward(model: Transformer, state: _RowState, tokens, positions, sees, active, noise, live, settings):
-  """One forward of the rows and columns that fit one compiled (rows, width) shape.
-
-  Every shape is scored by the work it would do, each live row's active tokens
-  plus the iterations it has waited, summed over the rows it would take (those
-  whose active tokens fit its width, most work first), per cost (its tokens plus
-  FORWARD_OVERHEAD_TOKENS); the best shape runs.
-  Rows left out wait for a later iteration: their decode is unchanged, since a
-  row's state moves only with its own forwards. In a forward, each row's active
-  tokens (whole slots, stable-sorted into the leading columns) see only active
-  tokens, so dropping the others changes no active output, and a token's
-  predecessor in its slot stays its left neighbour.
-
-  Args:
-    tokens, positions: [K, T]; sees: [K, T, T] block mask; active: [K, T] bool;
-    noise: [K, T, vocab] scaled Gumbel noise of the plan, or None (greedy); live: [K] bool.
-
-  Returns:
-    `_TokenScores` [K, T] in block order (junk on inactive tokens and left-out
-    rows); the cache with the forward's keys and values staged after each row's
-    entries (`kv_cache.stage`), compact column j right after the row's last
-    entry (junk past its active tokens: a commit keeps a prefix of the active
-    tokens, which compact order keeps in block order, so nothing is moved
-    back); served [K] bool (the rows that ran) and the index of the shape that
-    ran (into `_forward_shapes`).
-  """
-  batch = tokens.shape[0]
-  shapes = _forward_shapes(settings, batch)
-  need = jnp.sum(active, axis=-1)
-  priority = jnp.where(live, need + state.waited, -1)
-  picks, served, work = [], [], []
-  for rows, width in shapes:
-    fits = live & (need <= width)
-    pick = None if rows == batch else _leading(jnp.where(fits, priority, -1), rows)
-    taken = fits if pick is None else jnp.zeros((batch,), bool).at[pick].set(fits[pick])
-    picks.append(pick)
-    served.append(taken)
-    work.append(jnp.sum(jnp.where(taken, priority, 0)) / (rows * width + FORWARD_OVERHEAD_TOKENS))
-  shape_index = jnp.argmax(jnp.stack(work))  # ties: the narrower shape
-  order, back = _compact_order(active)
-  tokens_out = max(rows * width for rows, width in shapes)
-  capacity = state.cache.capacity
-
-  def forward_at(pick: jax.Array | None, width: int):
-    def run(cache):
-      columns = _take_rows(order, pick)[:, :width]
-      fed = _gather_columns(_take_rows(tokens, pick), columns, 1)
-      block_sees = _gather_columns(_gather_columns(_take_rows(sees, pick), columns, 1), columns, 2)
-      fed_positions = _gather_columns(_take_rows(positions, pick), columns, 1)
-      rows_cache = _cache_rows(cache, pick)
-      logits, kv = model(fed, fed_positions, kv_cache.block_mask(rows_cache, block_sees), rows_cache)
-      scores = _token_scores(
-        logits, fed, None if noise is None else _gather_columns(_take_rows(noise, pick), columns, 1)
-      )
-      to_block = jnp.minimum(_take_rows(back, pick), width - 1)
-      scores = jax.tree.map(lambda x: _put_rows(batch, _gather_columns(x, to_block, 1), pick), scores)
-      # The forward's tokens as one list of `tokens_out` (the same for every branch; unused
-      # entries point past the cache and are dropped): written outside the switch, the cache
-      # is updated in place, where a branch writing it would have to copy it.
-      token_rows = jnp.broadcast_to((jnp.arange(batch) if pick is None else pick)[:, None], fed.shape)
-      offsets = jnp.broadcast_to(jnp.arange(width), fed.shape)
-      listed = lambda x, axis=0, fill=0: _token_list(x, axis, tokens_out, fill)
-      staged = (listed(kv.k, 1), listed(kv.v, 1), listed(token_rows), listed(offsets, fill=capacity))
-      return scores, (*staged, listed(fed_positions))
-
-    return run
-
-  branches = [forward_at(pick, width) for pick, (_, width) in zip(picks, shapes)]
-  scores, staged = jax.lax.switch(shape_index, branches, state.cache)
-  return scores, kv_cache.stage(state.cache, *staged), jnp.stack(served)[shape_index], shape_index
-
-
 def _commit(state: _RowState, out: DecodeOutputs, take, settings, eos_id, entry, phase):
   """Commit the taken tokens [B, T] (block order), record them under each row's queue `entry` [B], and take
   their slots out of the pool.
 
   The cache holds the forward's keys and values staged in compact order
-  (`_scheduled_forward`); the taken tokens are a prefix of them, so
+  (`scheduler.scheduled_forward`); the taken tokens are a prefix of them, so
   committing is making that many entries valid.
 
   Slots after a committed EOS are dropped too (docs/method.md §2: only those after
@@ -499,13 +306,13 @@ def _step(
   knobs: ReFusionKnobs,
   settings: ReFusionSettings,
   state: _RowState,
-  out,
-  widths,
-  live,
-  entry,
-  prompt,
-):
-  """One forward for all rows, then each live row advances by its stage (a `batching.Step`)."""
+  out: DecodeOutputs,
+  widths: jax.Array,
+  live: jax.Array,
+  entry: jax.Array,
+  prompt: jax.Array,
+) -> tuple[_RowState, DecodeOutputs, jax.Array, jax.Array]:
+  """One forward for all rows, then each live row advances by its stage (a `contract.Step`)."""
   S, T = settings.slot_size, settings.block_length
   stage = state.stage
   steps = out.steps.at[entry].get(mode="fill", fill_value=0)
@@ -515,13 +322,12 @@ def _step(
   noise = None
   if settings.sample:
     noise = knobs.temperature * row_gumbel_noise(knobs.key, prompt, steps, (T, model.config.vocab_size))
-  scores, cache, served, shape_index = _scheduled_forward(
-    model, state, tokens, positions, sees, active, noise, live, settings
-  )
+  query = BlockQuery(tokens=tokens, positions=positions, sees=sees, active=active, noise=noise)
+  scores, cache, served, shape_index = scheduled_forward(model, state.cache, state.waited, query, live, settings)
   waiting = live & ~served
   live = served  # this iteration, only the rows that ran advance
   state = state.replace(cache=cache, waited=jnp.where(waiting, state.waited + 1, 0))
-  width = jnp.asarray([w for _, w in _forward_shapes(settings, live.shape[0])])[shape_index]
+  width = jnp.asarray([w for _, w in forward_shapes(settings, live.shape[0])])[shape_index]
   stage_counts = jnp.sum(live[None] & (stage[None] == jnp.arange(len(STAGE_NAMES))[:, None]), axis=-1)
   widths = count_width(widths, width, jnp.concatenate([jnp.ones(1), stage_counts]))
 
@@ -565,18 +371,17 @@ def _admit(
   knobs: ReFusionKnobs,
   settings: ReFusionSettings,
   state: _RowState,
-  out,
-  row,
-  entry,
-  prompt,
-  tokens,
-  length,
-):
-  """Prefill the prompt of `entry` ([P] tokens, true length) into row `row` and reset its state (a `batching.Admit`)."""
+  out: DecodeOutputs,
+  row: jax.Array,
+  entry: jax.Array,
+  prompt: jax.Array,
+  tokens: jax.Array,
+  length: jax.Array,
+) -> tuple[_RowState, DecodeOutputs]:
+  """Prefill the prompt of `entry` ([P] tokens, true length) into row `row` and reset its state (a `contract.Admit`)."""
   del knobs, prompt  # the prefill draws nothing
   _, one = prefill(model, tokens[None], length[None], state.cache.capacity)
-  fresh = _fresh_rows(settings, 1).replace(prompt_length=length[None])
-  state = put_row(state.replace(cache=None), row, fresh).replace(cache=put_cache_row(state.cache, row, one))
+  state = put_row(state, row, _fresh_rows(settings, 1).replace(cache=one, prompt_length=length[None]))
   # The prompt prefill is a forward too; counting it keeps TPF comparable
   # with the AR baseline, whose prefill yields its first token.
   return state, out.replace(num_forwards=out.num_forwards.at[entry].set(1))
@@ -586,17 +391,21 @@ def _rows(settings: ReFusionSettings, config: ModelConfig, batch: int, capacity:
   return _fresh_rows(settings, batch).replace(cache=KVCache.create(config, batch, capacity))
 
 
-def start_rows(settings: ReFusionSettings, config: ModelConfig, batch: int, prompt_width: int):
-  """Idle rows (cache capacity = prompt bucket + G) and zero width counters (a `Method.start`)."""
+def start_rows(
+  settings: ReFusionSettings, config: ModelConfig, batch: int, prompt_width: int
+) -> tuple[_RowState, np.ndarray]:
+  """Idle rows (cache capacity = prompt bucket + G) and zero width counters (a `contract.StartRows`)."""
   rows = host_zeros(_rows, settings, config, batch, prompt_width + settings.gen_length)
   return rows, np.zeros((1 + len(STAGE_NAMES), settings.block_length + 1), np.int32)
 
 
-def picks_rows(mesh: jax.sharding.Mesh | None, rules: Rules = LOGICAL_AXIS_RULES) -> bool:
-  """Whether forwards may take a subset of the rows on `mesh`: not where rows are split over devices.
+def pick_rows_on(mesh: jax.sharding.Mesh | None, rules: Rules = LOGICAL_AXIS_RULES) -> bool:
+  """`ReFusionSettings.pick_rows` for `mesh`: whether forwards may take a subset of the rows, which they may
+  not where rows are split over devices.
 
-  There a pick gathers rows across devices in every forward, and XLA's TPU compiler (libtpu 0.0.42)
-  aborts on the gather (a failed check in its all-gather / dynamic-slice cancellation).
+  There a pick gathers rows across devices in every forward, which XLA's TPU compiler has aborted on (a
+  failed check in its all-gather / dynamic-slice cancellation; the version and command: results/README.md,
+  "Measurements the code relies on").
   """
   return mesh is None or batch_parallel_ways(mesh, rules) == 1
 
@@ -666,9 +475,21 @@ def generate(
     eos_id=jnp.int32(checked.eos_id),
   )
   settings = ReFusionSettings(
-    gen_length, slot_size, serial_blocks, checked.temperature > 0, fit_width=fit_width, pick_rows=picks_rows(mesh)
+    gen_length, slot_size, serial_blocks, checked.temperature > 0, fit_width=fit_width, pick_rows=pick_rows_on(mesh)
   )
   decoder = Decoder(REFUSION, settings, knobs, checked.eos_id)
   return run_decoder(
     model, prompt_ids, decoder, pad_id=pad_id, mesh=mesh, batch_size=batch_size, chunk_iterations=chunk_iterations
   )
+
+
+def __getattr__(name: str):
+  if name == "picks_rows":
+    warnings.warn(
+      "refusion_jax.decoding.refusion.picks_rows is renamed pick_rows_on (it gives ReFusionSettings.pick_rows); "
+      "picks_rows will be removed.",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    return pick_rows_on
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

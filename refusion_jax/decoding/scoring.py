@@ -26,8 +26,9 @@ def log_partition(logits: jax.Array) -> jax.Array:
   """log Σ_v exp(logits[..., v]): [batch, length, vocab] -> [batch, length] float32.
 
   With it the decoders read the probability of any token without the
-  [batch, length, vocab] softmax (2.5 GB per step at vocab 151,936, batch 32,
-  block 128): XLA fuses the exponentials into the reduction.
+  [batch, length, vocab] float32 softmax, which at a real vocabulary is the
+  largest buffer of a decode step (sizes: results/README.md, "Measurements the
+  code relies on"): XLA fuses the exponentials into the reduction.
   """
   return jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
 

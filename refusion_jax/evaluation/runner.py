@@ -22,7 +22,7 @@ import tqdm
 
 from refusion_jax.data.tasks import is_correct
 from refusion_jax.data.tokenizer import Tokenizer
-from refusion_jax.decoding.driver import compile_count
+from refusion_jax.decoding.compilations import compilations
 from refusion_jax.decoding.result import DecodeResult
 from refusion_jax.decoding.sampler import Sampler
 from refusion_jax.model.transformer import Transformer
@@ -89,11 +89,11 @@ def timed_decode(call: Callable[[], DecodeResult], repeats: int = 1) -> tuple[De
   """
   if repeats < 1:
     raise ValueError(f"repeats={repeats} must be at least 1.")
-  before = compile_count()
+  before = compilations()
   start = time.perf_counter()
   result = call()
   first = time.perf_counter() - start
-  compiled = compile_count() != before
+  compiled = compilations() != before
   runs = [] if compiled else [first]
   while len(runs) < repeats:
     start = time.perf_counter()

@@ -61,6 +61,27 @@ class KVCache:
   def capacity(self) -> int:
     return self.k.shape[2]
 
+  def take_rows(self, rows: jax.Array) -> KVCache:
+    """The cache of batch rows `rows` [R] (in that order): keys and values hold the batch on axis 1."""
+    return KVCache(
+      k=jnp.take(self.k, rows, axis=1),
+      v=jnp.take(self.v, rows, axis=1),
+      positions=self.positions[rows],
+      valid=self.valid[rows],
+      length=self.length[rows],
+    )
+
+  def put_rows(self, start: jax.Array, rows: KVCache) -> KVCache:
+    """This cache with batch rows start, start + 1, ... replaced by the R rows of `rows` (same capacity)."""
+    put = lambda full, part, axis: jax.lax.dynamic_update_slice_in_dim(full, part.astype(full.dtype), start, axis)
+    return KVCache(
+      k=put(self.k, rows.k, 1),
+      v=put(self.v, rows.v, 1),
+      positions=put(self.positions, rows.positions, 0),
+      valid=put(self.valid, rows.valid, 0),
+      length=put(self.length, rows.length, 0),
+    )
+
 
 def kv_cache_bytes(config: ModelConfig, batch: int, capacity: int) -> int:
   """Bytes of a `KVCache` of that batch and capacity (computed from shapes, nothing allocated)."""
