@@ -89,13 +89,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     initialize_distributed()
   from lm_eval.__main__ import cli_evaluate
+  from lm_eval.utils import simple_parse_args_string
 
-  from refusion_jax.evaluation.harness import HarnessArgumentError, register
+  from refusion_jax.evaluation.harness import HarnessArgumentError, check_model_args, register
 
   register()
+  argv = lm_eval_argv(argv, jax.process_index())
   saved = sys.argv
-  sys.argv = ["lm-eval", *lm_eval_argv(argv, jax.process_index())]
+  sys.argv = ["lm-eval", *argv]
   try:
+    if _value(argv, "--model") == "refusion_jax":  # fail fast: lm-eval indexes its tasks before making the model
+      check_model_args(simple_parse_args_string(_value(argv, "--model_args") or ""))
     cli_evaluate()
   except HarnessArgumentError as error:
     print(f"refusion_jax.harness: {error}", file=sys.stderr)

@@ -51,6 +51,7 @@ from refusion_jax.decoding import defaults
 from refusion_jax.decoding.prompts import bucket_length
 from refusion_jax.decoding.result import PHASE_VERIFY, DecodeResult
 from refusion_jax.decoding.sampler import Sampler
+from refusion_jax.model.config import PRESETS
 from refusion_jax.model.transformer import Transformer
 from refusion_jax.parallel.sharding import MESH_AXES, make_mesh
 
@@ -73,8 +74,52 @@ REFUSION_KNOBS = ("slot_size", "serial_blocks", "slot_threshold", "token_thresho
 METHODS = ("refusion", "ar", "mdm")
 
 
+# What --model_args may set (the constructor's arguments a command line can spell).
+MODEL_ARGS = (
+  "checkpoint",
+  "tokenizer",
+  "dtype",
+  "method",
+  "paper_task",
+  "gen_length",
+  "slot_size",
+  "serial_blocks",
+  "slot_threshold",
+  "token_threshold",
+  "temperature",
+  "seed",
+  "batch_size",
+  "mesh",
+  "python_fence",
+  "stats_dir",
+  "sample_stats",
+)
+
+
 class HarnessArgumentError(ValueError):
   """A `--model_args` value that cannot work; the command line prints it and exits with status 2."""
+
+
+def check_model_args(args: Mapping[str, Any]) -> None:
+  """Refuse what cannot work before anything is loaded: unknown keys, an unknown method or paper task, a local
+  checkpoint path that does not exist (the command line checks this before lm-eval indexes its tasks)."""
+  unknown = sorted(set(args) - set(MODEL_ARGS) - {"model"})
+  if unknown:
+    raise HarnessArgumentError(
+      f"Unknown --model_args key(s) {', '.join(unknown)}; the keys are: {', '.join(MODEL_ARGS)}."
+    )
+  method, paper_task = args.get("method", "refusion"), args.get("paper_task")
+  if method not in METHODS:
+    raise HarnessArgumentError(f"method={method!r}: choose one of {', '.join(METHODS)}.")
+  if paper_task is not None and paper_task not in PAPER_TASKS:
+    raise HarnessArgumentError(f"paper_task={paper_task!r} is not one of the paper's tasks: {', '.join(PAPER_TASKS)}.")
+  checkpoint = args.get("checkpoint")
+  if checkpoint is not None and "://" not in str(checkpoint) and not os.path.exists(str(checkpoint)):
+    if str(checkpoint) not in PRESETS:
+      raise HarnessArgumentError(
+        f"checkpoint={checkpoint!r} does not exist: give a training workdir, a Hugging Face, tunix or MaxText"
+        f" checkpoint directory, or a preset name for a random model ({', '.join(PRESETS)})."
+      )
 
 
 def parse_mesh(spec: str) -> dict[str, int]:
@@ -114,14 +159,16 @@ def fitted_serial_blocks(slots: int, serial_blocks: int) -> int:
 
 
 def official_tpf(result: DecodeResult, row: int, slot_size: int) -> float:
-  """The official harness's TPF of one answer: the mean over its plan-and-infill cycles of S·slots / forwards.
+  """The official harness's TPF of one answer: the mean over its plan-and-infill cycles of S·slots ÷ the cycle's
+  forwards.
 
-  A cycle committed by the global verification counts S·slots / 2; one
-  committed after n infill iterations counts S·slots / (2n) (the official
-  `sum_TPF` terms of generate.py). The decode result gives each cycle's slots
-  and phase and each answer's infill iterations in all; they are spread evenly
-  over its infill cycles, which is exact when an answer has at most one
-  infill cycle or all take the same number of iterations.
+  A cycle is a plan and a global verification, plus a draft and a check per
+  infill iteration when the verification commits nothing: S·slots / 2 or
+  S·slots / (2 + 2n) after n infill iterations (the `sum_TPF` terms of the
+  official generate.py, whose mean over cycles its harness reports as TPF). The
+  decode result gives each cycle's slots and phase, and each answer's infill
+  iterations only in all: they are spread evenly over its infill cycles, which
+  is exact when an answer has at most one infill cycle or all take as many.
   """
   length = len(result.tokens[row])
   cycles = result.commit_iteration[row, :length]
@@ -129,14 +176,14 @@ def official_tpf(result: DecodeResult, row: int, slot_size: int) -> float:
   committed = np.unique(cycles[cycles >= 0])
   if len(committed) == 0:
     return 0.0
-  # Forwards: the prefill, a plan and a verification per cycle, then a draft and a check per infill iteration.
+  # Forwards: the prefill, a plan and a verification per cycle, a draft and a check per infill iteration.
   infill_iterations = (int(result.num_forwards[row]) - 1 - 2 * int(result.steps[row])) / 2
-  infill_cycles = [c for c in committed if phases[cycles == c][0] != PHASE_VERIFY]
-  per_infill = infill_iterations / len(infill_cycles) if infill_cycles else 1.0
+  infill = {int(c) for c in committed if phases[cycles == c][0] != PHASE_VERIFY}
+  per_infill_cycle = infill_iterations / max(len(infill), 1)
   total = 0.0
   for cycle in committed:
     slots = len(np.unique(np.flatnonzero(cycles == cycle) // slot_size))
-    total += slot_size * slots / (2 * (per_infill if cycle in infill_cycles else 1.0))
+    total += slot_size * slots / (2 + 2 * (per_infill_cycle if int(cycle) in infill else 0))
   return total / len(committed)
 
 
@@ -214,7 +261,7 @@ def render_chat(template: str, messages: Sequence[Mapping[str, str]], add_genera
 class ReFusionLM(LM):
   """lm-evaluation-harness's model `refusion_jax`: generative tasks decoded by ReFusion or a baseline.
 
-  Every argument can be given in `--model_args` (key=value, comma-separated).
+  Every argument but `model` can be given in `--model_args` (key=value, comma-separated; `MODEL_ARGS`).
   """
 
   def __init__(
@@ -263,12 +310,7 @@ class ReFusionLM(LM):
     """
     super().__init__()
     del max_batch_size, device
-    if method not in METHODS:
-      raise HarnessArgumentError(f"method={method!r}: choose one of {', '.join(METHODS)}.")
-    if paper_task is not None and paper_task not in PAPER_TASKS:
-      raise HarnessArgumentError(
-        f"paper_task={paper_task!r} is not one of the paper's tasks: {', '.join(PAPER_TASKS)}."
-      )
+    check_model_args(dict(method=method, paper_task=paper_task))
     knobs = dict(slot_size=slot_size, serial_blocks=serial_blocks)
     knobs.update(slot_threshold=slot_threshold, token_threshold=token_threshold)
     if method != "refusion" and any(v is not None for v in knobs.values()):
@@ -308,35 +350,9 @@ class ReFusionLM(LM):
 
   @classmethod
   def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict | None = None) -> ReFusionLM:
-    known = set(cls.MODEL_ARGS)
-    unknown = sorted(set(arg_dict) - known)
-    if unknown:
-      raise HarnessArgumentError(
-        f"Unknown --model_args key(s) {', '.join(unknown)}; the keys are: {', '.join(cls.MODEL_ARGS)}."
-      )
+    check_model_args(arg_dict)
     extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
     return cls(**arg_dict, **extra)
-
-  # What --model_args may set (the constructor's arguments a command line can spell).
-  MODEL_ARGS = (
-    "checkpoint",
-    "tokenizer",
-    "dtype",
-    "method",
-    "paper_task",
-    "gen_length",
-    "slot_size",
-    "serial_blocks",
-    "slot_threshold",
-    "token_threshold",
-    "temperature",
-    "seed",
-    "batch_size",
-    "mesh",
-    "python_fence",
-    "stats_dir",
-    "sample_stats",
-  )
 
   @staticmethod
   def _settings(method: str, paper_task: str | None, gen_length: int | None, knobs: dict) -> dict[str, Any]:
