@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 import jax
 
+from refusion_jax.cli import initialize_distributed
+
 # lm-eval flags that write files: only process 0 keeps them.
 _WRITING_FLAGS = ("--output_path", "-o", "--log_samples", "-s", "--wandb_args", "--hf_hub_log_args")
 
@@ -85,8 +87,6 @@ def main(argv: Sequence[str] | None = None) -> int:
   """Run lm-eval's command line on `argv` (default: sys.argv[1:]); returns the exit status."""
   argv = list(sys.argv[1:] if argv is None else argv)
   if os.environ.get("REFUSION_DISTRIBUTED"):
-    from refusion_jax.train import initialize_distributed
-
     initialize_distributed()
   from lm_eval.__main__ import cli_evaluate
   from lm_eval.utils import simple_parse_args_string
@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       check_model_args(simple_parse_args_string(_value(argv, "--model_args") or ""))
     cli_evaluate()
   except HarnessArgumentError as error:
-    print(f"refusion_jax.harness: {error}", file=sys.stderr)
+    print(f"error: {error}", file=sys.stderr)  # as every entry point reports bad input (refusion_jax/cli.py)
     return 2
   finally:
     sys.argv = saved
