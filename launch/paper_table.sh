@@ -6,7 +6,7 @@
 #   launch/paper_table.sh [--dry_run] [--tasks=T1,T2] [--batch_size=K] [--model_args=K=V,...] \
 #       [--prompts=OFFICIAL_CHECKOUT] [--tpu=TPU_NAME --zone=ZONE] CHECKPOINT OUTPUT_DIR [lm-eval flags ...]
 #
-#   e.g. launch/paper_table.sh --batch_size=64 --prompts=~/ReFusion /ckpt/refusion_8b out/table
+#   e.g. launch/paper_table.sh --batch_size=64 --prompts=$HOME/ReFusion /ckpt/refusion_8b out/table
 #        launch/paper_table.sh --tpu=refusion-pod --zone=us-east5-a --model_args=mesh=fsdp:-1 \
 #          /mnt/b/refusion_8b /mnt/b/table --limit 100
 #

@@ -104,7 +104,9 @@ class HFTokenizer:
   Special ids follow `refusion_jax.data.special_tokens.discover_special_tokens`
   (the configs' named tokens, the model configs' EOS id, a mask token found by
   its usual spellings). Without a pad token, padding uses the EOS id: padded
-  positions carry no label, so any id is correct there.
+  positions carry no label, so any id is correct there. `chat_template` is the
+  checkpoint's Jinja chat template (None without one), which the lm-eval
+  harness renders whole chats with (`apply_chat_template` here wraps one query).
   """
 
   def __init__(self, path: str):

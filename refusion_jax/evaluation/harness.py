@@ -22,8 +22,8 @@ How requests are decoded (docs/method.md §3.4 for continuous batching):
     ```python fenced block when it holds one.
 
 Statistics per task (`TaskStats`): the official `final_stats.json` fields, with
-its TPF (the per-prompt mean over plan-and-infill cycles of
-S·slots / (2·infill iterations), docs/method.md §4) named `TPF`, next to ours:
+its TPF (per answer, the mean over plan-and-infill cycles of S·slots ÷ the
+cycle's forwards, docs/method.md §4; `official_tpf`) named `TPF`, next to ours:
 answer tokens ÷ forwards (`tokens_per_forward`), forwards, tokens per second and
 latency per sample of the decode, with compilation timed apart (`compile_seconds`,
 the first call of each group's program on one prompt).
