@@ -92,8 +92,8 @@ def read_jsonl(path) -> list[dict]:
 
 
 def reference_texts(model, tokenizer, prompts: list[str], until: list[str]) -> list[str]:
-  """What `rj.Sampler` answers, cut at the stop strings (one batch: every prompt padded to the longest's bucket)."""
-  texts, _ = rj.Sampler(model, tokenizer, gen_length=16, slot_size=4).generate(prompts)
+  """What `rj.Sampler` answers, cut at the stop strings (one queue: every prompt padded to the longest's bucket)."""
+  texts, _ = rj.Sampler(model, tokenizer, gen_length=16, slot_size=4, batch_size=4).generate(prompts)
   for stop in until:
     texts = [t.split(stop)[0] for t in texts]
   return texts
@@ -157,6 +157,39 @@ def test_process_0_alone_writes_and_stats_go_beside_the_results():
   assert "checkpoint=c" in other
 
 
+_ON_FOUR_DEVICES = """
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import jax
+jax.config.update("jax_default_matmul_precision", "highest")
+from lm_eval.api.instance import Instance
+import refusion_jax as rj
+from refusion_jax.evaluation.harness import ReFusionLM
+
+queries, path = json.loads(sys.argv[1]), sys.argv[2]
+rj.save_hf(rj.load("tiny")[0], path)  # a checkpoint, which is loaded straight into its shardings on the mesh
+# Several devices: a data-parallel mesh by default.
+lm = ReFusionLM(path, tokenizer="bytes", gen_length=16, slot_size=4, batch_size=4)
+requests = [
+  Instance("generate_until", {}, (q, {"until": ["\\n"]}), 0, metadata=("t", i, 1)) for i, q in enumerate(queries)
+]
+texts = lm.generate_until(requests)
+embedding = jax.tree.leaves(__import__("flax").nnx.state(lm.model))[0]
+print(json.dumps(dict(texts=texts, mesh=dict(lm.mesh.shape), sharded=embedding.sharding.mesh.shape == lm.mesh.shape)))
+"""
+
+
+def test_on_several_devices_the_model_takes_the_global_mesh_and_gives_the_same_texts(tmp_path, byte_model):
+  from fake_devices import run_json
+
+  model, tokenizer = byte_model
+  # One prompt bucket, so one compiled program on the mesh.
+  queries = [d["query"] for d in read_jsonl(FIXTURES / "refusion_tasks.jsonl") if len(d["query"]) <= 16][:5]
+  out = run_json(_ON_FOUR_DEVICES, json.dumps(queries), str(tmp_path / "hf"))
+  assert out["mesh"]["data"] == 4 and out["sharded"]
+  assert out["texts"] == reference_texts(model, tokenizer, queries, ["\n"])
+
+
 # --- from Python: simple_evaluate, an HF tokenizer and its chat template --------------------------------------
 
 
@@ -171,7 +204,7 @@ def test_simple_evaluate_continues_the_assistant_turn_of_a_gen_prefix_task(bpe):
   out = simple_evaluate(
     model=lm,
     tasks=["refusion_tasks_prefix"],
-    task_manager=TaskManager(include_path=str(FIXTURES)),
+    task_manager=TaskManager(include_path=str(FIXTURES), include_defaults=False),
     apply_chat_template=True,
     limit=4,
     log_samples=True,
