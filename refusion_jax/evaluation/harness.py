@@ -101,8 +101,9 @@ class HarnessArgumentError(ValueError):
 
 
 def check_model_args(args: Mapping[str, Any]) -> None:
-  """Refuse what cannot work before anything is loaded: unknown keys, an unknown method or paper task, a local
-  checkpoint path that does not exist (the command line checks this before lm-eval indexes its tasks)."""
+  """Refuse what cannot work before anything is loaded: unknown keys, an unknown method or paper task, a mesh
+  that does not fit the devices, a local checkpoint path that does not exist (the command line checks this
+  before lm-eval indexes its tasks)."""
   unknown = sorted(set(args) - set(MODEL_ARGS) - {"model"})
   if unknown:
     raise HarnessArgumentError(
@@ -113,6 +114,8 @@ def check_model_args(args: Mapping[str, Any]) -> None:
     raise HarnessArgumentError(f"method={method!r}: choose one of {', '.join(METHODS)}.")
   if paper_task is not None and paper_task not in PAPER_TASKS:
     raise HarnessArgumentError(f"paper_task={paper_task!r} is not one of the paper's tasks: {', '.join(PAPER_TASKS)}.")
+  if isinstance(args.get("mesh"), str):
+    build_mesh(args["mesh"])
   checkpoint = args.get("checkpoint")
   if checkpoint is not None and "://" not in str(checkpoint) and not os.path.exists(str(checkpoint)):
     if str(checkpoint) not in PRESETS:
@@ -134,6 +137,19 @@ def parse_mesh(spec: str) -> dict[str, int]:
       )
     shape[name] = int(size)
   return shape
+
+
+def build_mesh(mesh: str | jax.sharding.Mesh | None) -> jax.sharding.Mesh | None:
+  """The decode mesh of the `mesh` argument: a `Mesh` as given, a spec for `parse_mesh` over every device of
+  every process, or (None) all devices on the data axis when there are several, else no mesh."""
+  if isinstance(mesh, jax.sharding.Mesh):
+    return mesh
+  if mesh is None:
+    return make_mesh({"data": -1}) if jax.device_count() > 1 else None
+  try:
+    return make_mesh(parse_mesh(str(mesh)))
+  except ValueError as error:  # the mesh does not fit the devices: make_mesh says how
+    raise HarnessArgumentError(f"mesh={mesh!r}: {error}") from error
 
 
 def answer_grid(method: str, settings: Mapping[str, Any]) -> int:
@@ -327,7 +343,7 @@ class ReFusionLM(LM):
         f"gen_length={self.settings['gen_length']} is not a multiple of slot_size × serial_blocks = {self.grid}."
       )
     self.rows = _positive_int("batch_size", 1 if batch_size is None else batch_size)
-    self.mesh = self._mesh(mesh)
+    self.mesh = build_mesh(mesh)
     if model is None:
       self.model, self.tokenizer = self._load(checkpoint, tokenizer, dtype)
     else:
@@ -368,13 +384,6 @@ class ReFusionLM(LM):
       if knobs["serial_blocks"] is None and length % settings["slot_size"] == 0:
         settings["serial_blocks"] = fitted_serial_blocks(length // settings["slot_size"], settings["serial_blocks"])
     return {k: v for k, v in settings.items() if k in ("gen_length", *REFUSION_KNOBS)}
-
-  def _mesh(self, mesh: str | jax.sharding.Mesh | None) -> jax.sharding.Mesh | None:
-    if isinstance(mesh, jax.sharding.Mesh):
-      return mesh
-    if mesh is None:
-      return make_mesh({"data": -1}) if jax.device_count() > 1 else None
-    return make_mesh(parse_mesh(str(mesh)))
 
   def _load(self, checkpoint: str, tokenizer: str | None, dtype: str | None) -> tuple[Transformer, Tokenizer]:
     try:
