@@ -258,6 +258,19 @@ def test_max_gen_toks_is_rounded_up_to_the_slot_grid_and_capped_by_gen_length():
   assert harness.fitted_serial_blocks(slots=6, serial_blocks=4) == 3
 
 
+def test_a_baseline_answers_within_max_gen_toks_as_its_sampler_does(byte_model):
+  from lm_eval.api.instance import Instance
+
+  model, tokenizer = byte_model
+  queries = ["sort: b a", "find x: x=1"]
+  requests = [Instance("generate_until", {}, (q, {"until": [], "max_gen_toks": 10}), 0) for q in queries]
+  lm = harness.ReFusionLM(model=model, tokenizer=tokenizer, method="ar", gen_length=32, batch_size=2)
+  texts = lm.generate_until(requests)
+  (group,) = lm.stats["generate_until"].groups
+  assert group["gen_length"] == 10  # AR's grid is one token
+  assert texts == rj.Sampler(model, tokenizer, method="ar", gen_length=10, batch_size=2).generate(queries)[0]
+
+
 def test_answers_are_cut_at_each_stop_string_then_the_python_fence_is_taken(bpe):
   model, tokenizer, _ = bpe
   lm = harness.ReFusionLM(model=model, tokenizer=tokenizer, **KNOBS)
