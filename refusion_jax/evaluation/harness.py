@@ -46,6 +46,7 @@ from lm_eval.api.model import LM
 from tqdm import tqdm
 
 from refusion_jax.checkpoints.load import load
+from refusion_jax.data.chat import render_chat
 from refusion_jax.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from refusion_jax.decoding import defaults
 from refusion_jax.decoding.prompts import bucket_length
@@ -236,42 +237,6 @@ class TaskStats:
       "rows": rows,
       "groups": self.groups,
     }
-
-
-def render_chat(template: str, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool, **names) -> str:
-  """A chat rendered by a Hugging Face Jinja chat template with `enable_thinking=True`, as transformers'
-  `apply_chat_template` renders it; `add_generation_prompt=False` continues the final (assistant) message
-  instead (`continue_final_message`): the text ends where that message's content ends.
-
-  Args:
-    names: the special tokens' spellings the template may use (bos_token, eos_token).
-  """
-  import jinja2
-  import jinja2.ext
-  import jinja2.sandbox
-
-  def raise_exception(message):
-    raise jinja2.exceptions.TemplateError(message)
-
-  env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-    trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-  )
-  env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
-  env.globals["raise_exception"] = raise_exception
-  messages = [dict(m) for m in messages]
-  # Continuing: tag the final message, render the whole chat, cut at the tag (transformers' method).
-  tag = "CONTINUE_FINAL_MESSAGE_TAG "
-  if not add_generation_prompt:
-    messages[-1]["content"] += tag
-  text = env.from_string(template).render(
-    messages=messages, add_generation_prompt=add_generation_prompt, enable_thinking=True, **names
-  )
-  if add_generation_prompt:
-    return text
-  if tag.strip() not in text:
-    raise ValueError("The chat template drops the final message, so its assistant turn cannot be continued.")
-  at = text.rindex(tag.strip())
-  return text[:at] if text[at : at + len(tag)] == tag else text[:at].rstrip()
 
 
 class ReFusionLM(LM):
