@@ -65,6 +65,11 @@ setup(
       # .ci/run checks formatting and lint with the repo's ruff.toml
       "ruff>=0.17,<0.18",
     ],
+    # The paper's benchmark table through lm-evaluation-harness (python -m refusion_jax.harness): the lm-eval
+    # the harness tests run against (~750 MB with datasets, pyarrow, scikit-learn; no torch). eval-math adds
+    # what minerva_math imports (sympy, math_verify, antlr4).
+    "eval": ["lm-eval==0.4.13"],
+    "eval-math": ["lm-eval[math]==0.4.13"],
     "tpu": jax_requirements("[tpu]"),
     "cuda12": jax_requirements("[cuda12]"),
     "cuda13": jax_requirements("[cuda13]"),

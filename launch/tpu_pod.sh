@@ -5,6 +5,7 @@
 #       TPU_NAME ZONE CONFIG WORKDIR [--config.field=value ...]
 #   launch/tpu_pod.sh [--dry_run] --accelerator=TYPE [--spot] [--runtime=VERSION] create TPU_NAME ZONE
 #   launch/tpu_pod.sh [--dry_run] logs|stop|delete TPU_NAME ZONE
+#   launch/tpu_pod.sh [--dry_run] [--extras=LIST] exec TPU_NAME ZONE COMMAND
 #
 #   e.g. launch/tpu_pod.sh --accelerator=v5p-128 --spot \
 #          --setup='sudo mkdir -p /mnt/b && sudo chmod 777 /mnt/b && gcsfuse --implicit-dirs my-bucket /mnt/b' \
@@ -25,16 +26,19 @@
 #   create  only step 1          logs    follow worker 0's log
 #   stop    SIGTERM on every worker: the run saves a checkpoint and exits
 #   delete  delete the queued resource and its TPU
+#   exec    copy and install this checkout as step 2 does (the [tpu] extra plus --extras, e.g. eval,eval-math),
+#           then run COMMAND in it on every worker with REFUSION_DISTRIBUTED=1, in the foreground (what
+#           launch/paper_table.sh runs the benchmark table with)
 #
 # --dry_run prints every command (create, set-up, run, follow logs, stop) instead of running it.
 set -euo pipefail
 
 usage() {
-  sed -n '2,29p' "$0"
+  sed -n '2,33p' "$0"
   exit 2
 }
 
-DRY_RUN=0 ACCELERATOR="" SPOT=0 RUNTIME="" SETUP=""
+DRY_RUN=0 ACCELERATOR="" SPOT=0 RUNTIME="" SETUP="" EXTRAS=""
 while [[ $# -gt 0 && $1 == --* ]]; do
   case $1 in
     --dry_run) DRY_RUN=1 ;;
@@ -42,6 +46,7 @@ while [[ $# -gt 0 && $1 == --* ]]; do
     --spot) SPOT=1 ;;
     --runtime=*) RUNTIME=${1#*=} ;;
     --setup=*) SETUP=${1#*=} ;;
+    --extras=*) EXTRAS=${1#*=} ;;
     *) echo "Unknown option $1" >&2; usage ;;
   esac
   shift
@@ -98,7 +103,26 @@ create_tpu() {
   fi
 }
 
+# Copy this checkout to every worker and install it (SYNC=0 / INSTALL=0 skip either).
+sync_and_install() {
+  if [[ "${SYNC:-1}" == 1 ]]; then
+    repo_root=$(cd "$(dirname "$0")/.." && pwd)
+    run gcloud compute tpus tpu-vm scp --zone "$ZONE" --worker=all --recurse "$repo_root" "$TPU_NAME:$REMOTE_DIR"
+  fi
+  if [[ "${INSTALL:-1}" == 1 ]]; then
+    ssh_workers all "cd $REMOTE_DIR && python3 -m pip install -q -e '.[tpu${EXTRAS:+,$EXTRAS}]'"
+  fi
+}
+REMOTE_DIR='~/refusion_jax'
+
 case ${1:-} in
+  exec)
+    [[ $# -eq 4 ]] || usage
+    TPU_NAME=$2 ZONE=$3
+    sync_and_install
+    ssh_workers all "cd $REMOTE_DIR && REFUSION_DISTRIBUTED=1 $4"
+    exit 0
+    ;;
   create | logs | stop | delete)
     [[ $# -eq 3 ]] || usage
     STEP=$1 TPU_NAME=$2 ZONE=$3
@@ -115,7 +139,6 @@ esac
 [[ $# -ge 4 ]] || usage
 TPU_NAME=$1 ZONE=$2 CONFIG=$3 WORKDIR=$4
 shift 4
-REMOTE_DIR='~/refusion_jax'
 
 if [[ -n $ACCELERATOR ]]; then
   echo "# create"
@@ -125,13 +148,7 @@ echo "# set up"
 if [[ -n $SETUP ]]; then
   ssh_workers all "$SETUP"
 fi
-if [[ "${SYNC:-1}" == 1 ]]; then
-  repo_root=$(cd "$(dirname "$0")/.." && pwd)
-  run gcloud compute tpus tpu-vm scp --zone "$ZONE" --worker=all --recurse "$repo_root" "$TPU_NAME:$REMOTE_DIR"
-fi
-if [[ "${INSTALL:-1}" == 1 ]]; then
-  ssh_workers all "cd $REMOTE_DIR && python3 -m pip install -q -e '.[tpu]'"
-fi
+sync_and_install
 echo "# run"
 args=$(printf ' %q' --config "$CONFIG" --workdir "$WORKDIR" "$@")
 ssh_workers all "cd $REMOTE_DIR && REFUSION_DISTRIBUTED=1 nohup python3 -m refusion_jax.train$args > ~/refusion_train.log 2>&1 &"

@@ -1,7 +1,7 @@
 """What the command-line entry points share: the model flags, turning them into a load request, and reporting.
 
 Every entry point (`train`, `sample`, `bench`, `train_bench`, `eval`, `aot`,
-`convert`) reports input it cannot use the same way: one line `error: ...` on
+`convert`, `harness`) reports input it cannot use the same way: one line `error: ...` on
 stderr and exit status 2, never a traceback (`report_errors`). Entry points
 import this module and the library, never each other (tests/test_public_api.py).
 
@@ -26,6 +26,18 @@ from refusion_jax.model import config as config_lib
 # Errors that mean "this input cannot be used": reported as one line, exit status 2.
 BAD_INPUT = (ValueError, FileNotFoundError, NotImplementedError)
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+def initialize_distributed() -> None:
+  """Join the job's processes (launch/): Cloud TPU pods are auto-detected; a local run
+  gives JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID."""
+  import jax
+
+  count, index = os.environ.get("JAX_NUM_PROCESSES"), os.environ.get("JAX_PROCESS_ID")
+  jax.distributed.initialize(
+    num_processes=None if count is None else int(count),
+    process_id=None if index is None else int(index),
+  )
 
 
 class UsageError(ValueError):

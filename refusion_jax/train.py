@@ -13,12 +13,11 @@ import os
 import sys
 from collections.abc import Sequence
 
-import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from refusion_jax.checkpoints.orbax import CheckpointDamagedError, CheckpointMismatchError, CheckpointSaveError
-from refusion_jax.cli import BAD_INPUT, report_errors
+from refusion_jax.cli import BAD_INPUT, initialize_distributed, report_errors
 from refusion_jax.data.pipeline import DataError
 from refusion_jax.training.interrupts import RunInterrupted
 from refusion_jax.training.loop import NonFiniteLossError, train_and_evaluate
@@ -36,16 +35,6 @@ _REPORTED = (
   CheckpointMismatchError,
   CheckpointSaveError,
 )
-
-
-def initialize_distributed() -> None:
-  """Join the job's processes (launch/): Cloud TPU pods are auto-detected; a local run
-  gives JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID."""
-  count, index = os.environ.get("JAX_NUM_PROCESSES"), os.environ.get("JAX_PROCESS_ID")
-  jax.distributed.initialize(
-    num_processes=None if count is None else int(count),
-    process_id=None if index is None else int(index),
-  )
 
 
 def main(argv: Sequence[str]) -> None:

@@ -99,3 +99,39 @@ def test_slurm_dry_run_prints_setup_job_logs_and_stop(no_cloud_tools):
   assert command(lines, "scancel") == ["scancel", "--signal=TERM", "JOB_ID"]
   assert command(dry_run("slurm_gpu.sh", ["stop", "123", "/shared/run"], env), "scancel")[-1] == "123"
   assert not calls.exists()
+
+
+def test_paper_table_dry_run_runs_each_task_with_its_settings(no_cloud_tools):
+  env, calls = no_cloud_tools
+  lines = dry_run("paper_table.sh", ["--batch_size=8", "--prompts=/src/ReFusion", "/ckpt", "out", "--limit", "5"], env)
+  tasks = [line[2:] for line in lines if line.startswith("# ")]
+  assert len(tasks) == 7 and tasks[0] == "gsm8k_cot" and tasks[-1] == "gpqa_main_generative_n_shot"
+  for task in tasks:
+    harness = command(lines, f"--tasks {task} ")
+    assert harness[:3] == ["python3", "-m", "refusion_jax.harness"] and harness[-2:] == ["--limit", "5"]
+    assert harness[harness.index("--model_args") + 1] == f"checkpoint=/ckpt,paper_task={task},batch_size=8"
+    assert harness[harness.index("--output_path") + 1] == f"out/{task}"
+    assert {"--apply_chat_template", "--log_samples", "--confirm_run_unsafe_code"} <= set(harness)
+  # The official checkout's edited prompts replace lm-eval's, task by task.
+  assert command(lines, "--tasks arc_challenge_chat ")[-3] == "/src/ReFusion/lm_eval/tasks/arc"
+  assert not calls.exists()
+
+
+def test_paper_table_on_a_pod_installs_once_then_runs_every_task_on_every_worker(no_cloud_tools):
+  env, calls = no_cloud_tools
+  args = ["--tasks=mbpp,mmlu_pro", "--tpu=pod", "--zone=zone-a", "--model_args=mesh=fsdp:-1", "/mnt/ckpt", "/mnt/out"]
+  lines = dry_run("paper_table.sh", args, env)
+  assert "'.[tpu,eval,eval-math]'" in command(lines, "pip install")[-1]  # once, before the first task
+  for task in ("mbpp", "mmlu_pro"):
+    remote = command(lines, "ssh", f"--tasks {task} ")
+    assert "--worker=all" in remote
+    harness = shlex.split(remote[-1].split("&&", 1)[1])
+    assert harness[:2] == ["REFUSION_DISTRIBUTED=1", "HF_ALLOW_CODE_EVAL=1"]
+    assert (
+      harness[harness.index("--model_args") + 1] == f"checkpoint=/mnt/ckpt,paper_task={task},batch_size=32,mesh=fsdp:-1"
+    )
+  usage = subprocess.run(
+    ["bash", os.path.join(REPO, "launch", "paper_table.sh"), "--tasks=gsm8k", "c", "o"], capture_output=True, text=True
+  )
+  assert usage.returncode == 2 and "Unknown task gsm8k" in usage.stderr
+  assert not calls.exists()

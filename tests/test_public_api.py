@@ -9,7 +9,7 @@ import refusion_jax as rj
 LIBRARY_PACKAGES = ("model", "checkpoints", "decoding", "training", "evaluation", "data", "parallel")
 
 
-ENTRY_POINTS = ("train", "sample", "bench", "train_bench", "eval", "aot", "convert")
+ENTRY_POINTS = ("train", "sample", "bench", "train_bench", "eval", "aot", "convert", "harness")
 
 
 @pytest.mark.parametrize("name", rj.__all__)

@@ -10,6 +10,7 @@ input pipeline appends EOS to every response).
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
@@ -103,7 +104,9 @@ class HFTokenizer:
   Special ids follow `refusion_jax.data.special_tokens.discover_special_tokens`
   (the configs' named tokens, the model configs' EOS id, a mask token found by
   its usual spellings). Without a pad token, padding uses the EOS id: padded
-  positions carry no label, so any id is correct there.
+  positions carry no label, so any id is correct there. `chat_template` is the
+  checkpoint's Jinja chat template (None without one), which the lm-eval
+  harness renders whole chats with (`apply_chat_template` here wraps one query).
   """
 
   def __init__(self, path: str):
@@ -130,6 +133,7 @@ class HFTokenizer:
     self._has_chat_tokens = all(
       self._tokenizer.token_to_id(token) is not None for token in ("<|im_start|>", "<|im_end|>")
     )
+    self.chat_template = _jinja_chat_template(path)
 
   @property
   def vocab_size(self) -> int:
@@ -154,12 +158,31 @@ class HFTokenizer:
   def encode(self, text: str) -> list[int]:
     return self._tokenizer.encode(text, add_special_tokens=False).ids
 
-  def decode(self, ids: Sequence[int]) -> str:
-    return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+  def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    """Text of `ids`; `skip_special_tokens=False` spells special tokens out (as HF's `decode` does)."""
+    return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+  def token_text(self, token_id: int | None) -> str:
+    """The spelling of one id ("" for None), e.g. the EOS token's for a chat template."""
+    return "" if token_id is None else (self._tokenizer.id_to_token(int(token_id)) or "")
 
   def apply_chat_template(self, query: str) -> str:
     """Qwen's ChatML user turn when the vocabulary has its tokens, else the query unchanged."""
     return _CHAT_TEMPLATE.format(query=query) if self._has_chat_tokens else query
+
+
+def _jinja_chat_template(path: str) -> str | None:
+  """The checkpoint's Jinja chat template (chat_template.jinja, else tokenizer_config.json's), None without one."""
+  jinja_file = os.path.join(path, "chat_template.jinja")
+  if os.path.isfile(jinja_file):
+    with open(jinja_file, encoding="utf-8") as f:
+      return f.read()
+  config_file = os.path.join(path, "tokenizer_config.json")
+  if os.path.isfile(config_file):
+    with open(config_file, encoding="utf-8") as f:
+      template = json.load(f).get("chat_template")
+    return template if isinstance(template, str) else None
+  return None
 
 
 def format_prompt(tokenizer: Tokenizer, query: str, chat_template: bool) -> str:

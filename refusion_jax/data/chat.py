@@ -1,0 +1,67 @@
+"""Whole chats rendered by a Hugging Face Jinja chat template, as transformers' `apply_chat_template` renders
+them, without transformers: what the lm-eval harness shows the model (`refusion_jax.evaluation.harness`).
+
+`Tokenizer.apply_chat_template` wraps one query, the way training data were
+formatted; a benchmark's prompt may hold a system message, few-shot turns and
+an assistant turn already begun, which only the checkpoint's own template
+(`HFTokenizer.chat_template`) renders as the model expects. jinja2 comes with
+the `eval` extra (lm-eval needs it); it is imported only here, when a chat is
+rendered.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Mapping, Sequence
+
+# transformers' marker for continuing the final message: appended to it, the rendered chat is cut where it is.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def render_chat(
+  template: str,
+  messages: Sequence[Mapping[str, str]],
+  add_generation_prompt: bool = True,
+  enable_thinking: bool = True,
+  **special_tokens: str,
+) -> str:
+  """The chat as `template` renders it; `add_generation_prompt=False` continues the final (assistant) message
+  instead (transformers' `continue_final_message`): the text ends where that message's content ends.
+
+  Args:
+    template: the Jinja chat template (tokenizer_config.json's `chat_template`).
+    messages: [{"role": ..., "content": ...}, ...].
+    enable_thinking: passed to the template (Qwen3's: False adds an empty think block).
+    special_tokens: spellings the template may use (bos_token, eos_token).
+  """
+  import jinja2
+  import jinja2.ext
+  import jinja2.sandbox
+
+  def raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+  def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers' filter: jinja's own escapes HTML characters.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+  env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+    trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+  )
+  env.filters["tojson"] = tojson
+  env.globals["raise_exception"] = raise_exception
+  env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+  messages = [dict(m) for m in messages]
+  if not add_generation_prompt:
+    messages[-1]["content"] += _CONTINUE_TAG
+  text = env.from_string(template).render(
+    messages=messages, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking, **special_tokens
+  )
+  if add_generation_prompt:
+    return text
+  if _CONTINUE_TAG.strip() not in text:
+    raise ValueError("The chat template drops the final message, so its assistant turn cannot be continued.")
+  at = text.rindex(_CONTINUE_TAG.strip())
+  # A template that strips the message also strips the tag's space; then trailing spaces go as well.
+  return text[:at] if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
