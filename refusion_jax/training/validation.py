@@ -30,9 +30,9 @@ from refusion_jax.training.state import Placement
 LOSS_METRICS = ("loss", "ar_loss", "mdm_loss")
 # What the end-of-training summary says about comparing its numbers with another machine's.
 REPRODUCIBILITY = (
-  "The data and the schedule are the same on every machine; the losses, exact match and tokens per forward are "
-  "not: another CPU (or XLA version) sums in another floating-point order, and a few hundred steps amplify that "
-  "into a different draw from the spread over seeds that the README reports."
+  "On another machine the same config and seed give the same data and schedule, but the losses, exact match and "
+  "tokens per forward may differ: another CPU or accelerator (or XLA version) sums in another floating-point order, "
+  "and training amplifies that into another draw from the spread over seeds (the README gives the demo's)."
 )
 # Decoder keyword -> the `config.eval` field that sets it.
 EVAL_KNOBS = dict(
