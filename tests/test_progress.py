@@ -1,10 +1,11 @@
 """The progress bar's time left: steps and the evaluations still to come, on a fake clock."""
 
+import jax
 import pytest
 
 from configs import demo
 from refusion_jax.training.loop import _eval_steps
-from refusion_jax.training.metrics import MetricsLogger, TimeLeft, format_seconds
+from refusion_jax.training.metrics import COMPILE_EVENTS, MetricsLogger, TimeLeft, compile_seconds, format_seconds
 
 
 class FakeClock:
@@ -30,9 +31,10 @@ def test_time_left_counts_the_evaluations_to_come():
   left.steps_done(50)
   assert left.step_seconds == pytest.approx(0.5)
   with left.evaluating(50):
-    clock.now += 12.0
+    clock.now += 20.0
+    jax.monitoring.record_event_duration_secs(COMPILE_EVENTS[-1], 8.0)  # compiling the decoder, not to be repeated
   assert left.evals_to_go == 1
-  # 50 steps at 0.5 s and the last evaluation at 12 s; the evaluation's time is not step time
+  # 50 steps at 0.5 s and the last evaluation at 20 - 8 s; the evaluation's time is not step time
   assert left.seconds_left() == pytest.approx(50 * 0.5 + 12.0)
   clock.now += 10.0
   left.steps_done(70)
@@ -92,3 +94,16 @@ def test_the_loop_expects_the_evaluations_it_will_run():
   assert _eval_steps(config, 0, 10, evaluates=True) == [4, 8, 10]
   assert _eval_steps(config, 8, 10, evaluates=True) == [10]  # resumed at step 8
   assert _eval_steps(config, 0, 10, evaluates=False) == []
+
+
+def test_compile_seconds_count_only_compile_events_inside_the_block():
+  jax.monitoring.record_event_duration_secs(COMPILE_EVENTS[0], 5.0)  # before: not counted
+  with compile_seconds() as compiling:
+    jax.monitoring.record_event_duration_secs(COMPILE_EVENTS[0], 1.5)
+    jax.monitoring.record_event_duration_secs("/jax/some/other_event", 9.0)
+    assert compiling() == 1.5
+    jax.jit(lambda x: x * 3 + 1)(jax.numpy.arange(5.0))  # a real compilation reports under these event names
+    inside = compiling()
+    assert inside > 1.5
+  jax.monitoring.record_event_duration_secs(COMPILE_EVENTS[-1], 7.0)  # after: the listener is gone
+  assert compiling() == inside

@@ -39,15 +39,40 @@ def format_seconds(seconds: float) -> str:
   return f"{seconds}s"
 
 
+# jax.monitoring's events for the seconds a program spends being traced, lowered and compiled (one after another).
+COMPILE_EVENTS = (
+  "/jax/core/compile/jaxpr_trace_duration",
+  "/jax/core/compile/jaxpr_to_mlir_module_duration",
+  "/jax/core/compile/backend_compile_duration",
+)
+
+
+@contextlib.contextmanager
+def compile_seconds() -> Iterator[Callable[[], float]]:
+  """Within the block, a function returning the seconds spent compiling (`COMPILE_EVENTS`) since it began."""
+  total = [0.0]
+
+  def record(event: str, seconds: float, **kwargs) -> None:
+    if event in COMPILE_EVENTS:
+      total[0] += seconds
+
+  jax.monitoring.register_event_duration_secs_listener(record)
+  try:
+    yield lambda: total[0]
+  finally:
+    jax.monitoring.unregister_event_duration_listener(record)
+
+
 class TimeLeft:
   """The time a run still needs: its steps to go at the measured time per step, plus its evaluations to go at the
   measured time per evaluation (the last one decodes the samples printed at the end).
 
   The steps' time is the clock's time outside evaluations (saves, being periodic, are spread over the steps). The
   first steps' time includes compiling the step, so once later steps are timed only those count. An evaluation's
-  time is the last one's: the first includes compiling the decoder, and later ones shorten as the model learns to
-  fill more tokens per forward. Until an evaluation is timed its cost is unknown, and `describe` says how many are
-  still to come rather than guessing.
+  time is the last one's less what it spent compiling (the first compiles the decoder, which later ones reuse: on
+  the CPU demo that was most of it), and later ones shorten as the model learns to fill more tokens per forward.
+  Until an evaluation is timed its cost is unknown, and `describe` says how many are still to come rather than
+  guessing.
 
   clock: seconds, monotonic (`time.perf_counter`; tests pass a fake one).
   """
@@ -80,14 +105,15 @@ class TimeLeft:
 
   @contextlib.contextmanager
   def evaluating(self, step: int) -> Iterator[None]:
-    """Times the evaluation at `step`; its time is not the steps' time."""
+    """Times the evaluation at `step`, less its compiling; its time is not the steps' time."""
     started = self._clock()
-    try:
-      yield
-    finally:
-      self._mark = self._clock()
-      self._eval_seconds = self._mark - started
-      self._evals_to_go = [due for due in self._evals_to_go if due > step]
+    with compile_seconds() as compiling:
+      try:
+        yield
+      finally:
+        self._mark = self._clock()
+        self._eval_seconds = max(self._mark - started - compiling(), 0.0)
+        self._evals_to_go = [due for due in self._evals_to_go if due > step]
 
   @property
   def step_seconds(self) -> float | None:
