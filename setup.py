@@ -55,6 +55,9 @@ setup(
     # libraries), so there the torch parity tests skip unless torch is installed by hand.
     "test": [
       "pytest>=8",
+      # the suite runs in two processes (`-n 2`, .ci/run): one process keeps about one core busy (compiling,
+      # Python), so a 2-core machine runs the suite in about half the time
+      "pytest-xdist>=3.5",
       "hypothesis>=6.100",
       'torch==2.13.0; python_version < "3.12"',
       "transformers>=5.24,<6",

@@ -25,13 +25,15 @@ from refusion_jax.training import loop as train
 from refusion_jax.training import run_config
 from refusion_jax.training import state as train_state
 from refusion_jax.training.objective import ObjectiveConfig
+from refusion_jax.training.validation import REPRODUCIBILITY
 
 
 def test_one_step_trains_evaluates_and_checkpoints(tmp_path, data_dir, capsys):
   config = smoke_config(data_dir, num_train_steps=1, eval_every=1)
   result = train.train_and_evaluate(config, str(tmp_path))
   assert result.step == 1 and result.stopped_by == "finished"
-  (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[train] step 1:")]
+  captured = capsys.readouterr()
+  (line,) = [line for line in captured.out.splitlines() if line.startswith("[train] step 1:")]
   pad_fraction = float(line.split("pad_fraction=")[1].split()[0])
   assert 0.0 < pad_fraction < 0.3  # packed rows of the built-in tasks (unpacked: about a half)
   scalars = dict(item.split("=") for item in line.split(": ", 1)[1].split())
@@ -51,6 +53,9 @@ def test_one_step_trains_evaluates_and_checkpoints(tmp_path, data_dir, capsys):
     correct = [s["correct"] for s in result.samples if s["task"] == task]
     assert metrics[f"exact_match_{task}"] == np.mean(correct)
   assert metrics["exact_match"] == np.mean([s["correct"] for s in result.samples])
+  # The summary says what a run on another CPU may change; the bar's time left counts the evaluation to come.
+  assert "Validation exact match" in captured.out and REPRODUCIBILITY in captured.out
+  assert "left=" in captured.err and "+ 1 eval" in captured.err
   with Checkpoints(str(tmp_path / "checkpoints")) as checkpoints:
     assert checkpoints.all_steps() == [1]
   events = os.listdir(tmp_path / "tensorboard")

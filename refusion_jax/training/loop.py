@@ -180,7 +180,9 @@ def _train(
   # ------------------------------------------------------------ 5. the loop and its periodic actions
   state, step = run.state, int(run.state.step)
   first_step = step
-  logger = MetricsLogger(workdir, total_steps=total_steps, initial_step=step)
+  # The progress bar's time left counts the evaluations to come (on a CPU demo a good part of the run).
+  eval_steps = _eval_steps(config, step, total_steps, validation is not None)
+  logger = MetricsLogger(workdir, total_steps=total_steps, initial_step=step, eval_steps=eval_steps)
   result = TrainResult(step=step, losses={}, evals=[], samples=[], stopped_by="finished")
   # Only a one-process run stops out of a blocked wait (data, evaluation): the processes of a multi-process run
   # must all stop, and save, at one step, which they agree on at a host sync.
@@ -256,6 +258,11 @@ def _due(config: ml_collections.ConfigDict, step: int, total_steps: int, evaluat
   return due
 
 
+def _eval_steps(config: ml_collections.ConfigDict, step: int, total_steps: int, evaluates: bool) -> list[int]:
+  """The steps after `step` at which an evaluation is due."""
+  return [s for s in range(step + 1, total_steps + 1) if "eval" in _due(config, s, total_steps, evaluates)]
+
+
 def _stop_reason(config: ml_collections.ConfigDict, interrupts: Interrupts, checkpoints: Checkpoints, step: int) -> str:
   """ "preempted" when any process got a signal (or JAX's preemption notice asks to save at `step`),
   "stop_after_step" at `config.stop_after_step`, else "finished" (go on)."""
@@ -303,7 +310,7 @@ class _DeviceQueue:
     for step, metrics in steps:
       _check_finite(metrics, step, last_saved, checkpoints)
       result.losses[step] = float(metrics["loss"])
-      logger.step(result.losses[step])
+    logger.steps_done(steps[-1][0], [result.losses[step] for step, _ in steps])
     self.step_seconds = (time.perf_counter() - self._synced_at) / count
     return steps[-1][1]
 
@@ -407,7 +414,7 @@ class _Evaluator:
 
   def run(self, step: int, params: Any, result: TrainResult) -> None:
     config, tokenizer = self._config, self._run.tokenizer
-    with self._interrupts.phase(f"evaluating at step {step}", blocking=self._alone):
+    with self._interrupts.phase(f"evaluating at step {step}", blocking=self._alone), self._logger.evaluating(step):
       metrics = evaluate_loss(
         self._eval_fn,
         params,

@@ -28,6 +28,12 @@ from refusion_jax.training.state import Placement
 
 # The metrics of the training objective that the validation loss averages.
 LOSS_METRICS = ("loss", "ar_loss", "mdm_loss")
+# What the end-of-training summary says about comparing its numbers with another machine's.
+REPRODUCIBILITY = (
+  "On another machine the same config and seed give the same data and schedule, but the losses, exact match and "
+  "tokens per forward may differ: another CPU or accelerator (or XLA version) sums in another floating-point order, "
+  "and training amplifies that into another draw from the spread over seeds (the README gives the demo's)."
+)
 # Decoder keyword -> the `config.eval` field that sets it.
 EVAL_KNOBS = dict(
   gen_length="gen_length",
@@ -144,5 +150,6 @@ def format_report(step: int, metrics: Mapping[str, float], samples: Sequence[Map
       f"Validation exact match {metrics['exact_match']:.3f} over {len(samples)} examples"
       + (f" ({by_task})" if by_task else "")
       + f", tokens per forward {metrics['tpf']:.2f}.",
+      REPRODUCIBILITY,
     ]
   )
