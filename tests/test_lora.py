@@ -14,7 +14,7 @@ from flax import nnx
 from train_utils import REPO, smoke_config
 
 import refusion_jax as rj
-from refusion_jax.checkpoints import lora_run, orbax_tree, peft
+from refusion_jax.checkpoints import lora_run, orbax_tree
 from refusion_jax.checkpoints.hf import save_hf
 from refusion_jax.checkpoints.load import load, load_model
 from refusion_jax.decoding.refusion import generate
