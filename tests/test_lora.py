@@ -11,9 +11,10 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from train_utils import REPO, smoke_config
+from train_utils import REPO, load_config, smoke_config
 
 import refusion_jax as rj
+from refusion_jax import train_bench
 from refusion_jax.checkpoints import lora_run, orbax_tree
 from refusion_jax.checkpoints.hf import save_hf
 from refusion_jax.checkpoints.load import load, load_model
@@ -21,6 +22,7 @@ from refusion_jax.decoding.refusion import generate
 from refusion_jax.model import flops, lora
 from refusion_jax.model.config import tiny
 from refusion_jax.model.transformer import Transformer, init_model
+from refusion_jax.parallel import sharding
 from refusion_jax.training import loop as train
 from refusion_jax.training import state as train_state
 from refusion_jax.training.objective import ObjectiveConfig
@@ -148,6 +150,21 @@ def test_lora_step_flops_have_no_weight_gradients_of_frozen_kernels():
   assert flops.adapter_weights(config, settings) == sum(x.size for x in jax.tree.leaves(adapters))
 
 
+def test_adapters_are_placed_by_the_logical_axes_of_their_kernels():
+  model = lora.add_lora(init_model(tiny(vocab_size=96)), lora.LoraConfig(rank=4, targets=ALL))
+  mesh = jax.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"))
+  specs = {
+    ".".join(map(str, path)): s.spec
+    for path, s in nnx.to_flat_state(sharding.state_shardings(nnx.state(model), mesh))
+    if lora.is_adapter(path)
+  }
+  P = jax.sharding.PartitionSpec
+  assert specs["layers.0.self_attn.q_proj_lora.lora_a"] == P("fsdp", None)
+  assert specs["layers.0.self_attn.q_proj_lora.lora_b"] == P(None, "tensor", None)
+  assert specs["layers.1.self_attn.o_proj_lora.lora_a"] == P("tensor", None, None)
+  assert specs["layers.1.mlp.down_proj_lora.lora_b"] == P(None, "fsdp")
+
+
 def test_a_target_no_module_has_names_the_modules_there_are():
   with pytest.raises(ValueError, match="q_proj.*gate_proj.*down_proj"):
     lora.LoraConfig(rank=8, targets=("q_proj", "query"))
@@ -260,7 +277,10 @@ def test_decoding_with_adapters_unmerged_or_merged_gives_the_same_tokens():
 
 
 def test_a_lora_run_resumes_exactly_and_saves_only_adapters(tmp_path, data_dir):
-  config = smoke_config(data_dir, num_train_steps=6, eval_every=0)
+  # Scanned and rematerialised layers, packed rows, the chunked loss and two microbatches, as a real run has them.
+  config = smoke_config(data_dir, num_train_steps=6, eval_every=0, grad_accum_steps=2)
+  config.model.update(scan_layers=True, remat="full")
+  config.objective.loss_chunk = 16
   config.lora.update(rank=4, dropout=0.1)
   straight = train.train_and_evaluate(config, str(tmp_path / "straight"))
   config.stop_after_step = 3
@@ -331,3 +351,12 @@ def test_the_lora_command_line_path_trains_then_samples_and_evaluates(tmp_path, 
   )
   assert evaluated.returncode == 0, evaluated.stderr[-3000:]
   assert "accuracy" in json.loads(out.read_text())["metrics"]
+
+
+def test_train_bench_times_full_fine_tuning_against_lora():
+  config = load_config("demo")
+  timings = train_bench.time_objectives(config, ["refusion"], steps=1, lora_ranks=[0, 4])
+  full, adapted = timings["refusion"], timings["refusion+lora4"]
+  assert full.tokens == adapted.tokens and adapted.model_flops < full.model_flops
+  # LoRA holds the frozen weights once, and Adam moments for the adapters only (full: weights and two moments).
+  assert adapted.state_bytes < 0.5 * full.state_bytes
