@@ -32,7 +32,10 @@ def main() -> None:
   config = preset(args.preset, vocab_size=512, mask_token_id=511, eos_token_id=510, pad_token_id=0)
   model = lora.add_lora(init_model(config, seed=0), lora.LoraConfig(rank=args.rank))
   graphdef, state = nnx.split(model)
-  noise = lambda path, x: 0.05 * jax.random.normal(jax.random.PRNGKey(len(path)), x.shape) if lora.is_adapter(path) else x  # noqa: E731
+
+  def noise(path, x):  # trained adapters are not zero: B random too
+    return 0.05 * jax.random.normal(jax.random.PRNGKey(len(path)), x.shape) if lora.is_adapter(path) else x
+
   model = nnx.merge(graphdef, jax.tree_util.tree_map_with_path(noise, state))
   rng = np.random.default_rng(0)
   prompts = [list(rng.integers(1, 500, int(rng.integers(16, 48)))) for _ in range(args.batch)]
