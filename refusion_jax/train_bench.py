@@ -134,7 +134,7 @@ def time_objectives(
     states[kind], metrics = steps_of[kind](state, batches[kind])  # the first run (not timed)
     jax.block_until_ready(metrics)
   for _ in range(steps):
-    for kind in objectives:
+    for kind in steps_of:
       start = time.perf_counter()
       states[kind], metrics = steps_of[kind](states[kind], batches[kind])
       jax.block_until_ready(metrics)
