@@ -361,3 +361,17 @@ def test_train_bench_times_full_fine_tuning_against_lora():
   assert full.tokens == adapted.tokens and adapted.model_flops < full.model_flops
   # LoRA holds the frozen weights once, and Adam moments for the adapters only (full: weights and two moments).
   assert adapted.state_bytes < 0.5 * full.state_bytes
+
+
+def test_convert_merges_a_peft_adapter_into_a_hugging_face_checkpoint(hf_base, tmp_path):
+  from refusion_jax import convert
+
+  model = _randomise_adapters(lora.add_lora(load_model(hf_base, format="hf"), lora.LoraConfig(rank=4)), 12)
+  rj.save_lora(model, str(tmp_path / "adapter"))
+  out = tmp_path / "merged"
+  assert convert.main([hf_base, str(out), "--to", "hf", "--lora", str(tmp_path / "adapter")]) == 0
+  tokens = _tokens(7, vocab=211)
+  np.testing.assert_allclose(_hf_logits(_hf(str(out)), tokens), np.asarray(model(tokens)[0]), atol=1e-5)
+  assert convert.main([hf_base, str(tmp_path / "again"), "--to", "peft", "--lora", str(tmp_path / "adapter")]) == 0
+  again = load_model(hf_base, format="hf", lora=str(tmp_path / "again"))
+  np.testing.assert_array_equal(np.asarray(again(tokens)[0]), np.asarray(model(tokens)[0]))
