@@ -28,6 +28,9 @@ and `flash`: the fused kernels know segments, not arbitrary masks.
 (refusion_jax.model.remat); `config.scan_layers` runs the layers as one
 `lax.scan` over their weights stacked inside the forward (the parameter tree
 stays one subtree per layer, so checkpoints and shardings do not change).
+
+Any projection may carry a LoRA adapter beside its kernel (refusion_jax.model.lora):
+its output is then `x·W + scale·(x·A)·B`, named as the projection's for remat.
 """
 
 from __future__ import annotations
@@ -186,10 +189,8 @@ class Attention(nnx.Module):
       attend = {"chunked": chunked, "dot_product": attend_dot_product}.get(c.attention_impl, attend_dense)
       out = attend(q, k, v, cached, mask)
     out = constrain(out.reshape(batch, block, c.num_heads, c.head_dim), _HEADS)
-    out = jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(x.dtype)) + lora.delta(
-      self, "o_proj", out, dropout_key
-    )
-    out = checkpoint_name(out, remat.O_PROJ)
+    projected = jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(x.dtype))
+    out = checkpoint_name(projected + lora.delta(self, "o_proj", out, dropout_key), remat.O_PROJ)
     return constrain(out, _RESIDUAL), (k, v)
 
 
