@@ -115,13 +115,14 @@ def train_report(config: ml_collections.ConfigDict, devices: Sequence[jax.Device
   args = (placement.abstract_state, batch)
   traced = step.trace(*args)
   report = compiled.compile_report(name, traced.lower, args, list(mesh.devices.flat), chip, loop_count=accum)
-  report.traced_flops = compiled.matmul_flops(traced.jaxpr) / len(devices)
+  # Per chip of the mesh, which may use fewer chips than the topology has (a one-chip mesh on v5p:2x2x1).
+  report.traced_flops = compiled.matmul_flops(traced.jaxpr) / mesh.devices.size
   if model_config.scan_layers:  # XLA's cost analysis counts the scan's one layer once: no FLOPs rather than wrong ones
     report.flops = report.bytes_accessed = None
   # MFU is judged on rows full of real tokens (packed rows come close): one causal example of seq_len per row.
   rows = [config.data.seq_len] * config.batch_size
   causal = objective.kind != "mdm"
-  report.model_flops = flops.training_flops(model_config, rows, causal, lora_config) / len(devices)
+  report.model_flops = flops.training_flops(model_config, rows, causal, lora_config) / mesh.devices.size
   report.advice = train_advice(report, config, model_config, ways)
   return report
 
