@@ -61,6 +61,8 @@ setup(
       "hypothesis>=6.100",
       'torch==2.13.0; python_version < "3.12"',
       "transformers>=5.24,<6",
+      # LoRA adapters written and read by peft itself (tests/test_lora.py); it needs torch, hence the same marker
+      'peft>=0.21,<0.22; python_version < "3.12"',
       # docs/sampling.ipynb is executed headlessly by tests/test_notebook.py
       "nbclient>=0.10",
       "nbformat>=5.10",

@@ -98,6 +98,14 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.stop_after_step = -1  # save and stop at this step while keeping the schedule of num_train_steps
   config.stop_grace_s = 10.0  # after SIGTERM/SIGINT, seconds to reach a point where it can save; then exit
 
+  # LoRA (refusion_jax.model.lora): train low-rank adapters on frozen kernels; rank 0 trains every weight.
+  config.lora = ml_collections.ConfigDict()
+  config.lora.rank = 0  # adapter rank r (0: off, full fine-tuning)
+  config.lora.alpha = 16.0  # scale = alpha / r (peft's lora_alpha)
+  config.lora.dropout = 0.0  # dropout on the adapters' inputs while training (peft's lora_dropout)
+  config.lora.targets = ("q_proj", "k_proj", "v_proj", "o_proj")  # also gate_proj, up_proj, down_proj
+  config.lora.use_rslora = False  # scale = alpha / sqrt(r) instead
+
   config.optimizer = ml_collections.ConfigDict()
   config.optimizer.lr = 2e-3  # peak learning rate
   config.optimizer.warmup_steps = 100  # linear warmup from 0

@@ -20,6 +20,12 @@ _EXPORTS = {
   "inspect_checkpoint": "refusion_jax.checkpoints.load",
   "save_hf": "refusion_jax.checkpoints.hf",
   "load_tokenizer": "refusion_jax.data.tokenizer",
+  # LoRA: adapters on a model, merged into it, and peft's adapter files both ways.
+  "LoraConfig": "refusion_jax.model.lora",
+  "add_lora": "refusion_jax.model.lora",
+  "merge_lora": "refusion_jax.model.lora",
+  "save_lora": "refusion_jax.checkpoints.peft",
+  "load_lora": "refusion_jax.checkpoints.peft",
   # Decoding.
   "generate": "refusion_jax.decoding.refusion",
   "ar_generate": "refusion_jax.decoding.ar",

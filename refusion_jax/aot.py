@@ -41,12 +41,12 @@ from refusion_jax.cli import report_errors
 from refusion_jax.decoding.driver import Decoder, loop_for, padded_rows, start_batch
 from refusion_jax.decoding.mesh import loop_shardings
 from refusion_jax.decoding.refusion import REFUSION, ReFusionKnobs, ReFusionSettings, pick_rows_on
-from refusion_jax.model import flops
+from refusion_jax.model import flops, lora
 from refusion_jax.model.config import ModelConfig
-from refusion_jax.model.transformer import abstract_model, inference_config, init_model
+from refusion_jax.model.transformer import inference_config, init_model
 from refusion_jax.parallel import compiled, sharding
 from refusion_jax.parallel.activations import normalize_rules, sharded_activations
-from refusion_jax.training.run_config import objective_config_from, preset_with_overrides
+from refusion_jax.training.run_config import lora_config_from, objective_config_from, preset_with_overrides
 from refusion_jax.training.state import init_state_fn, make_optimizer, make_placement, make_train_step
 
 
@@ -94,8 +94,9 @@ def train_report(config: ml_collections.ConfigDict, devices: Sequence[jax.Device
   # One process compiles for the whole topology; the job's processes do not change the per-device split.
   sharding.check_batch_split(config.batch_size, accum, mesh, rules, processes=1)
   tx, schedule = make_optimizer(config.optimizer, total_steps=max(config.num_train_steps, 1))
-  placement = make_placement(init_state_fn(model_config, tx, config.seed), mesh, rules)
-  graphdef, _ = abstract_model(model_config)
+  lora_config = lora_config_from(config)
+  placement = make_placement(init_state_fn(model_config, tx, config.seed, lora_config), mesh, rules)
+  graphdef, _ = lora.abstract_lora_model(model_config, lora_config)
   objective = objective_config_from(config, model_config)
   step_fn = sharded_activations(make_train_step(graphdef, tx, schedule, objective, accum), mesh, rules)
   step = placement.jit_step(step_fn)
@@ -107,18 +108,21 @@ def train_report(config: ml_collections.ConfigDict, devices: Sequence[jax.Device
     for key, shape in shapes.items()
   }
   name = (
-    f"train step, batch {config.batch_size} x {config.data.seq_len}, grad_accum {accum}, "
+    f"train step{f', LoRA r={lora_config.rank}' if lora_config.enabled else ''}, "
+    f"batch {config.batch_size} x {config.data.seq_len}, grad_accum {accum}, "
     f"remat {model_config.remat}{', layers scanned' if model_config.scan_layers else ''}, mesh {_mesh_text(mesh)}"
   )
   args = (placement.abstract_state, batch)
   traced = step.trace(*args)
   report = compiled.compile_report(name, traced.lower, args, list(mesh.devices.flat), chip, loop_count=accum)
-  report.traced_flops = compiled.matmul_flops(traced.jaxpr) / len(devices)
+  # Per chip of the mesh, which may use fewer chips than the topology has (a one-chip mesh on v5p:2x2x1).
+  report.traced_flops = compiled.matmul_flops(traced.jaxpr) / mesh.devices.size
   if model_config.scan_layers:  # XLA's cost analysis counts the scan's one layer once: no FLOPs rather than wrong ones
     report.flops = report.bytes_accessed = None
   # MFU is judged on rows full of real tokens (packed rows come close): one causal example of seq_len per row.
   rows = [config.data.seq_len] * config.batch_size
-  report.model_flops = flops.training_flops(model_config, rows, causal=objective.kind != "mdm") / len(devices)
+  causal = objective.kind != "mdm"
+  report.model_flops = flops.training_flops(model_config, rows, causal, lora_config) / mesh.devices.size
   report.advice = train_advice(report, config, model_config, ways)
   return report
 

@@ -112,6 +112,12 @@ def add_model_flags(parser: argparse.ArgumentParser, random_init: bool = True, r
     "prompts must be token ids; 'bytes' with --random_init).",
   )
   parser.add_argument("--dtype", choices=DTYPES, help="activation and parameter dtype (default: as stored).")
+  parser.add_argument(
+    "--lora",
+    metavar="DIR",
+    help="a peft LoRA adapter directory (adapter_config.json + adapter_model.safetensors) to add to the model, "
+    "unmerged (a LoRA training run of ours needs none: its checkpoint loads with its adapters).",
+  )
 
 
 def has_model(args: argparse.Namespace) -> bool:
@@ -147,4 +153,5 @@ def model_request(args: argparse.Namespace) -> dict:
     tokenizer=args.tokenizer,
     dtype=args.dtype,
     seed=getattr(args, "init_seed", 0),
+    lora=getattr(args, "lora", None),
   )

@@ -31,6 +31,7 @@ from safetensors.numpy import save_file
 from refusion_jax.checkpoints.mapping import Rule, Table, split_heads
 from refusion_jax.checkpoints.restore import Fetch, Source, dotted
 from refusion_jax.data.special_tokens import discover_special_tokens
+from refusion_jax.model import lora
 from refusion_jax.model.config import ModelConfig, family_switches
 from refusion_jax.model.transformer import Transformer
 
@@ -439,6 +440,11 @@ def save_hf(model: Transformer, path: str | pathlib.Path, max_shard_bytes: int |
   model.safetensors.index.json. Replaces any checkpoint files already in
   `path`. Tensors are copied to the host one shard at a time.
   """
+  if any(True for _ in lora.adapted_kernels(model)):
+    raise ValueError(
+      "The model carries LoRA adapters, which a Hugging Face checkpoint has no place for: save "
+      "merge_lora(model) (the adapters folded into the kernels), or the adapters alone with save_lora."
+    )
   path = pathlib.Path(path)
   path.mkdir(parents=True, exist_ok=True)
   (path / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")

@@ -5,6 +5,7 @@
     model = load_model("/tunix/ckpts", config="/ckpt/Qwen3-0.6B")   # tunix root, step or item folder
     model = load_model("/maxtext/run/checkpoints", config="qwen3_0p6b", mesh=mesh)
     model, tokenizer = load("tiny", format="preset")                # random init, byte tokenizer
+    model = load_model("/ckpt/ReFusion", lora="/adapters/run1")     # a base plus peft LoRA adapters
     print(inspect_checkpoint("/tunix/ckpts"))                       # format, arrays, inferred fields
 
 `load` and `load_model` take the same arguments; every loader of the package
@@ -18,6 +19,11 @@ refused naming the field. tunix and MaxText store no config, so `config` is
 then required: a `ModelConfig`, a preset name, or a directory holding the
 Hugging Face config.json of the model the run started from (its tokenizer,
 if there, is the one `load` returns).
+
+A LoRA training run of ours loads as its base with the adapters of the step
+(`refusion_jax.checkpoints.lora_run`); `lora=DIR` adds a peft adapter directory
+to any base (`refusion_jax.checkpoints.peft`). Either way the adapters stay
+unmerged: `refusion_jax.model.lora.merge_lora` folds them into the kernels.
 
 Every parameter is restored straight into its sharding on `mesh` by the
 logical-axis `rules` (default: the first device), one array at a time where
@@ -34,12 +40,13 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from refusion_jax.checkpoints import hf, mapping, maxtext, orbax_tree, tunix
+from refusion_jax.checkpoints import hf, lora_run, mapping, maxtext, orbax_tree, peft, tunix
 from refusion_jax.checkpoints import orbax as refusion
 from refusion_jax.checkpoints.detect import FORMATS, Found, detect
 from refusion_jax.checkpoints.restore import Source, build_model, check_config
 from refusion_jax.data.tokenizer import Tokenizer, load_tokenizer
 from refusion_jax.model import config as config_lib
+from refusion_jax.model import lora as lora_lib
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer, init_model
 from refusion_jax.parallel.sharding import Rules
@@ -131,6 +138,7 @@ def load_model(
   mesh: Mesh | None = None,
   rules: Rules | None = None,
   seed: int = 0,
+  lora: str | None = None,
 ) -> Transformer:
   """Load the model a checkpoint holds, each parameter restored straight onto its sharding.
 
@@ -149,6 +157,8 @@ def load_model(
     mesh, rules: the mesh and logical-axis rules to place parameters by
       (default: everything on the first device).
     seed: with a preset, the seed of the random weights.
+    lora: a peft adapter directory (adapter_config.json + adapter_model.safetensors) to add, unmerged,
+      to the model `path` holds.
 
   Returns:
     The `Transformer` (`model(tokens)` gives logits).
@@ -158,13 +168,26 @@ def load_model(
     ValueError: the format is not the one asked for; no config for a format that
       stores none; a config that disagrees with the arrays; a missing, unexpected
       or misfitting array (named); a LoRA-only tunix checkpoint; a MaxText scan axis
-      that does not match.
+      that does not match; a LoRA adapter that does not fit the model (the tensor named).
     NotImplementedError: an architecture feature we do not implement (e.g. a RoPE type).
   """
   if format == "preset" or (format == "auto" and detect_format(path) == "preset"):
-    return _random_model(path, load_tokenizer("bytes"), config, step, dtype, param_dtype, seed)
-  found = locate(path, format, step)
-  return _model_of(found, resolve_config(config), dtype, param_dtype, mesh, rules)
+    model = _random_model(path, load_tokenizer("bytes"), config, step, dtype, param_dtype, seed)
+  else:
+    found = locate(path, format, step)
+    model = _model_of(found, resolve_config(config), dtype, param_dtype, mesh, rules)
+  return _with_lora(model, lora)
+
+
+def _with_lora(model: Transformer, directory: str | None) -> Transformer:
+  if directory is None:
+    return model
+  if any(True for _ in lora_lib.adapted_kernels(model)):
+    raise ValueError(
+      f"The checkpoint already carries LoRA adapters (a LoRA run's checkpoint); lora={directory!r} cannot be "
+      "added on top. Merge them first (merge_lora) and add the new adapters to the merged model."
+    )
+  return peft.load_lora(model, directory)
 
 
 def _model_of(
@@ -172,6 +195,10 @@ def _model_of(
 ) -> Transformer:
   """The model of a located checkpoint; `config` replaces (and is checked against) what it stores."""
   logger.info("Loading %s", found.description)
+  if found.format == "refusion" and lora_run.is_lora_run(found.path, found.step):
+    if config is not None:
+      raise ValueError(f"{found.path} is a LoRA run: its base records the config; pass no config.")
+    return lora_run.load_run_model(found.path, found.step, dtype, param_dtype, mesh, rules)
   base = config or (hf.load_hf_config(found.path) if found.format == "hf" else None)
   source = _open(found, base)
   base = base or source.config
@@ -216,6 +243,7 @@ def load(
   mesh: Mesh | None = None,
   rules: Rules | None = None,
   seed: int = 0,
+  lora: str | None = None,
 ) -> tuple[Transformer, Tokenizer]:
   """`load_model` plus the tokenizer that goes with the model.
 
@@ -229,9 +257,9 @@ def load(
   """
   if format == "preset" or (format == "auto" and detect_format(source) == "preset"):
     chosen = load_tokenizer(tokenizer or "bytes")
-    return _random_model(source, chosen, config, step, dtype, param_dtype, seed), chosen
+    return _with_lora(_random_model(source, chosen, config, step, dtype, param_dtype, seed), lora), chosen
   found = locate(source, format, step)
-  model = _model_of(found, resolve_config(config), dtype, param_dtype, mesh, rules)
+  model = _with_lora(_model_of(found, resolve_config(config), dtype, param_dtype, mesh, rules), lora)
   name = tokenizer or checkpoint_tokenizer(found, config)
   return model, (load_tokenizer(name) if name else NoTokenizer(source, model.config))
 

@@ -28,6 +28,9 @@ and `flash`: the fused kernels know segments, not arbitrary masks.
 (refusion_jax.model.remat); `config.scan_layers` runs the layers as one
 `lax.scan` over their weights stacked inside the forward (the parameter tree
 stays one subtree per layer, so checkpoints and shardings do not change).
+
+Any projection may carry a LoRA adapter beside its kernel (refusion_jax.model.lora):
+its output is then `x·W + scale·(x·A)·B`, named as the projection's for remat.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from refusion_jax.model import remat
+from refusion_jax.model import lora, remat
 from refusion_jax.model.cache import BlockKV, KVCache, block_mask
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.flash import Segments, attend_segments, kernel_available, kernel_for, target_platform
@@ -136,8 +139,9 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(c.head_dim, "head_dim", c, rngs)
       self.k_norm = RMSNorm(c.head_dim, "head_dim", c, rngs)
 
-  def _project(self, x, kernel, bias_name, name):
-    out = jnp.einsum("bte,ehd->bthd", x, kernel[...].astype(x.dtype))
+  def _project(self, x, kernel, bias_name, name, dropout_key):
+    out = jnp.einsum("bte,ehd->bthd", x, getattr(self, kernel)[...].astype(x.dtype))
+    out = out + lora.delta(self, kernel, x, dropout_key)
     if self.config.qkv_bias:
       out = out + getattr(self, bias_name)[...].astype(x.dtype)
     return checkpoint_name(out, name)
@@ -148,6 +152,7 @@ class Attention(nnx.Module):
     positions: jax.Array,
     mask: jax.Array | Segments,
     cached: tuple[jax.Array, jax.Array] | None,
+    dropout_key: jax.Array | None = None,
   ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Attend the block to the cache and to itself.
 
@@ -157,15 +162,16 @@ class Attention(nnx.Module):
       mask: [batch, block, capacity + block] (or [batch, block, block] without a cache), or the
         `Segments` of a training forward for the fused kernel (no cache).
       cached: this layer's cache keys and values, each [batch, capacity, kv_heads, head_dim].
+      dropout_key: the key of the LoRA adapters' dropout (training); None: no dropout.
 
     Returns:
       The attention output [batch, block, embed] and the block's own keys and
       values after RoPE, each [batch, block, kv_heads, head_dim].
     """
     c = self.config
-    q = self._project(x, self.q_proj, "q_bias", remat.Q_PROJ)
-    k = self._project(x, self.k_proj, "k_bias", remat.K_PROJ)
-    v = self._project(x, self.v_proj, "v_bias", remat.V_PROJ)
+    q = self._project(x, "q_proj", "q_bias", remat.Q_PROJ, dropout_key)
+    k = self._project(x, "k_proj", "k_bias", remat.K_PROJ, dropout_key)
+    v = self._project(x, "v_proj", "v_bias", remat.V_PROJ, dropout_key)
     if c.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     q = rope(q, positions, c)
@@ -183,7 +189,8 @@ class Attention(nnx.Module):
       attend = {"chunked": chunked, "dot_product": attend_dot_product}.get(c.attention_impl, attend_dense)
       out = attend(q, k, v, cached, mask)
     out = constrain(out.reshape(batch, block, c.num_heads, c.head_dim), _HEADS)
-    out = checkpoint_name(jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(x.dtype)), remat.O_PROJ)
+    projected = jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(x.dtype))
+    out = checkpoint_name(projected + lora.delta(self, "o_proj", out, dropout_key), remat.O_PROJ)
     return constrain(out, _RESIDUAL), (k, v)
 
 
@@ -266,10 +273,14 @@ class MLP(nnx.Module):
     self.up_proj = _param(rngs, (c.hidden_size, c.intermediate_size), ("embed", "mlp"), c)
     self.down_proj = _param(rngs, (c.intermediate_size, c.hidden_size), ("mlp", "embed"), c)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    gate = constrain(checkpoint_name(x @ self.gate_proj[...].astype(x.dtype), remat.MLP_GATE), _MLP)
-    up = constrain(checkpoint_name(x @ self.up_proj[...].astype(x.dtype), remat.MLP_UP), _MLP)
-    down = checkpoint_name((jax.nn.silu(gate) * up) @ self.down_proj[...].astype(x.dtype), remat.MLP_DOWN)
+  def _project(self, x: jax.Array, kernel: str, name: str, dropout_key: jax.Array | None) -> jax.Array:
+    out = x @ getattr(self, kernel)[...].astype(x.dtype) + lora.delta(self, kernel, x, dropout_key)
+    return checkpoint_name(out, name)
+
+  def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+    gate = constrain(self._project(x, "gate_proj", remat.MLP_GATE, dropout_key), _MLP)
+    up = constrain(self._project(x, "up_proj", remat.MLP_UP, dropout_key), _MLP)
+    down = self._project(jax.nn.silu(gate) * up, "down_proj", remat.MLP_DOWN, dropout_key)
     return constrain(down, _RESIDUAL)
 
 
@@ -282,10 +293,11 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = RMSNorm(config.hidden_size, "embed", config, rngs)
     self.mlp = MLP(config, rngs)
 
-  def __call__(self, x, positions, mask, cached):
-    attn_out, kv = self.self_attn(self.input_layernorm(x), positions, mask, cached)
+  def __call__(self, x, positions, mask, cached, dropout_key=None):
+    attn_key, mlp_key = (None, None) if dropout_key is None else jax.random.split(dropout_key)
+    attn_out, kv = self.self_attn(self.input_layernorm(x), positions, mask, cached, attn_key)
     x = constrain(x + attn_out, _RESIDUAL)
-    x = constrain(x + self.mlp(self.post_attention_layernorm(x)), _RESIDUAL)
+    x = constrain(x + self.mlp(self.post_attention_layernorm(x), mlp_key), _RESIDUAL)
     return x, kv
 
 
@@ -305,12 +317,14 @@ def run_layers(
   attention: jax.Array | Segments,
   cache: KVCache | None,
   config: ModelConfig,
+  dropout_key: jax.Array | None = None,
 ) -> tuple[jax.Array, BlockKV]:
   """The decoder layers over the residual stream, under `config.remat` and `config.scan_layers`.
 
   Args:
     x: [batch, block, embed] embedded tokens.
     positions, attention, cache: as `DecoderLayer` takes them (the cache split per layer).
+    dropout_key: the LoRA adapters' dropout key (layer i draws from fold_in(key, i)); None: no dropout.
 
   Returns:
     The last layer's output [batch, block, embed] and every layer's keys and values.
@@ -324,26 +338,31 @@ def run_layers(
   policy = remat.POLICIES[config.remat]
   graphdef = nnx.graphdef(layers[0])  # every layer has the same structure
 
-  def one_layer(state, x, cached):
-    return nnx.merge(graphdef, state)(x, positions, attention, cached)
+  def one_layer(state, x, cached, key):
+    return nnx.merge(graphdef, state)(x, positions, attention, cached, key)
 
   if policy is not None:
     # Inside a scan, CSE cannot undo the rematerialisation (prevent_cse=False is then safe and faster).
     one_layer = jax.checkpoint(one_layer, policy=policy, prevent_cse=not config.scan_layers)
   caches = (None, None) if cache is None else (cache.k, cache.v)
+  layer_keys = [None if dropout_key is None else jax.random.fold_in(dropout_key, i) for i in range(len(layers))]
   if config.scan_layers:
     stacked = _stacked_weights([nnx.state(layer) for layer in layers], config)
 
     def body(x, per_layer):
-      state, cache_k, cache_v = per_layer
-      return one_layer(state, x, None if cache_k is None else (cache_k, cache_v))
+      state, cache_k, cache_v, key = per_layer
+      return one_layer(state, x, None if cache_k is None else (cache_k, cache_v), key)
 
-    x, (keys, values) = jax.lax.scan(body, x, (stacked, *caches))
+    stacked_keys = None if dropout_key is None else jnp.stack(layer_keys)
+    x, (keys, values) = jax.lax.scan(body, x, (stacked, *caches, stacked_keys))
     return x, BlockKV(k=keys, v=values)
   keys, values = [], []
   for i, layer in enumerate(layers):
     cached = None if cache is None else (cache.k[i], cache.v[i])
-    x, (k, v) = layer(x, positions, attention, cached) if policy is None else one_layer(nnx.state(layer), x, cached)
+    if policy is None:
+      x, (k, v) = layer(x, positions, attention, cached, layer_keys[i])
+    else:
+      x, (k, v) = one_layer(nnx.state(layer), x, cached, layer_keys[i])
     keys.append(k)
     values.append(v)
   return x, BlockKV(k=jnp.stack(keys), v=jnp.stack(values))
@@ -389,6 +408,7 @@ class Transformer(nnx.Module):
     *,
     segment_ids: jax.Array | None = None,
     bidirectional: bool = False,
+    dropout_key: jax.Array | None = None,
   ) -> tuple[jax.Array, BlockKV]:
     """Forward a block of tokens: `features` then `logits` (arguments as in `features`).
 
@@ -396,7 +416,9 @@ class Transformer(nnx.Module):
       logits [batch, block, vocab] in float32, and the block's keys and values
       `BlockKV` ([layers, batch, block, kv_heads, head_dim]).
     """
-    hidden, kv = self.features(tokens, positions, mask, cache, segment_ids=segment_ids, bidirectional=bidirectional)
+    hidden, kv = self.features(
+      tokens, positions, mask, cache, segment_ids=segment_ids, bidirectional=bidirectional, dropout_key=dropout_key
+    )
     return self.logits(hidden), kv
 
   def features(
@@ -408,6 +430,7 @@ class Transformer(nnx.Module):
     *,
     segment_ids: jax.Array | None = None,
     bidirectional: bool = False,
+    dropout_key: jax.Array | None = None,
   ) -> tuple[jax.Array, BlockKV]:
     """The final-normed hidden states of a block of tokens (everything but the LM head).
 
@@ -424,6 +447,7 @@ class Transformer(nnx.Module):
         cache, no mask): a token sees only tokens of its own segment, the
         earlier ones (or, with `bidirectional`, all of them). Id 0 marks padding.
       bidirectional: with `segment_ids`, attention is full within a segment (the MDM baseline).
+      dropout_key: where LoRA adapters with dropout draw it (training forwards); None: no dropout.
 
     Returns:
       hidden [batch, block, embed] in the compute dtype, and the block's keys
@@ -459,7 +483,7 @@ class Transformer(nnx.Module):
     # only by replicating them first.
     table = constrain(self.embed_tokens[...].astype(c.compute_dtype), ("vocab", None))
     x = constrain(table[tokens], _RESIDUAL)
-    x, kv = run_layers(self.layers, x, positions, attention, cache, c)
+    x, kv = run_layers(self.layers, x, positions, attention, cache, c, dropout_key)
     return self.norm(x), kv
 
   def head_matrix(self) -> jax.Array:

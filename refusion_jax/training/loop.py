@@ -45,16 +45,16 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from refusion_jax.checkpoints import lora_run
 from refusion_jax.checkpoints.orbax import CHECKPOINT_SUBDIR, Checkpoints, local_path, model_meta
 from refusion_jax.data import pipeline
-from refusion_jax.model import flops
+from refusion_jax.model import flops, lora
 from refusion_jax.model.config import ModelConfig
-from refusion_jax.model.transformer import abstract_model
 from refusion_jax.parallel import compiled, sharding
 from refusion_jax.training import inputs, run_lock, start
 from refusion_jax.training.interrupts import Interrupts, RunInterrupted, StopRequested
 from refusion_jax.training.metrics import MetricsLogger, console
-from refusion_jax.training.run_config import check_run_config, objective_config_from
+from refusion_jax.training.run_config import check_run_config, lora_config_from, objective_config_from
 from refusion_jax.training.state import TrainState, make_eval_step, make_optimizer, make_train_step
 from refusion_jax.training.validation import evaluate_decoding, evaluate_loss, format_report, format_samples
 
@@ -173,7 +173,8 @@ def _train(
   # ------------------------------------------------------------ 4. compiled functions
   model_config = run.start.model_config
   objective = objective_config_from(config, model_config)
-  graphdef, _ = abstract_model(model_config)
+  lora_config = lora_config_from(config)
+  graphdef, _ = lora.abstract_lora_model(model_config, lora_config)
   step_fn = run.placement.jit_step(make_train_step(graphdef, tx, schedule, objective, config.grad_accum_steps))
   eval_fn = run.placement.jit_eval(make_eval_step(graphdef, objective))
 
@@ -188,10 +189,16 @@ def _train(
   # must all stop, and save, at one step, which they agree on at a host sync.
   alone = jax.process_count() == 1
   device = _DeviceQueue(interrupts)
-  saver = _Saver(checkpoints, model_meta(model_config, run.start.tokenizer_name, objective=objective.kind), interrupts)
+  meta = model_meta(
+    model_config,
+    run.start.tokenizer_name,
+    objective=objective.kind,
+    **lora_run.meta_fields(lora_config, checkpoints.directory),
+  )
+  saver = _Saver(checkpoints, meta, interrupts)
   saver.last_saved = run.start.resume_step
   evaluator = _Evaluator(config, validation, run, eval_fn, graphdef, logger, interrupts, alone)
-  throughput = _Throughput(model_config, causal=objective.kind != "mdm")
+  throughput = _Throughput(model_config, causal=objective.kind != "mdm", lora_config=lora_config)
   position = _Position(run.train_iterator)
   try:
     while step < total_steps:
@@ -326,8 +333,8 @@ class _Throughput:
   Time spent evaluating and saving (`paused`) is not the steps' time.
   """
 
-  def __init__(self, model_config: ModelConfig, causal: bool):
-    self._model_config, self._causal = model_config, causal
+  def __init__(self, model_config: ModelConfig, causal: bool, lora_config: lora.LoraConfig):
+    self._model_config, self._causal, self._lora = model_config, causal, lora_config
     self._chips, self._peak = jax.device_count(), compiled.peak_flops(jax.devices()[0])
     self._reset()
 
@@ -338,7 +345,7 @@ class _Throughput:
   def add(self, batch: Mapping[str, np.ndarray]) -> None:
     lengths = flops.example_lengths(batch)
     self._tokens += int(lengths.sum())
-    self._flops += flops.training_flops(self._model_config, lengths, self._causal)
+    self._flops += flops.training_flops(self._model_config, lengths, self._causal, self._lora)
     self._pad += pipeline.pad_fraction(batch)
     self._batches += 1
 
@@ -384,9 +391,9 @@ class _Saver:
 
   def save(self, step: int, state: TrainState, position: _Position) -> None:
     with self._interrupts.phase(f"saving step {step}", blocking=False, patience_s=_SAVE_PATIENCE_S):
-      self._checkpoints.save(
-        step, params=state.params, train=state.train_part(), data_iterator=position, meta=self._meta
-      )
+      # The trainable part: every parameter, or only the adapters of a LoRA run (its base was written once).
+      params = lora.trainable_part(state.params)[0]
+      self._checkpoints.save(step, params=params, train=state.train_part(), data_iterator=position, meta=self._meta)
     self.last_saved = step
 
 

@@ -338,14 +338,21 @@ def reorganize(batch: Mapping[str, jax.Array], key: jax.Array, config: Objective
   return build_inputs(batch, draw_randomness(key, batch_size, length, config, prompt_len.shape[1]), config)
 
 
-def _features(model: nnx.Module, inputs: TrainingInputs, config: ObjectiveConfig) -> jax.Array:
+def _features(
+  model: nnx.Module, inputs: TrainingInputs, config: ObjectiveConfig, dropout_key: jax.Array | None = None
+) -> jax.Array:
   """Hidden states [batch, length, embed] of the objective's forward.
 
   Attention stays inside each example (`segment_ids`; padding sees only
   padding and carries no label): causal over storage order, or full for "mdm".
+  `dropout_key`: the LoRA adapters' dropout (training only).
   """
   hidden, _ = model.features(
-    inputs.tokens, inputs.positions, segment_ids=inputs.segment_ids, bidirectional=config.kind == "mdm"
+    inputs.tokens,
+    inputs.positions,
+    segment_ids=inputs.segment_ids,
+    bidirectional=config.kind == "mdm",
+    dropout_key=dropout_key,
   )
   return hidden
 
@@ -356,7 +363,7 @@ def forward(model: nnx.Module, inputs: TrainingInputs, config: ObjectiveConfig) 
 
 
 def loss_from_inputs(
-  model: nnx.Module, inputs: TrainingInputs, config: ObjectiveConfig
+  model: nnx.Module, inputs: TrainingInputs, config: ObjectiveConfig, dropout_key: jax.Array | None = None
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Loss = AR CE averaged over AR-labelled tokens + sum(CE / p / answer_len) over masked tokens / examples.
 
@@ -365,7 +372,7 @@ def loss_from_inputs(
   """
   weights = jnp.stack([inputs.ar_weights, inputs.mdm_weights])
   ar_sum, mdm_sum = weighted_cross_entropy(
-    model.logits, _features(model, inputs, config), inputs.labels, weights, chunk=config.loss_chunk
+    model.logits, _features(model, inputs, config, dropout_key), inputs.labels, weights, chunk=config.loss_chunk
   )
   num_ar = jnp.sum(inputs.ar_weights)
   num_examples = jnp.sum(inputs.real_examples.astype(jnp.float32))
@@ -385,11 +392,15 @@ def loss_from_inputs(
 
 
 def loss_fn(
-  model: nnx.Module, batch: Mapping[str, jax.Array], key: jax.Array, config: ObjectiveConfig
+  model: nnx.Module,
+  batch: Mapping[str, jax.Array],
+  key: jax.Array,
+  config: ObjectiveConfig,
+  dropout_key: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """The training loss of one batch: `reorganize` then `loss_from_inputs`.
+  """The training loss of one batch: `reorganize` then `loss_from_inputs` (`dropout_key`: LoRA dropout).
 
   Jit it with the config static, e.g.
   `nnx.jit(nnx.value_and_grad(loss_fn, has_aux=True), static_argnames="config")`.
   """
-  return loss_from_inputs(model, reorganize(batch, key, config), config)
+  return loss_from_inputs(model, reorganize(batch, key, config), config, dropout_key)

@@ -7,9 +7,12 @@
 - `check_run_config`: what can be refused before anything runs (renamed fields,
   fields a run cannot start without), named together.
 - `objective_config_from`: `config.objective` with the model's mask and pad ids.
+- `lora_config_from`: `config.lora`, the adapters a LoRA run trains.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import ml_collections
 
@@ -18,6 +21,7 @@ from refusion_jax.checkpoints.mapping import ARRAY_FIELDS
 from refusion_jax.data.special_tokens import SpecialTokens, resolve_special_tokens, with_special_tokens
 from refusion_jax.data.tokenizer import Tokenizer
 from refusion_jax.model.config import ModelConfig, preset
+from refusion_jax.model.lora import LoraConfig
 from refusion_jax.training.objective import ObjectiveConfig
 
 # The `config.model` fields that say how a model runs (memory against recomputation, the attention kernel, scanned
@@ -101,6 +105,7 @@ def check_run_config(config: ml_collections.ConfigDict, resuming: bool) -> None:
     raise ValueError(f"checkpoint.on_corrupt={config.checkpoint.on_corrupt!r}; choose 'fallback' or 'fail'.")
   if config.init_format not in ("auto", *FORMATS):
     raise ValueError(f"config.init_format={config.init_format!r}; choose 'auto' or one of {FORMATS}.")
+  lora_config_from(config)  # a bad config.lora is refused here, before any data or model is built
   missing = []
   if not (resuming or config.init_from or config.tokenizer):
     missing.append(
@@ -114,6 +119,20 @@ def check_run_config(config: ml_collections.ConfigDict, resuming: bool) -> None:
       "The config leaves required fields empty: " + "; ".join(missing) + ". Set them on the command line, "
       "e.g. --config.init_from=/path/to/Qwen3-8B --config.data.train_files=train.json."
     )
+
+
+def lora_config_from(config: ml_collections.ConfigDict) -> LoraConfig:
+  """The adapters `config.lora` asks for (rank 0, none, when the config has no `lora` section).
+
+  Raises:
+    ValueError: an unknown field of `config.lora`, or a value `LoraConfig` refuses (e.g. a target no module has).
+  """
+  fields = dict(config.get("lora") or {})
+  unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(LoraConfig)})
+  if unknown:
+    known = [f.name for f in dataclasses.fields(LoraConfig)]
+    raise ValueError(f"config.lora has unknown fields {unknown}; it takes {known}.")
+  return LoraConfig(**fields)
 
 
 def objective_config_from(config: ml_collections.ConfigDict, model_config: ModelConfig) -> ObjectiveConfig:

@@ -14,6 +14,9 @@ The precedence, stated once (docs/architecture.md repeats it):
    `config.model` and `config.tokenizer` describe the model).
 3. **Random init** of `config.model` with `config.tokenizer`.
 
+With `config.lora.rank > 0` the model gets fresh adapters on top of that start (a resume restores
+them), and its frozen base is written once to `workdir/lora_base` (`refusion_jax.checkpoints.lora_run`).
+
 Each source's config is read once. Whatever the start, the run's execution
 fields of `config.model` (remat, attention implementation, scanning) apply.
 """
@@ -32,17 +35,23 @@ import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from refusion_jax.checkpoints import hf
+from refusion_jax.checkpoints import hf, lora_run
 from refusion_jax.checkpoints.load import checkpoint_tokenizer, load_model, locate
 from refusion_jax.checkpoints.orbax import CheckpointDamagedError, Checkpoints
 from refusion_jax.checkpoints.vocab import MASK_TOKEN, add_mask_token, resize_vocab
 from refusion_jax.data.special_tokens import SpecialTokens, resolve_special_tokens, with_special_tokens
 from refusion_jax.data.tokenizer import Tokenizer, load_tokenizer
+from refusion_jax.model import lora
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.training import inputs
 from refusion_jax.training.interrupts import Interrupts
 from refusion_jax.training.metrics import console
-from refusion_jax.training.run_config import check_hf_architecture, model_config_from, run_as_configured
+from refusion_jax.training.run_config import (
+  check_hf_architecture,
+  lora_config_from,
+  model_config_from,
+  run_as_configured,
+)
 from refusion_jax.training.state import Placement, TrainState, init_state_fn, make_placement, state_with_params
 
 # Where damaged checkpoints are moved inside a workdir (next to the checkpoint directory, out of its manager's sight).
@@ -94,6 +103,7 @@ def begin(
     try:
       with interrupts.phase(f"restoring checkpoint step {step}", blocking=True):
         meta = checkpoints.read_meta(step)
+        _check_same_lora(config, meta, checkpoints.directory, step)
         start = Start(ModelConfig(**meta["model_config"]), meta["tokenizer"], resume_step=step)
         return _build(config, _as_configured(start, config), checkpoints, tx, mesh, train_source)
     except CheckpointDamagedError as error:
@@ -107,6 +117,16 @@ def begin(
   with interrupts.phase("loading the initial model", blocking=True):
     start = _from_init(config, checkpoints.directory) if config.init_from else _random(config)
     return _build(config, _as_configured(start, config), checkpoints, tx, mesh, train_source)
+
+
+def _check_same_lora(config: ml_collections.ConfigDict, meta: dict, directory: str, step: int) -> None:
+  """A run resumes with the adapters it was saved with (its checkpoints hold nothing else to train)."""
+  stored, asked = lora_run.stored_lora(meta), lora_config_from(config)
+  if stored != asked:
+    raise ValueError(
+      f"Checkpoint step {step} in {directory} was trained with lora={stored}, but the config asks for "
+      f"lora={asked}. Resume with the stored settings (--config.lora.*), or use a new workdir."
+    )
 
 
 def _as_configured(start: Start, config: ml_collections.ConfigDict) -> Start:
@@ -194,20 +214,35 @@ def _build(
   """The tokenizer, the state's placement, the training iterator and the state, created where it lives."""
   local = os.path.join(checkpoints.directory, start.tokenizer_name)
   tokenizer = load_tokenizer(local if os.path.isdir(local) else start.tokenizer_name)
-  placement = make_placement(init_state_fn(start.model_config, tx, config.seed), mesh, config.sharding_rules)
+  lora_config = lora_config_from(config)
+  init_fn = init_state_fn(start.model_config, tx, config.seed, lora_config)
+  placement = make_placement(init_fn, mesh, config.sharding_rules)
   train_iterator = iter(inputs.batches(train_source, tokenizer, config, train=True))
   if start.resume_step is not None:
     abstract = placement.abstract_state
+    # A LoRA run's steps hold the adapters (the trainable part); its base was written once.
+    trainable, frozen = lora.trainable_part(abstract.params)
     restored = checkpoints.restore(
       start.resume_step,
-      abstract_params=abstract.params,
+      abstract_params=trainable,
       abstract_train=abstract.train_part(),
       data_iterator=train_iterator,
     )
+    params = restored.params
+    if lora_config.enabled:
+      params = nnx.merge_state(params, lora_run.restore_base(frozen, checkpoints.directory))
     console(f"Resumed from {checkpoints.directory} at step {start.resume_step}.")
-    state = TrainState(params=restored.params, **restored.train)
+    state = TrainState(params=params, **restored.train)
   elif start.params is not None:
-    state = state_with_params(start.params, tx, config.seed, placement)
+    params = start.params
+    if lora_config.enabled:
+      params = lora_run.with_adapters(params, start.model_config, lora_config, config.seed)
+    state = state_with_params(params, tx, config.seed, placement)
   else:
-    state = jax.jit(init_state_fn(start.model_config, tx, config.seed), out_shardings=placement.state_shardings)()
+    state = jax.jit(init_fn, out_shardings=placement.state_shardings)()
+  if lora_config.enabled and start.resume_step is None:
+    directory = lora_run.save_base(
+      lora.trainable_part(state.params)[1], start.model_config, start.tokenizer_name, checkpoints.directory
+    )
+    console(f"LoRA: the frozen base is written once, to {directory}; checkpoints hold the adapters.")
   return Started(start, tokenizer, placement, train_iterator, state)

@@ -25,6 +25,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from refusion_jax.model import lora
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer
 from refusion_jax.parallel import sharding
@@ -40,7 +41,8 @@ class TrainState:
 
   step:      [] int32, optimizer updates applied so far.
   params:    the model's `nnx.State` (`nnx.Param` leaves with logical axes).
-  opt_state: the optax state (its moments mirror `params`, axes included).
+  opt_state: the optax state (its moments mirror the trainable part of `params`, axes included: all of
+             them, or only the LoRA adapters of a model that carries some, `lora.trainable_part`).
   rng:       [2] uint32 base key; step k draws from fold_in(rng, k), so a resumed
              run draws exactly what an uninterrupted one would.
   """
@@ -80,6 +82,8 @@ def decays(path: tuple) -> bool:
   """
   names = _parameter_names(path)
   leaf = names[-1]
+  if leaf in lora.ADAPTER_WEIGHTS:  # low-rank factors of a kernel: decayed as peft + transformers' Trainer do
+    return True
   if leaf in _DECAYED_NAMES or leaf.endswith(_DECAYED_SUFFIXES):
     return True
   if leaf.endswith("_bias") or (leaf == "weight" and len(names) > 1 and names[-2].endswith("norm")):
@@ -144,28 +148,35 @@ def make_train_step(
   Batch: tokens [batch, length], prompt_len and answer_len [batch, segments] (packed rows) or [batch].
   Metrics: loss, ar_loss, mdm_loss, num_ar_tokens, num_mdm_tokens (microbatch
   means), grad_norm (before clipping), learning_rate (of this update).
+
+  A model with LoRA adapters trains only them (`lora.trainable_part`): gradients are taken with respect
+  to the adapters alone, so no weight gradient of a frozen kernel is ever computed, and the optimizer
+  state mirrors the adapters only.
   """
 
-  def loss_of(params: nnx.State, batch: Batch, key: jax.Array) -> tuple[jax.Array, Metrics]:
-    return loss_fn(nnx.merge(graphdef, params), batch, key, objective)
+  def loss_of(trainable: nnx.State, frozen: nnx.State, batch: Batch, key: jax.Array) -> tuple[jax.Array, Metrics]:
+    model = nnx.merge(graphdef, trainable, frozen)
+    return loss_fn(model, batch, key, objective, dropout_key=lora.dropout_key(model, key))
 
   grad_fn = jax.value_and_grad(loss_of, has_aux=True)
 
   def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
     key = jax.random.fold_in(state.rng, state.step)
     micro = jax.tree.map(lambda x: _microbatches(x, grad_accum_steps), batch)
+    trainable, frozen = lora.trainable_part(state.params)
 
     def accumulate(carry: tuple[Any, Metrics], inputs: tuple[jax.Array, Batch]) -> tuple[tuple[Any, Metrics], None]:
       index, microbatch = inputs
-      (_, metrics), grads = grad_fn(state.params, microbatch, jax.random.fold_in(key, index))
+      (_, metrics), grads = grad_fn(trainable, frozen, microbatch, jax.random.fold_in(key, index))
       return jax.tree.map(jnp.add, carry, (grads, metrics)), None
 
-    (_, metrics_shape), grads_shape = jax.eval_shape(grad_fn, state.params, jax.tree.map(lambda x: x[0], micro), key)
+    first = jax.tree.map(lambda x: x[0], micro)
+    (_, metrics_shape), grads_shape = jax.eval_shape(grad_fn, trainable, frozen, first, key)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (grads_shape, metrics_shape))
     (grads, metrics), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(grad_accum_steps), micro))
     grads, metrics = jax.tree.map(lambda x: x / grad_accum_steps, (grads, metrics))
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    updates, opt_state = tx.update(grads, state.opt_state, trainable)
+    params = nnx.merge_state(optax.apply_updates(trainable, updates), frozen)
     metrics = dict(metrics, grad_norm=optax.global_norm(grads), learning_rate=schedule(state.step))
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
@@ -244,11 +255,15 @@ def make_placement(init_fn: Callable[[], TrainState], mesh: jax.sharding.Mesh, r
 # ------------------------------------------------------------------ fresh states
 
 
-def init_state_fn(model_config: ModelConfig, tx: optax.GradientTransformation, seed: int) -> Callable[[], TrainState]:
-  """A function building a fresh TrainState (random parameters); jit it with the placement's out_shardings."""
+def init_state_fn(
+  model_config: ModelConfig, tx: optax.GradientTransformation, seed: int, lora_config: lora.LoraConfig | None = None
+) -> Callable[[], TrainState]:
+  """A function building a fresh TrainState (random parameters, and adapters when `lora_config` asks for
+  them); jit it with the placement's out_shardings."""
 
   def init() -> TrainState:
-    _, params = nnx.split(Transformer(model_config, rngs=nnx.Rngs(params=seed)))
+    model = Transformer(model_config, rngs=nnx.Rngs(params=seed))
+    _, params = nnx.split(lora.add_lora(model, lora_config or lora.LoraConfig(), seed))
     return _state_from_params(params, tx, seed)
 
   return init
@@ -258,7 +273,7 @@ def _state_from_params(params: nnx.State, tx: optax.GradientTransformation, seed
   return TrainState(
     step=jnp.zeros((), jnp.int32),
     params=params,
-    opt_state=tx.init(params),
+    opt_state=tx.init(lora.trainable_part(params)[0]),
     rng=jax.random.PRNGKey(seed + 1),  # seed itself initialised the parameters
   )
 
