@@ -23,10 +23,10 @@ from torch_reference import torch
 from train_utils import smoke_config
 from tunix_layout import save_tunix_layout
 
-from refusion_jax import convert, sample
+from refusion_jax import sample
+from refusion_jax.checkpoints.export import convert, write_refusion
 from refusion_jax.checkpoints.hf import config_to_hf, save_hf
 from refusion_jax.checkpoints.load import inspect_checkpoint, load, load_model
-from refusion_jax.convert import write_refusion
 from refusion_jax.data.tokenizer import ByteTokenizer
 from refusion_jax.decoding.ar import ar_generate
 from refusion_jax.model.config import ModelConfig
@@ -203,16 +203,15 @@ def test_inspect_reads_maxtext_without_its_optimizer_state(tmp_path):
   assert info.fields["padded_vocab"] == 256 and info.fields["num_layers"] == 2 and info.fields["head_dim"] == 16
 
 
-# ------------------------------------------------------------------- convert CLI
+# ------------------------------------------------------------------- converting
 
 
-def test_convert_tunix_to_hf_gives_transformers_the_tunix_logits(tmp_path, capsys):
+def test_convert_tunix_to_hf_gives_transformers_the_tunix_logits(tmp_path):
   config, reference = _tunix("qwen3")
   (tmp_path / "config").mkdir()
   (tmp_path / "config" / "config.json").write_text(json.dumps(config_to_hf(config)))
-  argv = [str(TUNIX / "qwen3"), str(tmp_path / "hf"), "--to", "hf", "--config", str(tmp_path / "config")]
-  assert convert.main(argv) == 0, capsys.readouterr().err
-  assert "from the tunix checkpoint, step 3" in capsys.readouterr().out
+  done = convert(str(TUNIX / "qwen3"), str(tmp_path / "hf"), to="hf", config=str(tmp_path / "config"))
+  assert "from the tunix checkpoint, step 3" in done
   exported = transformers.AutoModelForCausalLM.from_pretrained(
     tmp_path / "hf", dtype=torch.float32, attn_implementation="eager"
   ).eval()
@@ -220,22 +219,26 @@ def test_convert_tunix_to_hf_gives_transformers_the_tunix_logits(tmp_path, capsy
   assert ratio <= TOLERANCE
 
 
-def test_convert_to_refusion_and_inspect(tmp_path, capsys):
+def test_convert_to_refusion_and_inspect(tmp_path):
   config, reference = _tunix("llama")
   shutil.copytree(TUNIX / "llama", tmp_path / "tunix")
   (tmp_path / "config").mkdir()
   (tmp_path / "config" / "config.json").write_text(json.dumps(config_to_hf(config)))
-  argv = [str(tmp_path / "tunix"), str(tmp_path / "run"), "--to", "refusion", "--config", str(tmp_path / "config")]
-  assert convert.main(argv) == 0, capsys.readouterr().err
+  convert(str(tmp_path / "tunix"), str(tmp_path / "run"), to="refusion", config=str(tmp_path / "config"))
   model, tokenizer = load(str(tmp_path / "run"))
   assert model.config == config
   assert relative_error(_logits(model, reference["tokens"], reference["positions"]), reference["logits"]) <= TOLERANCE
 
-  assert convert.main([str(tmp_path / "run"), "--inspect"]) == 0
-  out = capsys.readouterr().out
+  out = convert(str(tmp_path / "run"), inspect=True)
   assert "format: refusion" in out and "layers.1.self_attn.q_proj.value  [16, 4, 8]" in out
-  assert convert.main([str(tmp_path / "run"), "--to", "hf"]) == 2
-  assert "Give SRC OUT --to hf|refusion" in capsys.readouterr().err
+  with pytest.raises(ValueError, match="Give SRC OUT --to hf|refusion"):
+    convert(str(tmp_path / "run"), to="hf")
+
+
+def test_convert_cli_reports_bad_input_in_one_line(tmp_path):
+  argv = [sys.executable, "-m", "refusion_jax.convert", str(tmp_path), "--to", "hf"]
+  out = subprocess.run(argv, capture_output=True, text=True)
+  assert out.returncode == 2 and "Give SRC OUT --to hf|refusion" in out.stderr and "Traceback" not in out.stderr
 
 
 # ------------------------------------------------------------------- straight onto a mesh
