@@ -171,7 +171,7 @@ def _train(
       next(iter(inputs.batches(validation, run.tokenizer, config, train=False)))  # a DataError now, not later
 
   # ------------------------------------------------------------ 4. compiled functions
-  model_config = run.start.model_config
+  model_config = run.origin.model_config
   objective = objective_config_from(config, model_config)
   graphdef, _ = abstract_model(model_config)
   step_fn = run.placement.jit_step(make_train_step(graphdef, tx, schedule, objective, config.grad_accum_steps))
@@ -186,8 +186,8 @@ def _train(
   # must all stop, and save, at one step, which they agree on at a host sync.
   alone = jax.process_count() == 1
   device = _DeviceQueue(interrupts)
-  saver = _Saver(checkpoints, model_meta(model_config, run.start.tokenizer_name, objective=objective.kind), interrupts)
-  saver.last_saved = run.start.resume_step
+  saver = _Saver(checkpoints, model_meta(model_config, run.origin.tokenizer_name, objective=objective.kind), interrupts)
+  saver.last_saved = run.origin.resume_step
   evaluator = _Evaluator(config, validation, run, eval_fn, graphdef, logger, interrupts, alone)
   throughput = _Throughput(model_config, causal=objective.kind != "mdm")
   position = _Position(run.train_iterator)

@@ -30,7 +30,8 @@ from refusion_jax.model.transformer import Transformer
 from refusion_jax.parallel import sharding
 from refusion_jax.training.objective import ObjectiveConfig, loss_fn
 
-Batch = Mapping[str, Any]
+# A training step's input: tokens, prompt_len, answer_len (data/pipeline.py's batch contract), on host or device.
+TrainBatch = Mapping[str, Any]
 Metrics = dict[str, jax.Array]
 
 
@@ -138,7 +139,7 @@ def make_train_step(
   schedule: optax.Schedule,
   objective: ObjectiveConfig,
   grad_accum_steps: int,
-) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+) -> Callable[[TrainState, TrainBatch], tuple[TrainState, Metrics]]:
   """The (un-jitted) step: average gradients over `grad_accum_steps` microbatches, one AdamW update.
 
   Batch: tokens [batch, length], prompt_len and answer_len [batch, segments] (packed rows) or [batch].
@@ -146,16 +147,18 @@ def make_train_step(
   means), grad_norm (before clipping), learning_rate (of this update).
   """
 
-  def loss_of(params: nnx.State, batch: Batch, key: jax.Array) -> tuple[jax.Array, Metrics]:
+  def loss_of(params: nnx.State, batch: TrainBatch, key: jax.Array) -> tuple[jax.Array, Metrics]:
     return loss_fn(nnx.merge(graphdef, params), batch, key, objective)
 
   grad_fn = jax.value_and_grad(loss_of, has_aux=True)
 
-  def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+  def step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]:
     key = jax.random.fold_in(state.rng, state.step)
     micro = jax.tree.map(lambda x: _microbatches(x, grad_accum_steps), batch)
 
-    def accumulate(carry: tuple[Any, Metrics], inputs: tuple[jax.Array, Batch]) -> tuple[tuple[Any, Metrics], None]:
+    def accumulate(
+      carry: tuple[Any, Metrics], inputs: tuple[jax.Array, TrainBatch]
+    ) -> tuple[tuple[Any, Metrics], None]:
       index, microbatch = inputs
       (_, metrics), grads = grad_fn(state.params, microbatch, jax.random.fold_in(key, index))
       return jax.tree.map(jnp.add, carry, (grads, metrics)), None
@@ -174,10 +177,10 @@ def make_train_step(
 
 def make_eval_step(
   graphdef: nnx.GraphDef, objective: ObjectiveConfig
-) -> Callable[[nnx.State, Batch, jax.Array], Metrics]:
+) -> Callable[[nnx.State, TrainBatch, jax.Array], Metrics]:
   """(params, batch, key) -> metrics of the training loss, without gradients."""
 
-  def eval_step(params: nnx.State, batch: Batch, key: jax.Array) -> Metrics:
+  def eval_step(params: nnx.State, batch: TrainBatch, key: jax.Array) -> Metrics:
     return loss_fn(nnx.merge(graphdef, params), batch, key, objective)[1]
 
   return eval_step
@@ -214,7 +217,7 @@ class Placement:
   def _replicated(self) -> jax.sharding.NamedSharding:
     return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
 
-  def jit_step(self, step_fn: Callable[[TrainState, Batch], tuple[TrainState, Metrics]]) -> Callable:
+  def jit_step(self, step_fn: Callable[[TrainState, TrainBatch], tuple[TrainState, Metrics]]) -> Callable:
     """`step_fn(state, batch)` jitted with the state donated and kept in place."""
     return jax.jit(
       step_fn,
@@ -223,7 +226,7 @@ class Placement:
       donate_argnums=0,
     )
 
-  def jit_eval(self, eval_fn: Callable[[nnx.State, Batch, jax.Array], Metrics]) -> Callable:
+  def jit_eval(self, eval_fn: Callable[[nnx.State, TrainBatch, jax.Array], Metrics]) -> Callable:
     """`eval_fn(params, batch, key)` jitted."""
     return jax.jit(
       eval_fn,
