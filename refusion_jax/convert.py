@@ -44,17 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> str:
   """Do what the flags ask; returns the line to print."""
-  return convert(
-    args.source,
-    args.out,
-    to=args.to,
-    inspect=args.inspect,
-    format=args.format,
-    config=args.config,
-    step=args.step,
-    dtype=args.dtype,
-    tokenizer=args.tokenizer,
-  )
+  return convert(**vars(args))  # the flags are named as `convert`'s arguments
 
 
 def main(argv: Sequence[str] | None = None) -> int:
