@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from fake_devices import run_json
+from helpers.fake_devices import run_json
 from jax.sharding import NamedSharding, PartitionSpec
 
 from refusion_jax.model.config import tiny

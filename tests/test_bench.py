@@ -6,7 +6,7 @@ import sys
 import types
 
 import pytest
-from train_utils import load_config
+from helpers.train_utils import load_config
 
 from refusion_jax.evaluation import step_timing
 from refusion_jax.evaluation.bench_models import ReFusionOptions
