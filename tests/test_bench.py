@@ -1,12 +1,13 @@
 """The decode benchmark reports every (method, batch) row; the throughput benchmark every mode with the same
 tokens; the training benchmark times every objective."""
 
+import os
 import subprocess
 import sys
 import types
 
 import pytest
-from helpers.train_utils import load_config
+from helpers.train_utils import REPO, load_config
 
 from refusion_jax.evaluation import step_timing
 from refusion_jax.evaluation.bench_models import ReFusionOptions
@@ -79,7 +80,7 @@ def test_bench_options_reject_bad_knobs():
 
 def test_bench_cli_reports_bad_knobs_in_one_line():
   argv = [sys.executable, "-m", "refusion_jax.bench", "decode", "--gen_length", "10"]
-  out = subprocess.run(argv, capture_output=True, text=True)
+  out = subprocess.run(argv, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO), cwd=REPO)
   assert out.returncode == 2 and "multiple of slot_size" in out.stderr and "Traceback" not in out.stderr
 
 

@@ -1,6 +1,7 @@
 """checkpoints/export.py: converting a checkpoint of any format to Hugging Face or to a run directory."""
 
 import json
+import os
 import pathlib
 import shutil
 import subprocess
@@ -58,5 +59,6 @@ def test_convert_to_refusion_and_inspect(tmp_path):
 
 def test_convert_cli_reports_bad_input_in_one_line(tmp_path):
   argv = [sys.executable, "-m", "refusion_jax.convert", str(tmp_path), "--to", "hf"]
-  out = subprocess.run(argv, capture_output=True, text=True)
+  env = dict(os.environ, PYTHONPATH=REPO)  # this checkout's package, wherever pytest runs from
+  out = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO)
   assert out.returncode == 2 and "Give SRC OUT --to hf|refusion" in out.stderr and "Traceback" not in out.stderr
