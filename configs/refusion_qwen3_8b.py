@@ -15,32 +15,15 @@ resized. Parameters and optimizer state are sharded over all devices (FSDP).
 The global batch is not fixed by the recipe notes we follow: 64 x 4096
 tokens is a starting point; scale it with the pod.
 
-Memory (ahead-of-time compile for v5p with `python -m refusion_jax.aot --config
-configs/refusion_qwen3_8b.py --topology ...`; temporaries / total GB per chip,
-of HBM 95.74 GiB = 102.8 GB; gcloud names count TensorCores, two per v5p chip):
-
-| what differs from the recipe               | 8 chips (v5p:2x2x2, v5p-16) | 64 chips (v5p:4x4x4, v5p-128) |
-| ------------------------------------------ | --------------------------- | ----------------------------- |
-| nothing (splash, scanned, chunked loss)    | 33.5 / 45.8                 | 7.36 / 8.9                    |
-| `objective.loss_chunk=0` (dense loss)      | 55.1 / 67.4                 | 11.9 / 13.4                   |
-| `model.attention_impl=xla` (dense scores)  | 64.9 / 77.2                 | 9.02 / 10.6                   |
-| `model.scan_layers=False` (unrolled)       | 93.4 / 106, does not fit    | 26.4 / 27.9                   |
-| `model.remat=projections_except_mlp`       | 56 / 68.3                   | 13 / 14.5                     |
-| `model.remat=projections`                  | ≥ 114 / ≥ 126, does not fit | 20.2 / 21.8                   |
-| `model.remat=none`                         | ≥ 342 / ≥ 354, does not fit | 49 / 50.5                     |
-
-all at grad_accum 1 (before packed rows, the chunked loss, splash attention
-and scanned layers, 8 chips needed ≥ 156 GB per chip and fit only at
-grad_accum 4; 64 chips needed 27.6 GB). So the recipe as written fits 8
-chips with more than half of the HBM spare, room for longer rows or a larger
-batch per chip. Unrolled, the TPU compiler schedules every layer's
-recomputation early and keeps the MLP activations of many layers alive, so
-remat saves little; scanned, each layer is recomputed in its turn of the
-backward loop (docs/method.md §5).
-Activations follow each chip's rows of the batch, so memory falls as chips
-are added. Decoding for the periodic evaluation (prompt 512, 512 generated,
-S = 8) fits one chip: 18.9 GB at batch 1, 35.6 GB at batch 32; on the 64-chip
-mesh it pads the batch to 64 rows, 5.22 GB per chip.
+Memory: check the fit before renting chips with `python -m refusion_jax.aot
+--config configs/refusion_qwen3_8b.py --topology v5p:2x2x2` (and the other
+topologies); `results/recipe_memory.md` holds what it measured per chip for
+each variant (loss chunking, splash attention, scanned layers, remat
+policies), with the commands and dates. Activations follow each chip's rows
+of the batch, so memory falls as chips are added. Unrolled, the TPU compiler
+schedules every layer's recomputation early and keeps the MLP activations of
+many layers alive, so remat saves little; scanned, each layer is recomputed
+in its turn of the backward loop (docs/method.md §5).
 
 `init_from` and `data.train_files` are required; the checkpoint must be a
 Qwen3-8B (its config.json is checked against the `qwen3_8b` preset, naming the
@@ -75,9 +58,9 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.model.attention_impl = "auto"  # splash attention on TPU, Pallas flash attention on GPU (no [T, T] scores)
   config.model.attention_chunk = 512  # query rows per chunk, if attention_impl="chunked"
   # One layer body in the compiled step. Scanned, each layer's recomputation runs inside the backward loop;
-  # unrolled, the TPU compiler schedules the 36 recomputations early and keeps their MLP activations alive
-  # (8 chips: 106 GB per chip unrolled vs 45.8 GB scanned). False unrolls them, which the AOT report's memory
-  # traffic column needs (the compiler counts a scanned layer once).
+  # unrolled, the TPU compiler schedules the 36 recomputations early and keeps their MLP activations alive,
+  # which on 8 chips does not fit (results/recipe_memory.md). False unrolls them, which the AOT report's
+  # memory traffic column needs (the compiler counts a scanned layer once).
   config.model.scan_layers = True
 
   config.objective.slot_sizes = (4, 8, 16, 32)  # the paper's slot sizes

@@ -7,6 +7,7 @@ reached by its module path (see the module map in README.md).
 """
 
 import importlib
+import warnings
 
 _EXPORTS = {
   # Models and their configs.
@@ -36,8 +37,8 @@ _EXPORTS = {
   "make_mesh": "refusion_jax.parallel.sharding",
 }
 
-# Names of earlier versions -> what replaced them (asking for one says so).
-_RENAMED = {
+# Names of earlier versions, kept working until 0.3 with a DeprecationWarning that names their replacement.
+_DEPRECATED = {
   "load_checkpoint": "load_model(path, ...) (same arguments)",
   "load_hf": 'load_model(path, format="hf", dtype=..., config=...) (config replaces config_overrides)',
 }
@@ -45,9 +46,25 @@ _RENAMED = {
 __all__ = sorted(_EXPORTS)
 
 
+def _load_hf(path, dtype="float32", param_dtype=None, config_overrides=None, mesh=None, rules=None):
+  """The 0.1 `load_hf`: a Hugging Face directory in `dtype`, config.json's fields replaced by `config_overrides`."""
+  from refusion_jax.checkpoints.hf import load_hf_config
+  from refusion_jax.checkpoints.load import load_model
+
+  config = load_hf_config(path, **config_overrides) if config_overrides else None
+  return load_model(
+    str(path), format="hf", config=config, dtype=dtype, param_dtype=param_dtype or dtype, mesh=mesh, rules=rules
+  )
+
+
 def __getattr__(name):
   if name in _EXPORTS:
     return getattr(importlib.import_module(_EXPORTS[name]), name)
-  if name in _RENAMED:
-    raise AttributeError(f"refusion_jax.{name} was renamed: use refusion_jax.{_RENAMED[name]}.")
+  if name in _DEPRECATED:
+    warnings.warn(
+      f"refusion_jax.{name} is deprecated and will be removed in 0.3: use refusion_jax.{_DEPRECATED[name]}.",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    return _load_hf if name == "load_hf" else __getattr__("load_model")
   raise AttributeError(f"module 'refusion_jax' has no attribute {name!r}")

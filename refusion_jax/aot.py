@@ -18,47 +18,22 @@ memory (arguments, outputs, temporaries, total) against the chip's HBM, the
 compiled FLOPs and bytes, a roofline *estimate* of its time and its compile time; it exits with
 status 1, saying what to change, when something does not fit.
 
-Shapes come from `config.model` (preset + overrides), not from
-`init_from`; special token ids the config leaves unset get placeholders
-(they do not change the compiled program).
+The programs are built by `refusion_jax.training.aot_report`, from
+`config.model`'s shapes (preset + overrides), not from `init_from`.
 """
 
 from __future__ import annotations
 
-import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator
 
 import jax
-import jax.numpy as jnp
-import ml_collections
 from absl import app, flags
-from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import config_flags
 
 from refusion_jax.cli import report_errors
-from refusion_jax.decoding.driver import Decoder, loop_for, padded_rows, start_batch
-from refusion_jax.decoding.mesh import loop_shardings
-from refusion_jax.decoding.refusion import REFUSION, ReFusionKnobs, ReFusionSettings, pick_rows_on
-from refusion_jax.model import flops, lora
-from refusion_jax.model.config import ModelConfig
-from refusion_jax.model.transformer import inference_config, init_model
-from refusion_jax.parallel import compiled, sharding
-from refusion_jax.parallel.activations import normalize_rules, sharded_activations
-from refusion_jax.training.run_config import lora_config_from, objective_config_from, preset_with_overrides
-from refusion_jax.training.state import init_state_fn, make_optimizer, make_placement, make_train_step
-
-
-def model_config_of(config: ml_collections.ConfigDict) -> ModelConfig:
-  """`config.model` (preset + overrides) with placeholder special ids where the config has none."""
-  model_config = preset_with_overrides(config.model)
-  last = model_config.vocab_size - 1
-  return model_config.replace(
-    mask_token_id=model_config.mask_token_id if model_config.mask_token_id is not None else last,
-    pad_token_id=model_config.pad_token_id if model_config.pad_token_id is not None else last,
-    eos_token_id=model_config.eos_token_id if model_config.eos_token_id is not None else last,
-  )
+from refusion_jax.parallel import compiled
+from refusion_jax.training.aot_report import decode_mesh_ways, decode_reports, train_reports
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -71,191 +46,13 @@ def parse_mesh(text: str) -> dict[str, int]:
     ) from None
 
 
-def mesh_devices(mesh_shape: dict[str, int], devices: Sequence[jax.Device]) -> list[jax.Device]:
-  """The first devices a mesh needs (all of them when an axis is -1)."""
-  if -1 in mesh_shape.values():
-    return list(devices)
-  needed = math.prod(mesh_shape.values())
-  if needed > len(devices):
-    raise ValueError(f"The mesh {mesh_shape} needs {needed} devices; the topology has {len(devices)}.")
-  return list(devices[:needed])
-
-
-def _abstract(tree, shardings):
-  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
-
-
-def train_report(config: ml_collections.ConfigDict, devices: Sequence[jax.Device], chip: compiled.Chip | None):
-  """Compile the training step as `refusion_jax.train` would run it, with the activations sharded like the batch."""
-  model_config = model_config_of(config)
-  rules = normalize_rules(config.sharding_rules)
-  mesh = sharding.make_mesh(dict(config.mesh), mesh_devices(dict(config.mesh), devices))
-  ways, accum = sharding.batch_parallel_ways(mesh, rules), config.grad_accum_steps
-  # One process compiles for the whole topology; the job's processes do not change the per-device split.
-  sharding.check_batch_split(config.batch_size, accum, mesh, rules, processes=1)
-  tx, schedule = make_optimizer(config.optimizer, total_steps=max(config.num_train_steps, 1))
-  lora_config = lora_config_from(config)
-  placement = make_placement(init_state_fn(model_config, tx, config.seed, lora_config), mesh, rules)
-  graphdef, _ = lora.abstract_lora_model(model_config, lora_config)
-  objective = objective_config_from(config, model_config)
-  step_fn = sharded_activations(make_train_step(graphdef, tx, schedule, objective, accum), mesh, rules)
-  step = placement.jit_step(step_fn)
-  # Packed rows give each row's example lengths, [batch, max_segments]; unpacked rows one length each.
-  lengths = (config.batch_size, config.data.max_segments) if config.data.packing else (config.batch_size,)
-  shapes = {"tokens": (config.batch_size, config.data.seq_len), "prompt_len": lengths, "answer_len": lengths}
-  batch = {
-    key: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding.batch_sharding(mesh, len(shape), rules))
-    for key, shape in shapes.items()
-  }
-  name = (
-    f"train step{f', LoRA r={lora_config.rank}' if lora_config.enabled else ''}, "
-    f"batch {config.batch_size} x {config.data.seq_len}, grad_accum {accum}, "
-    f"remat {model_config.remat}{', layers scanned' if model_config.scan_layers else ''}, mesh {_mesh_text(mesh)}"
-  )
-  args = (placement.abstract_state, batch)
-  traced = step.trace(*args)
-  report = compiled.compile_report(name, traced.lower, args, list(mesh.devices.flat), chip, loop_count=accum)
-  # Per chip of the mesh, which may use fewer chips than the topology has (a one-chip mesh on v5p:2x2x1).
-  report.traced_flops = compiled.matmul_flops(traced.jaxpr) / mesh.devices.size
-  if model_config.scan_layers:  # XLA's cost analysis counts the scan's one layer once: no FLOPs rather than wrong ones
-    report.flops = report.bytes_accessed = None
-  # MFU is judged on rows full of real tokens (packed rows come close): one causal example of seq_len per row.
-  rows = [config.data.seq_len] * config.batch_size
-  causal = objective.kind != "mdm"
-  report.model_flops = flops.training_flops(model_config, rows, causal, lora_config) / mesh.devices.size
-  report.advice = train_advice(report, config, model_config, ways)
-  return report
-
-
-def decode_report(
-  config: ml_collections.ConfigDict,
-  devices: Sequence[jax.Device],
-  chip: compiled.Chip | None,
-  batch: int,
-  prompt_length: int,
-  mesh_shape: dict[str, int],
-):
-  """Compile the ReFusion decode loop as `generate(..., mesh=)` runs a batch of `batch` prompts on that mesh.
-
-  The loop runs on the inference view of the model (no remat, weights in compute dtype), with its rows
-  padded to a multiple of the mesh's batch-parallel devices, as `generate` pads them: a batch smaller than
-  the mesh fits it.
-  """
-  model_config = inference_config(model_config_of(config))
-  rules = normalize_rules(config.sharding_rules)
-  mesh = sharding.make_mesh(mesh_shape, mesh_devices(mesh_shape, devices))
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: init_model(model_config)))
-  params = _abstract(abstract, sharding.state_shardings(abstract, mesh, rules))
-  replicated = NamedSharding(mesh, PartitionSpec())
-  knobs = ReFusionKnobs(
-    slot_threshold=jnp.float32(0.9),
-    token_threshold=jnp.float32(0.9),
-    temperature=jnp.float32(0.0),
-    key=jax.random.key(0),
-    mask_id=jnp.int32(model_config.mask_token_id),
-    eos_id=jnp.int32(model_config.eos_token_id),
-  )
-  knobs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), knobs)
-  ev = config.eval
-  settings = ReFusionSettings(
-    ev.gen_length, ev.slot_size, ev.serial_blocks, sample=False, pick_rows=pick_rows_on(mesh, rules)
-  )
-  decoder = Decoder(REFUSION, settings, knobs, model_config.eos_token_id)
-  rows, ways = padded_rows(batch, mesh, rules), sharding.batch_parallel_ways(mesh, rules)
-  state = start_batch(decoder, model_config, rows, prompt_length)
-  loop = loop_for(decoder, graphdef, mesh, rules)
-  state = _abstract(state, loop_shardings(state, mesh, rules))
-  max_iterations = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-
-  padding = f" as {rows} rows (a multiple of {ways} batch-parallel devices)" if rows != batch else ""
-  name = (
-    f"decode (prefill + 1 loop iteration), batch {batch}{padding}, prompt {prompt_length} + {ev.gen_length} "
-    f"(S={ev.slot_size}, {ev.serial_blocks} blocks), {model_config.param_dtype} weights, mesh {_mesh_text(mesh)}"
-  )
-  lower = lambda: loop.lower(params, state, max_iterations, knobs)
-  report = compiled.compile_report(name, lower, (params, state, knobs), list(mesh.devices.flat), chip)
-  if report.fits is False:
-    report.advice = [
-      f"decode batch {batch} does not fit: lower --decode_batch, or split the weights over more chips "
-      f"with a tensor-parallel mesh (--decode_mesh=tensor=N, N dividing {model_config.num_kv_heads} KV heads)."
-    ]
-  return report
-
-
-def train_advice(report: compiled.Report, config, model_config: ModelConfig, ways: int) -> list[str]:
-  """What to change when the training step does not fit (empty when it fits or the HBM is unknown)."""
-  if report.fits is not False:
-    return []
-  hbm = report.chip.hbm_bytes
-  advice = []
-  if report.arguments is not None and report.arguments > 0.8 * hbm:
-    advice.append(
-      f"parameters + optimizer state alone take {report.arguments / 1e9:.1f} GB per chip: shard them over "
-      f"more chips (a larger topology with config.mesh.fsdp=-1)."
-    )
-  if model_config.remat != "full":
-    advice.append("set --config.model.remat=full (each layer keeps only its input for the backward pass).")
-  if model_config.attention_impl in ("xla", "dot_product") and config.data.seq_len > model_config.attention_chunk:
-    advice.append(
-      "set --config.model.attention_impl=auto (the fused kernel on TPU / GPU) or chunked (one query chunk's "
-      "scores at a time)."
-    )
-  accum, per_device = config.grad_accum_steps, config.batch_size // ways
-  # Activations scale with the microbatch, the state does not: an estimate from this compile (after an
-  # out-of-memory compile its temporaries are a lower bound, so the estimate may fall short; rerun to check).
-  needed = accum * 2
-  if report.total is not None:
-    needed = (report.total - report.arguments) * accum / max(0.9 * hbm - report.arguments, 1.0)
-  choices = [k for k in range(accum + 1, per_device + 1) if per_device % k == 0 and k >= needed]
-  if choices:
-    advice.append(
-      f"raise --config.grad_accum_steps to {choices[0]} (estimated from this compile; "
-      f"it must divide the {per_device} rows per batch-parallel device)."
-    )
-  else:
-    advice.append(f"lower --config.batch_size (now {config.batch_size}) or add chips.")
-  return advice
-
-
-def _mesh_text(mesh: jax.sharding.Mesh) -> str:
-  return "x".join(f"{name}={size}" for name, size in mesh.shape.items() if size > 1) or "1 device"
-
-
-def run(
-  config: ml_collections.ConfigDict,
-  devices: Sequence[jax.Device],
-  chip: compiled.Chip | None,
-  *,
-  programs: Sequence[str],
-  decode_batches: Sequence[int],
-  decode_prompt_length: int,
-  decode_mesh: dict[str, int],
-  remat_policies: Sequence[str] = (),
-  decode_mesh_source: str = "--decode_mesh",
-) -> list[compiled.Report]:
-  """Compile the requested programs one at a time (big compiles are CPU-heavy) and return their reports.
-
-  The training step compiles once per `remat_policies` entry (one report each), or at the config's remat.
-  """
-  reports = []
-  if "train" in programs:
-    for policy in remat_policies or [config.model.remat]:
-      with_policy = config.copy_and_resolve_references()
-      with_policy.model.remat = policy
-      reports.append(train_report(with_policy, devices, chip))
-      print(compiled.format_table(reports[-1:]), flush=True)
-  if "decode" in programs:
-    mesh = sharding.make_mesh(decode_mesh, mesh_devices(decode_mesh, devices))
-    ways = sharding.batch_parallel_ways(mesh, normalize_rules(config.sharding_rules))
-    print(
-      f"Decode mesh {_mesh_text(mesh)} ({decode_mesh_source}): rows padded to a multiple of its {ways} "
-      "batch-parallel devices, as generate(..., mesh=) pads them.",
-      flush=True,
-    )
-    for batch in decode_batches:
-      reports.append(decode_report(config, devices, chip, batch, decode_prompt_length, decode_mesh))
-      print(compiled.format_table(reports[-1:]), flush=True)
-  return reports
+def _print_each(reports: Iterator[compiled.Report]) -> list[compiled.Report]:
+  """Print each report's row as its compile finishes (a big one takes minutes); returns them all."""
+  done = []
+  for report_ in reports:
+    done.append(report_)
+    print(compiled.format_table([report_]), flush=True)
+  return done
 
 
 def main(argv) -> None:
@@ -272,17 +69,19 @@ def report(f: flags.FlagValues) -> None:
   chip = compiled.chip_of(devices[0], f.hbm_gib)
   decode_mesh = parse_mesh(f.decode_mesh) if f.decode_mesh else dict(f.config.mesh)
   print(f"{len(devices)} devices ({devices[0].device_kind}){'' if chip else ', HBM unknown (pass --hbm_gib)'}")
-  reports = run(
-    f.config,
-    devices,
-    chip,
-    programs=f.programs,
-    decode_batches=[int(b) for b in f.decode_batch],
-    decode_prompt_length=f.decode_prompt_length,
-    decode_mesh=decode_mesh,
-    remat_policies=f.remat_policies,
-    decode_mesh_source="--decode_mesh" if f.decode_mesh else "config.mesh; --decode_mesh=... to choose another",
-  )
+  reports = []
+  if "train" in f.programs:
+    reports += _print_each(train_reports(f.config, devices, chip, f.remat_policies))
+  if "decode" in f.programs:
+    source = "--decode_mesh" if f.decode_mesh else "config.mesh; --decode_mesh=... to choose another"
+    name, ways = decode_mesh_ways(f.config, devices, decode_mesh)
+    print(
+      f"Decode mesh {name} ({source}): rows padded to a multiple of its {ways} "
+      "batch-parallel devices, as generate(..., mesh=) pads them.",
+      flush=True,
+    )
+    batches = [int(b) for b in f.decode_batch]
+    reports += _print_each(decode_reports(f.config, devices, chip, batches, f.decode_prompt_length, decode_mesh))
   print("\n" + compiled.format_table(reports))
   print(
     "Per device; GB = 1e9 bytes. TFLOP and GB accessed are the compiler's counts (a loop body counted once, "

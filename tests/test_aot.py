@@ -12,13 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.fake_devices import run_json
 from jax.sharding import NamedSharding, PartitionSpec
 
-from refusion_jax.aot import train_advice, train_report
 from refusion_jax.model.config import tiny
 from refusion_jax.parallel import compiled
 from refusion_jax.parallel.activations import activation_sharding, constrain
 from refusion_jax.parallel.sharding import check_batch_split, make_mesh
+from refusion_jax.training.aot_report import train_advice, train_report
 from refusion_jax.training.config_file import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,7 +42,7 @@ _SCALING = textwrap.dedent("""
     import jax
     jax.config.update("jax_default_matmul_precision", "highest")
     import numpy as np
-    from refusion_jax import aot as entry
+    from refusion_jax.training import aot_report
     from refusion_jax.parallel import compiled, sharding
     from refusion_jax.parallel.activations import sharded_activations
     from refusion_jax.training import state as train
@@ -55,10 +56,10 @@ _SCALING = textwrap.dedent("""
     temporaries = {}
     for ways in (2, 8):
       config.mesh.update(data=1, fsdp=ways, tensor=1)
-      temporaries[ways] = entry.train_report(config, jax.devices()[:ways], None).temporaries
+      temporaries[ways] = aot_report.train_report(config, jax.devices()[:ways], None).temporaries
 
     config.data.seq_len, config.batch_size, config.grad_accum_steps = 32, 8, 2
-    model_config = entry.model_config_of(config)
+    model_config = aot_report.model_config_of(config)
     tx, schedule = train.make_optimizer(config.optimizer, total_steps=10)
     objective = objective_config_from(config, model_config)
     graphdef, _ = abstract_model(model_config)
@@ -109,28 +110,34 @@ def test_aot_cli_reports_memory_and_exits_1_saying_what_does_not_fit():
   lines = out.stdout.splitlines()
   train_row = next(line for line in lines if line.startswith("| train step, batch 8 x 64, grad_accum 1"))
   assert "mesh data=2xfsdp=2xtensor=2 | 8 |" in train_row and "| yes |" in train_row
-  cells = [cell.strip() for cell in train_row.split("|")[3:7]]
-  assert all(float(cell) > 0 for cell in cells), train_row  # arguments, outputs, temporaries, total
   assert any(line.startswith("| decode (prefill + 1 loop iteration), batch 8") and "| NO |" in line for line in lines)
   assert "DOES NOT FIT: decode" in out.stdout and "--decode_mesh=tensor=N" in out.stdout
   times = next(line for line in lines if line.startswith("Compile times on this host: "))
   assert re.search(r"train step, batch 8 x 64, [^;]*: \d+ s; decode", times), times
 
 
-def test_aot_cli_compiles_the_train_step_once_per_remat_policy():
+# The training step at each remat policy, on the smoke config's 8-device mesh.
+_REMAT = textwrap.dedent("""
+    import json, sys
+    import jax
+    from refusion_jax.training.aot_report import train_reports
+    from refusion_jax.training.config_file import load_config
+
+    config = load_config("configs/demo.py", "smoke")
+    config.model.num_kv_heads = 2
+    reports = train_reports(config, jax.devices(), None, sys.argv[1].split(","))
+    print(json.dumps({r.name: dict(temporaries=r.temporaries, total=r.total, flops=r.flops) for r in reports}))
+""")
+
+
+def test_aot_compiles_the_train_step_once_per_remat_policy():
   policies = ["none", "projections", "full"]
-  out = run_python(["-m", "refusion_jax.aot", *SMOKE, "--programs=train", f"--remat_policies={','.join(policies)}"], 1)
-  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-  rows = {}
-  for line in out.stdout.splitlines():
-    for policy in policies:
-      if line.startswith("| train step") and f"remat {policy}," in line:
-        cells = [cell.strip() for cell in line.split("|")]
-        rows[policy] = dict(temporaries=float(cells[5]), tflop=float(cells[9]))
-  assert sorted(rows) == sorted(policies), out.stdout
-  # Keeping less costs recomputation: more FLOPs (the smoke model's temporaries differ below the table's
-  # three digits but between the extremes).
-  assert rows["none"]["tflop"] < rows["projections"]["tflop"] < rows["full"]["tflop"], rows
+  reports = run_json(_REMAT, ",".join(policies))
+  rows = {policy: report for policy in policies for name, report in reports.items() if f"remat {policy}," in name}
+  assert sorted(rows) == sorted(policies) and len(reports) == 3, reports
+  assert all(row["temporaries"] > 0 and row["total"] > row["temporaries"] for row in rows.values()), rows
+  # Keeping less costs recomputation: more FLOPs, and fewer temporaries.
+  assert rows["none"]["flops"] < rows["projections"]["flops"] < rows["full"]["flops"], rows
   assert rows["none"]["temporaries"] > rows["full"]["temporaries"], rows
 
 

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from helpers.decode_cases import random_weights, same_decode
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,7 +22,6 @@ from refusion_jax.decoding.result import STAGE_NAMES
 from refusion_jax.decoding.sampler import Sampler
 from refusion_jax.model.config import tiny
 from refusion_jax.model.transformer import init_model
-from tests.decode_cases import random_weights, same_decode
 from tests.test_refusion import HAND_CASES, bigram_model, hand_knobs
 
 VOCAB = 24

@@ -1,95 +1,104 @@
-"""The decode benchmark reports every (method, batch) row; the training benchmark times every objective."""
+"""The decode benchmark reports every (method, batch) row; the throughput benchmark every mode with the same
+tokens; the training benchmark times every objective."""
 
-import re
+import os
+import subprocess
+import sys
 import types
 
 import pytest
-from train_utils import load_config
+from helpers.train_utils import REPO, load_config
 
-from refusion_jax import bench, train_bench
+from refusion_jax.evaluation import step_timing
+from refusion_jax.evaluation.bench_models import ReFusionOptions
+from refusion_jax.evaluation.bench_tables import different_from_sequential, format_table, format_throughput, summary
+from refusion_jax.evaluation.decode_bench import EAGER, DecodeBenchOptions, run_decode_bench
+from refusion_jax.evaluation.throughput import ThroughputOptions, run_throughput_bench
 
-ROWS = [("refusion", 1), ("refusion eager ref.", 1), ("ar", 1), ("mdm", 1), ("refusion", 2), ("ar", 2), ("mdm", 2)]
-
-
-def table_rows(out, model):
-  """(method, batch) -> the numeric cells of each table line of `model`."""
-  rows = {}
-  for line in out.splitlines():
-    match = re.match(rf"{model}\s+(\S+(?: \S+)*?)\s+(\d+)\s+(.*)$", line)
-    if match:
-      rows[(match.group(1), int(match.group(2)))] = match.group(3).split()
-  return rows
+ROWS = [("refusion", 1), (EAGER, 1), ("ar", 1), ("mdm", 1), ("refusion", 2), ("ar", 2), ("mdm", 2)]
 
 
-def test_minimal_bench_reports_every_row(capsys):
-  code = bench.main(
-    ["decode", "--sizes", "tiny", "--batch", "2", "--gen_length", "8", "--repeats", "1", "--mdm_block_length", "8"]
-  )
-  out, err = capsys.readouterr()
-  assert code == 0, err
-  rows = table_rows(out, "tiny")
-  assert sorted(rows) == sorted(ROWS)
-  forwards = {key: float(cells[0]) for key, cells in rows.items()}
-  assert forwards[("ar", 1)] == 8.0  # EOS is never predicted: 8 tokens, one forward each
-  assert forwards[("mdm", 1)] == 8.0  # default steps = gen_length (one token per step)
-  assert forwards[("refusion", 1)] == forwards[("refusion eager ref.", 1)]
-  assert rows[("mdm", 2)][-1] == "-" and rows[("refusion eager ref.", 1)][-1] == "-"  # no fixed cache
-  one, two = rows[("refusion", 1)][-2:], rows[("refusion", 2)][-2:]
-  assert one[1] == two[1] == "KiB" and float(two[0]) == pytest.approx(2 * float(one[0]))
-  assert "(same tokens)" in out
-  assert "first call" in err  # progress lines
-  assert "reproduce with: python -m refusion_jax.bench decode --sizes tiny" in out
+def refusion_options(gen_length=8, serial_blocks=1):
+  return ReFusionOptions(gen_length, slot_size=4, serial_blocks=serial_blocks, slot_threshold=0.9, token_threshold=0.9)
+
+
+def test_minimal_decode_bench_measures_every_method_and_batch():
+  options = DecodeBenchOptions(refusion_options(), batch=2, repeats=1, mdm_block_length=8, sizes=("tiny",))
+  rows = {(r.method, r.batch): r for r in run_decode_bench(options)}
+  assert sorted(rows) == sorted(ROWS) and {r.model for r in rows.values()} == {"tiny"}
+  assert rows[("ar", 1)].forwards == 8.0  # EOS is never predicted: 8 tokens, one forward each
+  assert rows[("mdm", 1)].forwards == 8.0  # default steps = gen_length (one token per step)
+  assert rows[("refusion", 1)].forwards == rows[(EAGER, 1)].forwards
+  assert rows[("refusion", 1)].tokens == rows[(EAGER, 1)].tokens
+  assert all(len(t) == 8 for r in rows.values() for t in r.tokens)
+  assert rows[("mdm", 2)].kv_cache_bytes is None and rows[(EAGER, 1)].kv_cache_bytes is None  # no fixed cache
+  assert rows[("refusion", 2)].kv_cache_bytes == 2 * rows[("refusion", 1)].kv_cache_bytes > 0
+  assert all(r.run_s > 0 and r.compile_s >= 0 and r.tokens_per_s > 0 for r in rows.values())
+  # The formatters take the rows as they are.
+  table, text = format_table(list(rows.values())), summary(list(rows.values()))
+  assert len(table.splitlines()) == 2 + len(ROWS) and "KiB" in table
+  assert "(same tokens)" in text and "tokens/s at batch 2 over batch 1" in text
 
 
 THROUGHPUT_MODES = ["sequential", "sequential, full width", "static 2", "continuous 1", "continuous 2"]
 
 
-def test_throughput_bench_reports_every_mode_with_the_same_tokens(capsys):
-  argv = ["throughput", "--prompts", "3", "--batch_sizes", "1,2", "--num_layers", "1", "--gen_length", "8"]
-  code = bench.main([*argv, "--serial_blocks", "1", "--repeats", "1"])
-  out, err = capsys.readouterr()
-  assert code == 0, err
-  # prompts, mode, K, fwd/answer, batch fwds, avg width, tokens/s, run s, vs sequential
-  cells = [re.split(r"\s{2,}", line.strip()) for line in out.splitlines() if re.match(r"3\s{2,}\S", line)]
-  lines = {row[1]: row for row in cells}
-  assert sorted(lines) == sorted(THROUGHPUT_MODES)
-  assert lines["sequential"][-1] == "1.00x"
-  batch_forwards = {mode: int(row[4]) for mode, row in lines.items()}
-  widths = {mode: float(row[5]) for mode, row in lines.items()}
-  assert widths["sequential, full width"] == 8.0 and widths["sequential"] <= 8.0
+def test_throughput_bench_measures_every_mode_with_the_same_tokens():
+  options = ThroughputOptions(refusion_options(), prompts=(3,), batch_sizes=(1, 2), repeats=1, num_layers=1)
+  rows = run_throughput_bench(options)
+  lines = {r.mode: r for r in rows}
+  assert sorted(lines) == sorted(THROUGHPUT_MODES) and {r.prompts for r in rows} == {3}
+  assert {mode: r.rows for mode, r in lines.items()} == {
+    "sequential": 1,
+    "sequential, full width": 1,
+    "static 2": 2,
+    "continuous 1": 1,
+    "continuous 2": 2,
+  }
+  batch_forwards = {mode: r.batch_forwards for mode, r in lines.items()}
+  assert lines["sequential, full width"].average_width == 8.0 and lines["sequential"].average_width <= 8.0
   # Two rows: fewer batched forwards than one by one; continuous no more than static batches.
   assert batch_forwards["continuous 2"] <= batch_forwards["static 2"] < batch_forwards["sequential"]
-  # One row in one call: the forwards of one by one, and its histogram is the sequential one (not repeated).
+  # One row in one call: the forwards of one by one.
   assert batch_forwards["continuous 1"] == batch_forwards["sequential"]
-  assert "forward widths (3 prompts, continuous 1)" not in out
-  assert "every mode: the same tokens." in out
-  assert re.search(r"^  plan\s+\d", out, re.M) and "forward widths (3 prompts, continuous 2)" in out
-  assert "reproduce with: python -m refusion_jax.bench throughput --prompts 3" in out
+  assert not different_from_sequential(rows) and all(len(r.tokens) == 3 for r in rows)
+  assert "plan" in lines["continuous 2"].widths
+  # The histograms are printed for the sequential run and the continuous runs of more than one row.
+  report = format_throughput(rows)
+  assert "forward widths (3 prompts, continuous 2)" in report
+  assert "forward widths (3 prompts, continuous 1)" not in report
 
 
-def test_bench_rejects_bad_knobs(capsys):
-  assert bench.main(["decode", "--gen_length", "10"]) == 2
-  assert "multiple of slot_size" in capsys.readouterr().err
-  assert bench.main(["decode", "--sizes", "tiny,huge"]) == 2
-  assert "Unknown --sizes" in capsys.readouterr().err
+def test_bench_options_reject_bad_knobs():
+  with pytest.raises(ValueError, match="multiple of slot_size"):
+    DecodeBenchOptions(refusion_options(gen_length=10)).check()
+  with pytest.raises(ValueError, match="Unknown --sizes"):
+    DecodeBenchOptions(refusion_options(), sizes=("tiny", "huge")).check()
+  with pytest.raises(ValueError, match="at least 1"):
+    ThroughputOptions(refusion_options(), prompts=(0,)).check()
+
+
+def test_bench_cli_reports_bad_knobs_in_one_line():
+  argv = [sys.executable, "-m", "refusion_jax.bench", "decode", "--gen_length", "10"]
+  out = subprocess.run(argv, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO), cwd=REPO)
+  assert out.returncode == 2 and "multiple of slot_size" in out.stderr and "Traceback" not in out.stderr
 
 
 @pytest.mark.slow
-def test_default_bench_on_tiny(capsys):
-  assert bench.main(["decode", "--sizes", "tiny"]) == 0
-  out, _ = capsys.readouterr()
-  rows = table_rows(out, "tiny")
+def test_default_decode_bench_on_tiny():
+  options = DecodeBenchOptions(refusion_options(gen_length=64), sizes=("tiny",))
+  rows = {(r.method, r.batch): r for r in run_decode_bench(options)}
   assert sorted(rows) == sorted([(m, b if b == 1 else 16) for m, b in ROWS])
-  assert "(same tokens)" in out
+  assert rows[("refusion", 1)].tokens == rows[(EAGER, 1)].tokens
 
 
 def test_train_bench_times_every_objective_in_interleaved_rounds(monkeypatch):
   # A clock whose n-th reading is n²: the k-th timed step lasts 4k + 1, so each objective's times say which
   # turns it had.
   readings = iter(n * n for n in range(100))
-  monkeypatch.setattr(train_bench, "time", types.SimpleNamespace(perf_counter=lambda: float(next(readings))))
+  monkeypatch.setattr(step_timing, "time", types.SimpleNamespace(perf_counter=lambda: float(next(readings))))
   config = load_config("demo")
-  timings = train_bench.time_objectives(config, ["ar", "refusion", "mdm"], steps=3)
+  timings = step_timing.time_objectives(config, ["ar", "refusion", "mdm"], steps=3)
   # One step per objective per round, in turn: ar, refusion, mdm, ar, ...
   times = {kind: timing.seconds for kind, timing in timings.items()}
   assert times == {"ar": [1.0, 13.0, 25.0], "refusion": [5.0, 17.0, 29.0], "mdm": [9.0, 21.0, 33.0]}
@@ -100,7 +109,7 @@ def test_train_bench_times_every_objective_in_interleaved_rounds(monkeypatch):
 
 @pytest.mark.parametrize("packing", [True, False])
 def test_synthetic_batch_has_the_training_layout(packing):
-  batch = train_bench.synthetic_batch(4, 512, pad_id=300, packing=packing, max_segments=6, seed=1)
+  batch = step_timing.synthetic_batch(4, 512, pad_id=300, packing=packing, max_segments=6, seed=1)
   assert batch["tokens"].shape == (4, 512)
   assert batch["prompt_len"].shape == ((4, 6) if packing else (4,)) == batch["answer_len"].shape
   lengths = (batch["prompt_len"] + batch["answer_len"]).reshape(4, -1).sum(axis=1)

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from closeness import assert_logits_close, relative_error
 from flax import nnx
+from helpers.closeness import assert_logits_close, relative_error
 
 from refusion_jax.model.cache import KVCache, append, commit, stage, write
 from refusion_jax.model.config import tiny

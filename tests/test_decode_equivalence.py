@@ -11,11 +11,11 @@ import collections
 
 import numpy as np
 import pytest
+from helpers.decode_cases import Group, random_case, same_decode
 
 from refusion_jax.decoding.driver import compile_count
 from refusion_jax.decoding.reference import decode_reference
 from refusion_jax.decoding.refusion import generate
-from tests.decode_cases import Group, random_case, same_decode
 
 GROUPS = [
   Group("one block", vocab_size=16, gen_length=16, slot_size=4, serial_blocks=1, cases=35),

@@ -7,6 +7,7 @@ import types
 
 import numpy as np
 import pytest
+from helpers.train_utils import REPO
 
 from refusion_jax import eval as eval_cli
 from refusion_jax.checkpoints import hf as hf_io
@@ -16,7 +17,6 @@ from refusion_jax.decoding import refusion as decode
 from refusion_jax.decoding.ar import ar_generate
 from refusion_jax.evaluation import report, runner
 from tests.test_sampler_cli import byte_model
-from tests.train_utils import REPO
 
 TOK = ByteTokenizer()
 SMOKE = os.path.join(REPO, "configs", "demo.py") + ":smoke"
@@ -291,9 +291,10 @@ def test_curve_reads_the_trainers_event_files(capsys, tmp_path):
 
 @pytest.mark.parametrize("name", ["demo", "ar_baseline", "mdm_baseline"])
 def test_config_eval_settings_decode_with_every_method(name):
+  from helpers.train_utils import load_config
+
   from refusion_jax.decoding.checks import check_slot_layout
   from refusion_jax.decoding.mdm import check_mdm_schedule
-  from tests.train_utils import load_config
 
   for variant in ("", "smoke"):
     ev = load_config(name, variant).eval

@@ -4,7 +4,7 @@ import os
 import subprocess
 
 import pytest
-from train_utils import REPO
+from helpers.train_utils import REPO
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import threading
 
 import orbax.checkpoint as ocp
 import pytest
-from train_utils import REPO, smoke_config
+from helpers.train_utils import REPO, smoke_config
 
 from refusion_jax.checkpoints.load import load
 from refusion_jax.checkpoints.orbax import CheckpointDamagedError, Checkpoints, CheckpointSaveError

@@ -184,7 +184,7 @@ def test_splash_attention_compiles_for_a_tpu_topology():
   assert int(kernels) >= 3 * 2 and int(gathers) == 0, out.stdout
 
 
-_GPU_CHECK = os.path.join(REPO, "tests", "gpu_flash_check.py")
+_GPU_CHECK = os.path.join(REPO, "tests", "helpers", "gpu_flash_check.py")
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="needs an NVIDIA GPU")

@@ -3,8 +3,8 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from closeness import assert_logits_close, relative_error
-from hf_utils import hf_logits, save_tiny_hf_model
+from helpers.closeness import assert_logits_close, relative_error
+from helpers.hf_utils import hf_logits, save_tiny_hf_model
 
 from refusion_jax.checkpoints.load import load_model
 

@@ -5,7 +5,7 @@ import math
 import jax
 import jax.numpy as jnp
 import pytest
-from train_utils import smoke_config
+from helpers.train_utils import smoke_config
 
 from refusion_jax.checkpoints.orbax import Checkpoints
 from refusion_jax.training import loop as train

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers.decode_cases import random_weights
 
 from refusion_jax.decoding.ar import ar_generate
 from refusion_jax.decoding.mdm import mdm_generate
@@ -13,7 +14,6 @@ from refusion_jax.decoding.refusion import generate
 from refusion_jax.decoding.sampler import Sampler
 from refusion_jax.model.config import tiny
 from refusion_jax.model.transformer import inference_view, init_model
-from tests.decode_cases import random_weights
 
 VOCAB, MASK, EOS = 64, 63, 5
 KNOBS = dict(gen_length=16, slot_size=4, serial_blocks=2, slot_threshold=0.3, token_threshold=0.2)

@@ -6,7 +6,7 @@
 import textwrap
 
 import numpy as np
-from fake_devices import run_json
+from helpers.fake_devices import run_json
 
 # Runs in a subprocess: the device count must be set before JAX initialises.
 _SHARDED_VS_SINGLE = textwrap.dedent("""

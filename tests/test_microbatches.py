@@ -4,8 +4,8 @@ import textwrap
 
 import jax
 import pytest
-from fake_devices import run_json
-from train_utils import smoke_config
+from helpers.fake_devices import run_json
+from helpers.train_utils import smoke_config
 
 from refusion_jax.parallel.sharding import check_batch_split, make_mesh
 

@@ -4,7 +4,7 @@ import os
 import re
 import subprocess
 
-from train_utils import REPO
+from helpers.train_utils import REPO
 
 
 def test_two_processes_build_data_train_evaluate_and_checkpoint_together(tmp_path):

@@ -3,9 +3,8 @@
 import os
 
 import nbformat
+from helpers.train_utils import REPO
 from nbclient import NotebookClient
-
-from tests.train_utils import REPO
 
 NOTEBOOK = os.path.join(REPO, "docs", "sampling.ipynb")
 

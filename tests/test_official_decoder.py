@@ -8,13 +8,14 @@ test references. Run it with
 """
 
 import os
-import re
 
 import numpy as np
 import pytest
 
-from refusion_jax import bench
 from refusion_jax.decoding.refusion import generate
+from refusion_jax.evaluation.bench_models import ReFusionOptions, random_bench_model
+from refusion_jax.evaluation.bench_tables import same_answers
+from refusion_jax.evaluation.throughput import ThroughputOptions, run_throughput_bench
 
 REPO = os.environ.get("REFUSION_OFFICIAL_REPO", "")
 pytestmark = pytest.mark.skipif(
@@ -30,7 +31,7 @@ def test_official_decoder_gives_our_tokens(slot_size, serial_blocks, slot_thresh
   from refusion_jax.evaluation.official import OfficialDecoder
 
   seed = int(np.random.default_rng().integers(1 << 16))
-  model = bench.random_bench_model("tiny", 5, 64.0, seed, (6, 20), num_layers=2)
+  model = random_bench_model("tiny", 5, 64.0, seed, (6, 20), num_layers=2)
   knobs = dict(
     gen_length=32,
     slot_size=slot_size,
@@ -52,16 +53,19 @@ def test_official_decoder_runs_in_the_model_dtype_on_our_device():
   pytest.importorskip("torch")
   from refusion_jax.evaluation.official import OfficialDecoder
 
-  model = bench.random_bench_model("tiny", 1, 64.0, 0, num_layers=1, dtype="bfloat16", param_dtype="bfloat16")
+  model = random_bench_model("tiny", 1, 64.0, 0, num_layers=1, dtype="bfloat16", param_dtype="bfloat16")
   official = OfficialDecoder(model.model, REPO)
   assert str(official.dtype) == "torch.bfloat16" and official.device.type == "cpu"  # this CPU-only machine
   assert all(str(p.dtype) == "torch.bfloat16" for p in official.model.parameters())
 
 
-def test_throughput_bench_compares_the_official_answers_with_ours(capsys):
+def test_throughput_bench_compares_the_official_answers_with_ours():
   pytest.importorskip("torch")
-  argv = ["throughput", "--prompts", "3", "--batch_sizes", "1", "--num_layers", "1", "--gen_length", "8"]
-  assert bench.main([*argv, "--serial_blocks", "1", "--repeats", "1", "--official_repo", REPO]) == 0
-  out = capsys.readouterr().out
+  knobs = ReFusionOptions(gen_length=8, slot_size=4, serial_blocks=1, slot_threshold=0.9, token_threshold=0.9)
+  options = ThroughputOptions(knobs, prompts=(3,), batch_sizes=(1,), repeats=1, num_layers=1, official_repo=REPO)
+  rows = run_throughput_bench(options)
+  (official,) = [r for r in rows if r.official]
+  sequential = next(r for r in rows if r.mode == "sequential")
+  assert official.mode == "official PyTorch cpu float32" and official.rows == 1
   # float32 on the CPU: the official code gives our answers, every one.
-  assert re.search(r"3 prompts at B = 1: .* official code \(official PyTorch cpu float32\); 3 of 3 answers", out)
+  assert same_answers(official, sequential) == 3

@@ -2,7 +2,10 @@
 
 import importlib
 
+import jax
+import numpy as np
 import pytest
+from flax import nnx
 
 import refusion_jax as rj
 
@@ -20,10 +23,26 @@ def test_every_exported_name_is_the_object_its_module_defines(name):
   assert callable(exported) and exported.__module__.startswith("refusion_jax.")
 
 
-@pytest.mark.parametrize("old", ["load_checkpoint", "load_hf"])
-def test_renamed_names_say_what_replaced_them(old):
-  with pytest.raises(AttributeError, match=rf"refusion_jax.{old} was renamed: use refusion_jax.load_model"):
-    getattr(rj, old)
+def test_renamed_loaders_still_work_and_say_what_replaced_them(tmp_path):
+  from refusion_jax.checkpoints.hf import save_hf
+  from refusion_jax.model.transformer import init_model
+
+  seed = int(np.random.default_rng().integers(1 << 16))
+  saved = init_model(rj.preset("tiny", num_layers=1), seed)
+  save_hf(saved, tmp_path)
+  with pytest.warns(
+    DeprecationWarning, match=r"refusion_jax.load_checkpoint is deprecated .* use refusion_jax.load_model"
+  ):
+    load_checkpoint = rj.load_checkpoint
+  assert load_checkpoint is rj.load_model
+  with pytest.warns(DeprecationWarning, match=r"removed in 0.3: use refusion_jax.load_model\(path, format=\"hf\""):
+    load_hf = rj.load_hf
+  # The 0.1 signature: dtype positional, config_overrides for config.json's fields.
+  model = load_hf(str(tmp_path), "bfloat16", config_overrides=dict(rms_norm_eps=1e-5))
+  assert (model.config.dtype, model.config.param_dtype, model.config.rms_norm_eps) == ("bfloat16", "bfloat16", 1e-5)
+  expected = rj.load_model(str(tmp_path), dtype="bfloat16")
+  for got, want in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(expected))):
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32), err_msg=f"seed {seed}")
 
 
 def test_internals_are_not_exported():

@@ -3,6 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.decode_cases import random_weights
 
 from refusion_jax.data.tokenizer import ByteTokenizer
 from refusion_jax.decoding.ar import ar_generate
@@ -14,7 +15,6 @@ from refusion_jax.decoding.result import PHASE_INFILL, PHASE_VERIFY
 from refusion_jax.decoding.sampler import METHODS, Sampler
 from refusion_jax.model.config import tiny
 from refusion_jax.model.transformer import init_model
-from tests.decode_cases import random_weights
 
 VOCAB, MASK, EOS, WORD = 8, 7, 6, 1
 LOGIT = 3.0  # softmax([3, 0 x 7])[0] ≈ 0.742

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from train_utils import REPO, load_config, smoke_config, write_hf_checkpoint
+from helpers.train_utils import REPO, load_config, smoke_config, write_hf_checkpoint
 
 from refusion_jax.checkpoints.load import load, load_model
 from refusion_jax.checkpoints.orbax import Checkpoints

@@ -18,15 +18,14 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from refusion_jax.checkpoints import maxtext, orbax_tree, tunix
-from refusion_jax.checkpoints import orbax as refusion
+from refusion_jax.checkpoints import maxtext, orbax, orbax_tree, tunix
 
 FORMATS = ("hf", "refusion", "tunix", "maxtext")
-_ITEMS = {refusion.PARAMS: "refusion", tunix.ITEM: "tunix", maxtext.ITEM: "maxtext"}
+_ITEMS = {orbax.PARAMS: "refusion", tunix.ITEM: "tunix", maxtext.ITEM: "maxtext"}
 
 LOOKED_FOR = (
   "config.json + model.safetensors[.index.json] (hf); "
-  f"[checkpoints/]<step>/{refusion.PARAMS} + <step>/{refusion.META} (refusion); "
+  f"[checkpoints/]<step>/{orbax.PARAMS} + <step>/{orbax.META} (refusion); "
   f"<step>/{tunix.ITEM} (tunix); <step>/{maxtext.ITEM} (maxtext); "
   f"or an orbax item folder holding {orbax_tree.METADATA_FILE}"
 )
@@ -103,7 +102,7 @@ def detect(path: str, step: int | None = None) -> Found:
     FileNotFoundError: nothing there, or nothing recognised (listing what was looked for).
     ValueError: `step` is not one of the saved steps, or was given for a Hugging Face directory.
   """
-  path = refusion.local_path(path)
+  path = orbax.local_path(path)
   if not os.path.exists(path):
     raise FileNotFoundError(
       f"No checkpoint directory at {path!r}: it does not exist. Pass a training workdir, a Hugging Face directory "
@@ -125,7 +124,7 @@ def detect(path: str, step: int | None = None) -> Found:
     if step is not None and step != int(os.path.basename(path)):
       raise ValueError(f"step={step} was given, but {path} is the folder of step {os.path.basename(path)}.")
     return _found(fmt, path, int(os.path.basename(path)), "a step folder")
-  for root in (os.path.join(path, refusion.CHECKPOINT_SUBDIR), path):
+  for root in (os.path.join(path, orbax.CHECKPOINT_SUBDIR), path):
     if os.path.isdir(root):
       found = _from_root(root, step)
       if found is not None:

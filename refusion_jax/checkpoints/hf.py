@@ -30,7 +30,7 @@ from safetensors.numpy import save_file
 
 from refusion_jax.checkpoints.mapping import Rule, Table, split_heads
 from refusion_jax.checkpoints.restore import Fetch, Source, dotted
-from refusion_jax.data.special_tokens import discover_special_tokens
+from refusion_jax.data.special_tokens import discover_special_tokens, first_id
 from refusion_jax.model import lora
 from refusion_jax.model.config import ModelConfig, family_switches
 from refusion_jax.model.transformer import Transformer
@@ -199,12 +199,6 @@ def _check_supported_features(hf_config: dict, family: str) -> None:
     raise NotImplementedError(f"attention_bias=true is not supported for {family}: it adds an o_proj bias.")
 
 
-def _first_id(value: int | list[int] | None) -> int | None:
-  if isinstance(value, (list, tuple)):
-    return value[0] if value else None
-  return value
-
-
 def config_from_hf(hf_config: dict, **overrides) -> ModelConfig:
   """Map a Hugging Face config.json (as a dict) to a `ModelConfig`.
 
@@ -238,8 +232,8 @@ def config_from_hf(hf_config: dict, **overrides) -> ModelConfig:
     rms_norm_eps=hf_config.get("rms_norm_eps", 1e-6),
     max_position_embeddings=hf_config.get("max_position_embeddings", 32_768),
     mask_token_id=hf_config.get("mask_token_id"),
-    eos_token_id=_first_id(hf_config.get("eos_token_id")),
-    pad_token_id=_first_id(hf_config.get("pad_token_id")),
+    eos_token_id=first_id(hf_config.get("eos_token_id")),
+    pad_token_id=first_id(hf_config.get("pad_token_id")),
     **family_switches(family),
   )
   fields.update(overrides)

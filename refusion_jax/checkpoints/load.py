@@ -40,8 +40,7 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from refusion_jax.checkpoints import hf, lora_run, mapping, maxtext, orbax_tree, peft, tunix
-from refusion_jax.checkpoints import orbax as refusion
+from refusion_jax.checkpoints import hf, lora_run, mapping, maxtext, orbax, orbax_tree, peft, tunix
 from refusion_jax.checkpoints.detect import FORMATS, Found, detect
 from refusion_jax.checkpoints.restore import Source, build_model, check_config
 from refusion_jax.data.tokenizer import Tokenizer, load_tokenizer
@@ -113,7 +112,7 @@ def _open(found: Found, config: ModelConfig | None) -> Source:
   if found.format == "hf":
     return hf.hf_source(found.path, config)
   if found.format == "refusion":
-    return refusion.refusion_source(found.path, found.step)[0]
+    return orbax.refusion_source(found.path, found.step)[0]
   if found.format == "tunix":
     return tunix.tunix_source(found.path, found.description)
   architecture = config.architecture if config is not None else "qwen3"
@@ -171,12 +170,28 @@ def load_model(
       that does not match; a LoRA adapter that does not fit the model (the tensor named).
     NotImplementedError: an architecture feature we do not implement (e.g. a RoPE type).
   """
-  if format == "preset" or (format == "auto" and detect_format(path) == "preset"):
-    model = _random_model(path, load_tokenizer("bytes"), config, step, dtype, param_dtype, seed)
-  else:
-    found = locate(path, format, step)
-    model = _model_of(found, resolve_config(config), dtype, param_dtype, mesh, rules)
-  return _with_lora(model, lora)
+  return _with_lora(_read_model(path, format, config, step, dtype, param_dtype, mesh, rules, seed)[0], lora)
+
+
+def _read_model(
+  source: str,
+  format: str,
+  config: ConfigLike,
+  step: int | None,
+  dtype: str | None,
+  param_dtype: str | None,
+  mesh: Mesh | None,
+  rules: Rules | None,
+  seed: int,
+  preset_tokenizer: str = "bytes",
+) -> tuple[Transformer, Found | None, Tokenizer | None]:
+  """(the model, the checkpoint it was read from, None), or for a preset name (a random model whose
+  vocabulary and special ids are `preset_tokenizer`'s, None, that tokenizer)."""
+  if format == "preset" or (format == "auto" and detect_format(source) == "preset"):
+    tokenizer = load_tokenizer(preset_tokenizer)
+    return _random_model(source, tokenizer, config, step, dtype, param_dtype, seed), None, tokenizer
+  found = locate(source, format, step)
+  return _model_of(found, resolve_config(config), dtype, param_dtype, mesh, rules), found, None
 
 
 def _with_lora(model: Transformer, directory: str | None) -> Transformer:
@@ -217,7 +232,7 @@ def checkpoint_tokenizer(found: Found, config: ConfigLike = None) -> str | None:
   """The tokenizer a checkpoint names (HF: its own tokenizer.json; ours: the one its run recorded; tunix /
   MaxText: the config directory's), as a name or path for `load_tokenizer`; None when it names none."""
   if found.format == "refusion":
-    return refusion.refusion_source(found.path, found.step)[1]
+    return orbax.refusion_source(found.path, found.step)[1]
   directory = found.path if found.format == "hf" else config if isinstance(config, str) else None
   if directory and os.path.isfile(os.path.join(directory, "tokenizer.json")):
     return directory
@@ -255,11 +270,12 @@ def load(
     The model and its tokenizer (a `NoTokenizer` when the checkpoint names none
     and none was given; the byte tokenizer for presets unless given).
   """
-  if format == "preset" or (format == "auto" and detect_format(source) == "preset"):
-    chosen = load_tokenizer(tokenizer or "bytes")
-    return _with_lora(_random_model(source, chosen, config, step, dtype, param_dtype, seed), lora), chosen
-  found = locate(source, format, step)
-  model = _with_lora(_model_of(found, resolve_config(config), dtype, param_dtype, mesh, rules), lora)
+  model, found, preset_tokenizer = _read_model(
+    source, format, config, step, dtype, param_dtype, mesh, rules, seed, preset_tokenizer=tokenizer or "bytes"
+  )
+  model = _with_lora(model, lora)
+  if found is None:
+    return model, preset_tokenizer
   name = tokenizer or checkpoint_tokenizer(found, config)
   return model, (load_tokenizer(name) if name else NoTokenizer(source, model.config))
 

@@ -53,6 +53,9 @@ from refusion_jax.model.transformer import abstract_model
 PARAMS, TRAIN, DATA, META = "params", "train", "data", "meta"
 # Name of the checkpoint directory inside a workdir.
 CHECKPOINT_SUBDIR = "checkpoints"
+# Where a run keeps its own tokenizer (one extended with a mask token, or one copied along by a conversion),
+# inside the checkpoint directory; the meta item then names it relatively.
+TOKENIZER_SUBDIR = "tokenizer"
 
 
 @dataclasses.dataclass

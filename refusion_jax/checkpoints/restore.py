@@ -15,7 +15,7 @@ they fit the config (`mapping.check_fit`) and `fill`
   for the conversion and drops the stored copy before the next read.
 
 So the host holds at most the model plus about two of its largest arrays
-(tests/memory_probe.py measures it), and no array is gathered onto one device.
+(tests/helpers/memory_probe.py measures it), and no array is gathered onto one device.
 """
 
 from __future__ import annotations

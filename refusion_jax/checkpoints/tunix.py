@@ -39,23 +39,23 @@ from refusion_jax.checkpoints.restore import Source
 
 ITEM = "model_params"
 
+# Both trees number their layers the same way: a layer's prefix, on the tunix side and ours.
 _LAYER = "layers.{layer}."
-_OURS = "layers.{layer}."
 TABLE = Table(
   [
     Rule("embedder.input_embedding.value", "embed_tokens", ("vocab", "embed")),
     Rule("final_norm.w.value", "norm.weight", ("embed",)),
     Rule("lm_head.w.value", "lm_head", ("embed", "vocab")),
-    Rule(_LAYER + "input_layernorm.w.value", _OURS + "input_layernorm.weight", ("embed",)),
-    Rule(_LAYER + "post_attention_layernorm.w.value", _OURS + "post_attention_layernorm.weight", ("embed",)),
-    Rule(_LAYER + "attn.q_proj.w.value", _OURS + "self_attn.q_proj", ("embed", "heads", "head_dim")),
-    Rule(_LAYER + "attn.{kv}_proj.w.value", _OURS + "self_attn.{kv}_proj", ("embed", "kv_heads", "head_dim")),
-    Rule(_LAYER + "attn.o_proj.w.value", _OURS + "self_attn.o_proj", ("heads", "head_dim", "embed")),
-    Rule(_LAYER + "attn.{qk}_norm.w.value", _OURS + "self_attn.{qk}_norm.weight", ("head_dim",)),
-    Rule(_LAYER + "attn.q_bias.value", _OURS + "self_attn.q_bias", ("heads*head_dim",), split_heads),
-    Rule(_LAYER + "attn.{kv}_bias.value", _OURS + "self_attn.{kv}_bias", ("kv_heads*head_dim",), split_heads),
-    Rule(_LAYER + "mlp.{gate_up}_proj.kernel.value", _OURS + "mlp.{gate_up}_proj", ("embed", "mlp")),
-    Rule(_LAYER + "mlp.down_proj.kernel.value", _OURS + "mlp.down_proj", ("mlp", "embed")),
+    Rule(_LAYER + "input_layernorm.w.value", _LAYER + "input_layernorm.weight", ("embed",)),
+    Rule(_LAYER + "post_attention_layernorm.w.value", _LAYER + "post_attention_layernorm.weight", ("embed",)),
+    Rule(_LAYER + "attn.q_proj.w.value", _LAYER + "self_attn.q_proj", ("embed", "heads", "head_dim")),
+    Rule(_LAYER + "attn.{kv}_proj.w.value", _LAYER + "self_attn.{kv}_proj", ("embed", "kv_heads", "head_dim")),
+    Rule(_LAYER + "attn.o_proj.w.value", _LAYER + "self_attn.o_proj", ("heads", "head_dim", "embed")),
+    Rule(_LAYER + "attn.{qk}_norm.w.value", _LAYER + "self_attn.{qk}_norm.weight", ("head_dim",)),
+    Rule(_LAYER + "attn.q_bias.value", _LAYER + "self_attn.q_bias", ("heads*head_dim",), split_heads),
+    Rule(_LAYER + "attn.{kv}_bias.value", _LAYER + "self_attn.{kv}_bias", ("kv_heads*head_dim",), split_heads),
+    Rule(_LAYER + "mlp.{gate_up}_proj.kernel.value", _LAYER + "mlp.{gate_up}_proj", ("embed", "mlp")),
+    Rule(_LAYER + "mlp.down_proj.kernel.value", _LAYER + "mlp.down_proj", ("mlp", "embed")),
   ]
 )
 

@@ -55,7 +55,8 @@ from absl import logging
 
 from refusion_jax.data.tokenizer import Tokenizer, format_prompt
 
-Batch = dict[str, np.ndarray]
+# Host arrays of the batch contract above, keyed tokens / prompt_len / answer_len: one row's, or a batch's.
+HostArrays = dict[str, np.ndarray]
 
 # Records are tiny and tokenising holds the GIL, so a few threads and a short
 # read-ahead suffice; pass `read_options` to read from slow storage.
@@ -177,7 +178,7 @@ class _Concatenate(grain.transforms.Map):
     }
 
 
-def _stack_and_fill(rows: Sequence[Batch], batch_size: int, seq_len: int, pad_id: int) -> Batch:
+def _stack_and_fill(rows: Sequence[HostArrays], batch_size: int, seq_len: int, pad_id: int) -> HostArrays:
   """Stacks rows into a batch of exactly batch_size, filling with empty rows (packing's extra fields dropped)."""
   fill = batch_size - len(rows)
   lengths = np.zeros((fill, *np.shape(rows[0]["prompt_len"])), np.int32)

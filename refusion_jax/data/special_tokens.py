@@ -16,7 +16,7 @@ import dataclasses
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from refusion_jax.model.config import ModelConfig
@@ -167,7 +167,7 @@ def discover_special_tokens(path: str, vocabulary: Vocabulary | None = None) -> 
   ids = {field: _id_of(vocabulary, content, path) for field, content in named.items()}
   if ids.get("eos") is None:
     model_configs = [_read_json(os.path.join(path, name)) for name in _MODEL_CONFIGS]
-    ids["eos"] = next((_first_id(c["eos_token_id"]) for c in model_configs if c.get("eos_token_id") is not None), None)
+    ids["eos"] = next((first_id(c["eos_token_id"]) for c in model_configs if c.get("eos_token_id") is not None), None)
   if ids.get("mask") is None:
     ids["mask"] = _looks_like_mask(vocabulary)
   return SpecialTokens(**ids)
@@ -205,8 +205,8 @@ def _token_content(entry: Any) -> str | None:
   return entry
 
 
-def _first_id(value: int | list[int] | None) -> int | None:
-  """`eos_token_id` in model configs is an int or a list of ints."""
-  if isinstance(value, list):
+def first_id(value: int | Sequence[int] | None) -> int | None:
+  """The id of a config's `eos_token_id` / `pad_token_id`: an int, a list or tuple of ints (the first), or None."""
+  if isinstance(value, (list, tuple)):
     return int(value[0]) if value else None
   return None if value is None else int(value)

@@ -86,11 +86,6 @@ class Interrupts:
     self._watchdog = threading.Thread(target=self._watch, name="refusion-signal-watchdog", daemon=True)
     self._watchdog.start()
 
-  @property
-  def phase_name(self) -> str:
-    """What the main thread is doing now."""
-    return self._phase
-
   @contextlib.contextmanager
   def phase(self, name: str, *, blocking: bool, patience_s: float = 0.0) -> Iterator[None]:
     """Declare what the main thread does inside the block (see the module docstring).

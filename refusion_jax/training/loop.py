@@ -171,7 +171,7 @@ def _train(
       next(iter(inputs.batches(validation, run.tokenizer, config, train=False)))  # a DataError now, not later
 
   # ------------------------------------------------------------ 4. compiled functions
-  model_config = run.start.model_config
+  model_config = run.origin.model_config
   objective = objective_config_from(config, model_config)
   lora_config = lora_config_from(config)
   graphdef, _ = lora.abstract_lora_model(model_config, lora_config)
@@ -191,12 +191,12 @@ def _train(
   device = _DeviceQueue(interrupts)
   meta = model_meta(
     model_config,
-    run.start.tokenizer_name,
+    run.origin.tokenizer_name,
     objective=objective.kind,
     **lora_run.meta_fields(lora_config, checkpoints.directory),
   )
   saver = _Saver(checkpoints, meta, interrupts)
-  saver.last_saved = run.start.resume_step
+  saver.last_saved = run.origin.resume_step
   evaluator = _Evaluator(config, validation, run, eval_fn, graphdef, logger, interrupts, alone)
   throughput = _Throughput(model_config, causal=objective.kind != "mdm", lora_config=lora_config)
   position = _Position(run.train_iterator)

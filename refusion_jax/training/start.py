@@ -37,7 +37,7 @@ from jax.experimental import multihost_utils
 
 from refusion_jax.checkpoints import hf, lora_run
 from refusion_jax.checkpoints.load import checkpoint_tokenizer, load_model, locate
-from refusion_jax.checkpoints.orbax import CheckpointDamagedError, Checkpoints
+from refusion_jax.checkpoints.orbax import TOKENIZER_SUBDIR, CheckpointDamagedError, Checkpoints
 from refusion_jax.checkpoints.vocab import MASK_TOKEN, add_mask_token, resize_vocab
 from refusion_jax.data.special_tokens import SpecialTokens, resolve_special_tokens, with_special_tokens
 from refusion_jax.data.tokenizer import Tokenizer, load_tokenizer
@@ -56,8 +56,6 @@ from refusion_jax.training.state import Placement, TrainState, init_state_fn, ma
 
 # Where damaged checkpoints are moved inside a workdir (next to the checkpoint directory, out of its manager's sight).
 DAMAGED_SUBDIR = "checkpoints_damaged"
-# Where the tokenizer extended with a mask token is written, inside the checkpoint directory.
-TOKENIZER_SUBDIR = "tokenizer"
 
 
 @dataclasses.dataclass
@@ -79,9 +77,9 @@ class Start:
 
 @dataclasses.dataclass
 class Started:
-  """The start and what depends on it: tokenizer, state placement, training iterator, the state itself."""
+  """Where the model came from and what depends on it: tokenizer, state placement, training iterator, the state."""
 
-  start: Start
+  origin: Start  # named apart from this module, `start`, which callers import by that name
   tokenizer: Tokenizer
   placement: Placement
   train_iterator: grain.DatasetIterator

@@ -31,7 +31,8 @@ from refusion_jax.model.transformer import Transformer
 from refusion_jax.parallel import sharding
 from refusion_jax.training.objective import ObjectiveConfig, loss_fn
 
-Batch = Mapping[str, Any]
+# A training step's input: tokens, prompt_len, answer_len (data/pipeline.py's batch contract), on host or device.
+TrainBatch = Mapping[str, Any]
 Metrics = dict[str, jax.Array]
 
 
@@ -142,7 +143,7 @@ def make_train_step(
   schedule: optax.Schedule,
   objective: ObjectiveConfig,
   grad_accum_steps: int,
-) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+) -> Callable[[TrainState, TrainBatch], tuple[TrainState, Metrics]]:
   """The (un-jitted) step: average gradients over `grad_accum_steps` microbatches, one AdamW update.
 
   Batch: tokens [batch, length], prompt_len and answer_len [batch, segments] (packed rows) or [batch].
@@ -154,18 +155,20 @@ def make_train_step(
   state mirrors the adapters only.
   """
 
-  def loss_of(trainable: nnx.State, frozen: nnx.State, batch: Batch, key: jax.Array) -> tuple[jax.Array, Metrics]:
+  def loss_of(trainable: nnx.State, frozen: nnx.State, batch: TrainBatch, key: jax.Array) -> tuple[jax.Array, Metrics]:
     model = nnx.merge(graphdef, trainable, frozen)
     return loss_fn(model, batch, key, objective, dropout_key=lora.dropout_key(model, key))
 
   grad_fn = jax.value_and_grad(loss_of, has_aux=True)
 
-  def step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+  def step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]:
     key = jax.random.fold_in(state.rng, state.step)
     micro = jax.tree.map(lambda x: _microbatches(x, grad_accum_steps), batch)
     trainable, frozen = lora.trainable_part(state.params)
 
-    def accumulate(carry: tuple[Any, Metrics], inputs: tuple[jax.Array, Batch]) -> tuple[tuple[Any, Metrics], None]:
+    def accumulate(
+      carry: tuple[Any, Metrics], inputs: tuple[jax.Array, TrainBatch]
+    ) -> tuple[tuple[Any, Metrics], None]:
       index, microbatch = inputs
       (_, metrics), grads = grad_fn(trainable, frozen, microbatch, jax.random.fold_in(key, index))
       return jax.tree.map(jnp.add, carry, (grads, metrics)), None
@@ -185,10 +188,10 @@ def make_train_step(
 
 def make_eval_step(
   graphdef: nnx.GraphDef, objective: ObjectiveConfig
-) -> Callable[[nnx.State, Batch, jax.Array], Metrics]:
+) -> Callable[[nnx.State, TrainBatch, jax.Array], Metrics]:
   """(params, batch, key) -> metrics of the training loss, without gradients."""
 
-  def eval_step(params: nnx.State, batch: Batch, key: jax.Array) -> Metrics:
+  def eval_step(params: nnx.State, batch: TrainBatch, key: jax.Array) -> Metrics:
     return loss_fn(nnx.merge(graphdef, params), batch, key, objective)[1]
 
   return eval_step
@@ -225,7 +228,7 @@ class Placement:
   def _replicated(self) -> jax.sharding.NamedSharding:
     return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
 
-  def jit_step(self, step_fn: Callable[[TrainState, Batch], tuple[TrainState, Metrics]]) -> Callable:
+  def jit_step(self, step_fn: Callable[[TrainState, TrainBatch], tuple[TrainState, Metrics]]) -> Callable:
     """`step_fn(state, batch)` jitted with the state donated and kept in place."""
     return jax.jit(
       step_fn,
@@ -234,7 +237,7 @@ class Placement:
       donate_argnums=0,
     )
 
-  def jit_eval(self, eval_fn: Callable[[nnx.State, Batch, jax.Array], Metrics]) -> Callable:
+  def jit_eval(self, eval_fn: Callable[[nnx.State, TrainBatch, jax.Array], Metrics]) -> Callable:
     """`eval_fn(params, batch, key)` jitted."""
     return jax.jit(
       eval_fn,

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers
-from closeness import relative_error
 from flax import nnx
-from hf_utils import hf_logits, save_tiny_hf_model, tiny_hf_model
+from helpers.closeness import relative_error
+from helpers.hf_utils import hf_logits, save_tiny_hf_model, tiny_hf_model
+from helpers.torch_reference import torch
 from safetensors.numpy import load_file, save_file
-from torch_reference import torch
 
 from refusion_jax.checkpoints.hf import config_from_hf, config_to_hf, load_hf_config, save_hf
 from refusion_jax.checkpoints.load import load_model

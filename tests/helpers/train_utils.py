@@ -11,7 +11,7 @@ from refusion_jax.model.config import tiny
 from refusion_jax.model.transformer import init_model
 from refusion_jax.training import config_file
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def load_config(name: str, variant: str = "smoke") -> ml_collections.ConfigDict:

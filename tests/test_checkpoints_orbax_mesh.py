@@ -4,7 +4,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from fake_devices import run_json
+from helpers.fake_devices import run_json
 
 # Runs in a subprocess: the device count must be set before JAX initialises.
 _MOVE_MESH = textwrap.dedent("""

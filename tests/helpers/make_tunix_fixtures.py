@@ -5,7 +5,7 @@ It needs google-tunix 0.1.7, installed without its (heavy) dependencies:
 
     pip download --no-deps google-tunix jaxtyping wadler_lindig google-metrax clu sentencepiece perfetto pandas -d W
     pip install --no-deps --target /tmp/tunix_site W/*.whl     # nothing of jax / flax / orbax is touched
-    PYTHONPATH=/tmp/tunix_site:. python tests/make_tunix_fixtures.py
+    PYTHONPATH=/tmp/tunix_site:. python tests/helpers/make_tunix_fixtures.py
 
 For each family, `<family>/` holds the checkpoint exactly as
 `tunix.sft.checkpoint_manager.CheckpointManager.save` writes it
@@ -37,7 +37,7 @@ from refusion_jax.model.config import ModelConfig, family_switches
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_default_matmul_precision", "highest")
 
-OUT = pathlib.Path(__file__).parent / "fixtures" / "tunix"
+OUT = pathlib.Path(__file__).parents[1] / "fixtures" / "tunix"
 STEP = 3
 # Small enough for a few tens of KB per checkpoint, divisible by 2 for the 8-device mesh tests.
 SHAPE = dict(num_layers=2, vocab_size=48, embed_dim=16, hidden_dim=32, num_heads=4, head_dim=8, num_kv_heads=2)

@@ -23,7 +23,8 @@ import pathlib
 
 import numpy as np
 import orbax.checkpoint as ocp
-from torch_reference import torch
+
+from helpers.torch_reference import torch
 
 
 def _interleave_rope(x: np.ndarray) -> np.ndarray:

@@ -1,6 +1,6 @@
 """The GPU's fused attention against the dense path, then an 8-layer Qwen3-8B-shaped training step at 2 x 4096.
 
-    python tests/gpu_flash_check.py        # on a machine with an NVIDIA GPU (about two minutes)
+    python tests/helpers/gpu_flash_check.py        # on a machine with an NVIDIA GPU (about two minutes)
 
 Run by tests/test_flash_attention.py when `nvidia-smi` exists. Exits non-zero, saying what differed, when the
 Pallas Triton kernel's attention or gradients leave the dense path's, or when the training step's loss does.

@@ -6,7 +6,8 @@ import pathlib
 
 import numpy as np
 import transformers
-from torch_reference import torch
+
+from helpers.torch_reference import torch
 
 _FAMILIES = {
   "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),

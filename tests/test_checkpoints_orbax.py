@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from train_utils import REPO, smoke_config
+from helpers.train_utils import REPO, smoke_config
 
 from refusion_jax.checkpoints.load import load
 from refusion_jax.checkpoints.orbax import Checkpoints, model_meta

@@ -1,10 +1,11 @@
 """Peak host memory of loading a checkpoint, measured in a fresh process.
 
-    python tests/memory_probe.py write hf|tunix|tunix-real DIR HIDDEN VOCAB LAYERS   # a synthetic float32 Qwen3
-    python tests/memory_probe.py load DIR          # prints JSON: peak growth, model bytes, largest array
+    python tests/helpers/memory_probe.py write hf|tunix|tunix-real DIR HIDDEN VOCAB LAYERS   # a synthetic float32 Qwen3
+    python tests/helpers/memory_probe.py load DIR          # prints JSON: peak growth, model bytes, largest array
 
     # ~1 GB (1.02e9 bytes, largest array the 131 MB embedding): hidden 1024, vocab 32000, 12 layers
-    python tests/memory_probe.py write hf /tmp/hf1g 1024 32000 12 && python tests/memory_probe.py load /tmp/hf1g
+    python tests/helpers/memory_probe.py write hf /tmp/hf1g 1024 32000 12
+    python tests/helpers/memory_probe.py load /tmp/hf1g
 
 `load` resets the kernel's peak-RSS mark (`/proc/self/clear_refs`) once
 everything is imported and JAX is up, loads the checkpoint (onto the one CPU
@@ -13,8 +14,8 @@ resident size before. The model itself is part of that growth; the loader's
 promise is that the rest stays under twice the largest array.
 
 `write tunix` writes the tree tunix's checkpoint manager writes without
-needing tunix (tests/tunix_layout.py); `write tunix-real` has tunix write it
-(PYTHONPATH=<tunix site>:. as in tests/make_tunix_fixtures.py).
+needing tunix (tests/helpers/tunix_layout.py); `write tunix-real` has tunix write it
+(PYTHONPATH=<tunix site>:. as in tests/helpers/make_tunix_fixtures.py).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def synthetic_config(hidden: int, vocab: int, layers: int):
 
 
 def _write_with_tunix(directory: str, config) -> None:
-  """tunix's own model and checkpoint manager (needs tunix, see tests/make_tunix_fixtures.py)."""
+  """tunix's own model and checkpoint manager (needs tunix, see tests/helpers/make_tunix_fixtures.py)."""
   from flax import nnx
   from tunix.models.qwen3 import model as qwen3
   from tunix.sft.checkpoint_manager import CheckpointManager

@@ -1,0 +1,152 @@
+"""The decode benchmark: ReFusion against its eager reference and the AR / MDM baselines, at batch 1 and a batch.
+
+For every model, in one run: the jitted ReFusion decoder and the eager
+reference at batch 1 (same tokens, speed ratio), ReFusion vs AR vs MDM
+(forwards per row, tokens per forward, tokens/s) at batch 1 and at the batch,
+and the KV-cache bytes of the cached decoders. The first call of every
+configuration compiles; it is timed apart ("compile" = first call − median
+run) and the runs are the median of `repeats` calls. `bench_tables` formats
+the rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from refusion_jax.decoding import defaults
+from refusion_jax.decoding.ar import ar_generate
+from refusion_jax.decoding.mdm import check_mdm_schedule, mdm_generate
+from refusion_jax.decoding.prompts import bucket_length
+from refusion_jax.decoding.reference import decode_reference
+from refusion_jax.decoding.refusion import generate
+from refusion_jax.decoding.result import DecodeResult
+from refusion_jax.evaluation.bench_models import (
+  BenchModel,
+  ReFusionOptions,
+  TrainedSource,
+  log,
+  measure,
+  random_bench_model,
+  trained_bench_model,
+)
+from refusion_jax.model import config as config_lib
+from refusion_jax.model.cache import kv_cache_bytes
+
+EAGER = "refusion eager ref."  # the eager reference's method name: batch 1 only
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBenchOptions:
+  """What the decode benchmark runs: the knobs of every method, the batch, the timing and the random models."""
+
+  refusion: ReFusionOptions
+  batch: int = 16  # the large batch (batch 1 is always measured too)
+  repeats: int = 3  # timed runs after the warm-up; the median is reported
+  mdm_block_length: int | None = None  # None: the default for gen_length
+  mdm_steps: int | None = None  # None: gen_length (one token per step)
+  sizes: Sequence[str] = ("tiny", "small")  # random models' presets (without a trained source)
+  sharpen: float = 128.0  # LM-head scale of the random models (1: plain init)
+  seed: int = 0  # weights and prompts of the random models
+
+  def mdm_schedule(self) -> tuple[int, int]:
+    """(block length, steps) of MDM: the given ones, else the defaults for gen_length."""
+    mdm = defaults.method_defaults("mdm", self.refusion.gen_length)
+    return self.mdm_block_length or mdm["block_length"], self.mdm_steps or mdm["steps"]
+
+  def check(self) -> None:
+    """Reject bad knobs before anything is built or compiled."""
+    if self.batch < 1 or self.repeats < 1:
+      raise ValueError(f"--batch ({self.batch}) and --repeats ({self.repeats}) must be at least 1.")
+    self.refusion.check()
+    check_mdm_schedule(self.refusion.gen_length, *self.mdm_schedule())
+    unknown = [s for s in self.sizes if s not in config_lib.PRESETS]
+    if unknown:
+      raise ValueError(f"Unknown --sizes {unknown}; choose among {sorted(config_lib.PRESETS)}.")
+
+
+@dataclasses.dataclass
+class Measurement:
+  """One (model, method, batch) cell of the table."""
+
+  model: str
+  method: str
+  batch: int
+  forwards: float  # mean forwards per row
+  tpf: float  # all answer tokens ÷ all forwards
+  tokens_per_s: float  # answer tokens of the batch ÷ median run time
+  compile_s: float  # first call − median run
+  run_s: float  # median run time
+  kv_cache_bytes: int | None  # None: the method keeps no cache
+  tokens: list[list[int]]
+
+
+def decoders(bench: BenchModel, options: DecodeBenchOptions) -> dict[str, Callable[[list[list[int]]], DecodeResult]]:
+  """Each method as a function of the prompts, with the run's knobs bound."""
+  ids = dict(eos_id=bench.eos_id, pad_id=bench.pad_id)
+  refusion = options.refusion.knobs(bench.mask_id)
+  gen_length = options.refusion.gen_length
+  block_length, steps = options.mdm_schedule()
+  return {
+    "refusion": lambda p: generate(bench.model, p, **refusion, **ids),
+    EAGER: lambda p: decode_reference(bench.model, p[0], **refusion, eos_id=bench.eos_id),
+    "ar": lambda p: ar_generate(bench.model, p, gen_length=gen_length, **ids),
+    "mdm": lambda p: mdm_generate(
+      bench.model, p, gen_length=gen_length, block_length=block_length, steps=steps, mask_id=bench.mask_id, **ids
+    ),
+  }
+
+
+def bench_decode(bench: BenchModel, options: DecodeBenchOptions) -> list[Measurement]:
+  """Every method at batch 1 and at the full batch of `bench.prompts` (the eager reference at batch 1 only)."""
+  capacity = bucket_length(max(len(p) for p in bench.prompts)) + options.refusion.gen_length
+  # The eager reference keeps growing host arrays rather than a fixed-capacity cache.
+  cached = {"refusion", "ar"}
+  rows = []
+  for batch in sorted({1, len(bench.prompts)}):
+    prompts = bench.prompts[:batch]
+    for method, call in decoders(bench, options).items():
+      if method == EAGER and batch > 1:
+        continue
+      label = f"{bench.name} {method} batch {batch}"
+      result, compile_s, run_s = measure(label, functools.partial(call, prompts), options.repeats)
+      rows.append(
+        Measurement(
+          model=bench.name,
+          method=method,
+          batch=batch,
+          forwards=float(np.mean(result.num_forwards)),
+          tpf=result.overall_tpf,
+          tokens_per_s=sum(len(t) for t in result.tokens) / run_s,
+          compile_s=compile_s,
+          run_s=run_s,
+          kv_cache_bytes=kv_cache_bytes(bench.model.config, batch, capacity) if method in cached else None,
+          tokens=result.tokens,
+        )
+      )
+  return rows
+
+
+def run_decode_bench(options: DecodeBenchOptions, trained: TrainedSource | None = None) -> list[Measurement]:
+  """The decode benchmark on the trained model, or else on each random model of `options.sizes`."""
+  options.check()
+  if trained:
+    builds = [lambda: trained_bench_model(trained, options.batch, options.seed)]
+  else:
+    builds = [
+      lambda size=size: random_bench_model(size, options.batch, options.sharpen, options.seed) for size in options.sizes
+    ]
+  rows = []
+  for build in builds:
+    bench = build()
+    log(
+      f"{bench.name}: {sum(x.size for x in jax.tree.leaves(nnx.state(bench.model))):,} parameters, "
+      f"{len(bench.prompts)} prompts of {min(map(len, bench.prompts))}-{max(map(len, bench.prompts))} tokens"
+    )
+    rows += bench_decode(bench, options)
+  return rows

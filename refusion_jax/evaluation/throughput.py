@@ -1,0 +1,185 @@
+"""The throughput benchmark: many prompts one by one, in static batches and by continuous batching.
+
+It decodes N prompts (several N in one run) with ReFusion: each prompt alone
+(B = 1, sequential), the same with every forward a whole block wide (the
+decoder before forwards were fitted to their work), static batches of K, and
+K rows kept busy by continuous batching, with the forwards per answer,
+batched forwards (loop iterations), their average width, tokens/s and (in
+`bench_tables`) the ratio to the sequential run. Continuous K = 1 runs the
+whole queue through one compiled call on a single row: what it gains over the
+sequential run is the per-call host work (splitting the model, starting the
+batch, reading back), and what K > 1 gains over it is the rows sharing
+forwards. Modes are timed in interleaved rounds so that machine noise hits
+all alike; every mode must give the same tokens. With `official_repo` (a
+checkout of ML-GSAI/ReFusion) it also times the official `generate.py` at
+B = 1 on the smallest N, on the same weights (`evaluation.official`; torch is
+imported only then), on our accelerator when torch reaches it (else the CPU)
+and in the model's dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from refusion_jax.decoding.refusion import generate
+from refusion_jax.decoding.result import DecodeResult
+from refusion_jax.evaluation.bench_models import (
+  BenchModel,
+  ReFusionOptions,
+  TrainedSource,
+  log,
+  random_bench_model,
+  trained_bench_model,
+)
+
+# Random prompts of 20-27 tokens: one length bucket, so every prompt count runs on the programs the warm-up
+# compiled, and long enough that the prefill is a real share of the work, as with a task's query.
+PROMPT_LENGTHS = (20, 27)
+# The label of the official PyTorch decoder's mode (B = 1, prompt by prompt; the label adds the torch device and
+# the dtype); timed on the smallest prompt count only.
+OFFICIAL = "official PyTorch"
+
+
+@dataclasses.dataclass(frozen=True)
+class ThroughputOptions:
+  """What the throughput benchmark runs: the decoding knobs, the prompt counts, the modes' K and the model."""
+
+  refusion: ReFusionOptions
+  prompts: Sequence[int] = (8, 64)  # prompt counts N
+  batch_sizes: Sequence[int] = (1, 8, 16)  # K of the batched modes
+  repeats: int = 3  # interleaved timed rounds after the warm-up; medians
+  size: str = "tiny"  # random model preset
+  num_layers: int | None = 3  # random model: its layers (None: the preset's)
+  dtype: str | None = None  # random model: activation and parameter dtype (None: the preset's)
+  sharpen: float = 64.0  # LM-head scale of the random model
+  seed: int = 0
+  official_repo: str | None = None  # a checkout of ML-GSAI/ReFusion: also time its generate.py
+
+  def check(self) -> None:
+    if self.repeats < 1 or min(self.prompts) < 1 or min(self.batch_sizes) < 1:
+      raise ValueError("--repeats, --prompts and --batch_sizes must be at least 1.")
+    self.refusion.check()
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+  """One way of decoding the prompts: its label, its rows decoding at once and the decode calls it makes."""
+
+  label: str
+  rows: int  # K (1: one by one); a batch of N < K prompts uses N rows
+  decode: Callable[[list[list[int]]], list[DecodeResult]]
+  official: bool = False  # the official PyTorch decoder (timed on the smallest prompt count only)
+
+
+@dataclasses.dataclass
+class ThroughputRow:
+  """One (prompt count, mode) line of the throughput table; counts summed over the mode's decode calls."""
+
+  prompts: int
+  mode: str
+  rows: int  # K: rows decoding at once
+  forwards_per_answer: float  # mean forwards a prompt took part in (prefill included)
+  batch_forwards: int  # loop iterations: batched forwards, prefills not included
+  average_width: float  # mean query width (tokens per row) of those forwards
+  tokens_per_s: float
+  run_s: float  # median over the rounds
+  widths: dict[str, dict[int, int]]
+  tokens: list[list[int]]
+  official: bool = False  # the official PyTorch decoder's row
+
+
+def throughput_modes(bench: BenchModel, options: ThroughputOptions) -> list[Mode]:
+  """Each mode: one call per prompt, per static batch, or one continuous call (and the official decoder)."""
+  knobs = options.refusion.knobs(bench.mask_id)
+  decode = functools.partial(generate, bench.model, **knobs, eos_id=bench.eos_id, pad_id=bench.pad_id)
+  modes = [
+    Mode("sequential", 1, lambda ps: [decode([p]) for p in ps]),
+    Mode("sequential, full width", 1, lambda ps: [decode([p], fit_width=False) for p in ps]),
+  ]
+  for k in options.batch_sizes:
+    if k > 1:  # static batches of 1 are the sequential mode
+      modes.append(Mode(f"static {k}", k, lambda ps, k=k: [decode(ps[i : i + k]) for i in range(0, len(ps), k)]))
+  for k in options.batch_sizes:
+    modes.append(Mode(f"continuous {k}", k, lambda ps, k=k: [decode(ps, batch_size=k)]))
+  if options.official_repo:
+    from refusion_jax.evaluation.official import OfficialDecoder  # imports torch: only when asked for
+
+    official = OfficialDecoder(bench.model, options.official_repo)
+    label = f"{OFFICIAL} {official.device.type} {bench.model.config.dtype}"
+    modes.append(Mode(label, 1, lambda ps: [official.decode(ps, **knobs, eos_id=bench.eos_id)], official=True))
+  return modes
+
+
+def _merge_widths(results: Sequence[DecodeResult]) -> dict[str, dict[int, int]]:
+  merged: dict[str, dict[int, int]] = {}
+  for result in results:
+    for name, counts in result.widths.items():
+      for width, count in counts.items():
+        merged.setdefault(name, {})[width] = merged.get(name, {}).get(width, 0) + count
+  return merged
+
+
+def bench_throughput(bench: BenchModel, options: ThroughputOptions) -> list[ThroughputRow]:
+  """Every mode on the first N prompts for each N of `options.prompts`, timed in interleaved rounds."""
+  smallest = min(options.prompts)
+  cells = [
+    (n, mode)
+    for n in options.prompts
+    for mode in throughput_modes(bench, options)
+    if not mode.official or n == smallest
+  ]
+  results, times = {}, {}
+  for n, mode in cells:  # warm-up: compiles every shape the timed rounds use
+    start = time.perf_counter()
+    results[n, mode.label] = mode.decode(bench.prompts[:n])
+    log(f"{n} prompts, {mode.label}: first call (compile + run) {time.perf_counter() - start:.2f}s")
+  for round_ in range(options.repeats):
+    for n, mode in cells:
+      start = time.perf_counter()
+      mode.decode(bench.prompts[:n])
+      times.setdefault((n, mode.label), []).append(time.perf_counter() - start)
+    log(f"round {round_ + 1}/{options.repeats} done")
+  rows = []
+  for n, mode in cells:
+    calls = results[n, mode.label]
+    widths = _merge_widths(calls)
+    forward = widths.get("forward", {})
+    tokens = [t for r in calls for t in r.tokens]
+    run_s = statistics.median(times[n, mode.label])
+    rows.append(
+      ThroughputRow(
+        prompts=n,
+        mode=mode.label,
+        rows=min(mode.rows, n),
+        forwards_per_answer=float(np.mean(np.concatenate([r.num_forwards for r in calls]))),
+        batch_forwards=sum(forward.values()),
+        average_width=sum(w * c for w, c in forward.items()) / max(sum(forward.values()), 1),
+        tokens_per_s=sum(map(len, tokens)) / run_s,
+        run_s=run_s,
+        widths=widths,
+        tokens=tokens,
+        official=mode.official,
+      )
+    )
+  return rows
+
+
+def run_throughput_bench(options: ThroughputOptions, trained: TrainedSource | None = None) -> list[ThroughputRow]:
+  """The throughput benchmark on the trained model, or else on a random model of `options.size`."""
+  options.check()
+  count = max(options.prompts)
+  if trained:
+    bench = trained_bench_model(trained, count, options.seed)
+  else:
+    overrides = dict(num_layers=options.num_layers) if options.num_layers else {}
+    if options.dtype:
+      overrides.update(dtype=options.dtype, param_dtype=options.dtype)
+    bench = random_bench_model(options.size, count, options.sharpen, options.seed, PROMPT_LENGTHS, **overrides)
+  log(f"{bench.name}: {len(bench.prompts)} prompts of {min(map(len, bench.prompts))}-{max(map(len, bench.prompts))}")
+  return bench_throughput(bench, options)
