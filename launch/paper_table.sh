@@ -74,14 +74,8 @@ prompt_folder() {
   esac
 }
 
-# A command as it can be pasted into a shell: words with shell syntax in single quotes.
-quoted() {
-  local word out=()
-  for word in "$@"; do
-    if [[ $word =~ ^[A-Za-z0-9_./:=@%+,~-]+$ ]]; then out+=("$word"); else out+=("'${word//\'/\'\\\'\'}'"); fi
-  done
-  echo "${out[*]}"
-}
+# quoted: a command as it can be pasted into a shell.
+source "$(dirname "${BASH_SOURCE[0]}")/quoting.sh"
 
 export HF_ALLOW_CODE_EVAL=1 HF_DATASETS_TRUST_REMOTE_CODE=true
 launcher=$(dirname "$0")/tpu_pod.sh

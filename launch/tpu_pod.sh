@@ -52,14 +52,8 @@ while [[ $# -gt 0 && $1 == --* ]]; do
   shift
 done
 
-# A command as it can be pasted into a shell: words with shell syntax in single quotes.
-quoted() {
-  local word out=()
-  for word in "$@"; do
-    if [[ $word =~ ^[A-Za-z0-9_./:=@%+,~-]+$ ]]; then out+=("$word"); else out+=("'${word//\'/\'\\\'\'}'"); fi
-  done
-  echo "${out[*]}"
-}
+# quoted: a command as it can be pasted into a shell.
+source "$(dirname "${BASH_SOURCE[0]}")/quoting.sh"
 
 # Print a command, then run it (unless --dry_run).
 run() {

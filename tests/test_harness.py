@@ -182,7 +182,7 @@ print(json.dumps(dict(texts=texts, mesh=dict(lm.mesh.shape), sharded=embedding.s
 
 
 def test_on_several_devices_the_model_takes_the_global_mesh_and_gives_the_same_texts(tmp_path, byte_model):
-  from fake_devices import run_json
+  from helpers.fake_devices import run_json
 
   model, tokenizer = byte_model
   # One prompt bucket, so one compiled program on the mesh.

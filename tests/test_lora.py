@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from train_utils import REPO, load_config, smoke_config
+from helpers.train_utils import REPO, load_config, smoke_config
 
 import refusion_jax as rj
 from refusion_jax import train_bench
@@ -175,7 +175,7 @@ def test_a_target_no_module_has_names_the_modules_there_are():
 
 @pytest.fixture(scope="module")
 def hf_base(tmp_path_factory):
-  from hf_utils import save_tiny_hf_model
+  from helpers.hf_utils import save_tiny_hf_model
 
   directory = tmp_path_factory.mktemp("hf_base")
   save_tiny_hf_model(directory, "qwen3", seed=4, head_dim=8)
@@ -189,7 +189,7 @@ def _hf(directory: str):
 
 
 def _hf_logits(model, tokens):
-  from hf_utils import hf_logits
+  from helpers.hf_utils import hf_logits
 
   return hf_logits(model, np.asarray(tokens))
 
@@ -238,7 +238,7 @@ def test_a_merged_model_saves_as_hugging_face_with_the_adapted_logits(hf_base, t
 
 
 def test_an_adapter_of_another_shape_names_the_tensor_and_what_was_expected(hf_base, tmp_path):
-  from hf_utils import save_tiny_hf_model
+  from helpers.hf_utils import save_tiny_hf_model
 
   other = tmp_path / "wider"
   save_tiny_hf_model(other, "qwen3", seed=1, head_dim=8, hidden_size=48)
