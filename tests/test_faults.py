@@ -90,6 +90,27 @@ def test_sigterm_while_waiting_for_data_saves_the_last_step(tmp_path, data_dir, 
   assert sorted(resumed.losses) == [3]
 
 
+def test_sigterm_in_a_lora_run_saves_its_adapters_and_the_resume_is_exact(tmp_path, data_dir, monkeypatch):
+  # A LoRA run saves adapters and their optimizer state per step (the base once): the preemption save must be a
+  # step that resumes into the same losses as a run never interrupted.
+  def lora_config(**overrides):
+    config = _config(data_dir, num_train_steps=5, **overrides)
+    config.checkpoint.every = 1000
+    config.lora.update(rank=4, dropout=0.1)
+    return config
+
+  straight = loop.train_and_evaluate(lora_config(), str(tmp_path / "straight"))
+  workdir = str(tmp_path / "run")
+  _stall_training_data(monkeypatch, after=2)
+  stopped = loop.train_and_evaluate(lora_config(), workdir)
+  assert (stopped.step, stopped.stopped_by) == (2, "preempted")
+  assert _steps(workdir) == [2]
+  monkeypatch.undo()
+  resumed = loop.train_and_evaluate(lora_config(), workdir)
+  assert sorted(resumed.losses) == [3, 4, 5]
+  assert [resumed.losses[s] for s in (3, 4, 5)] == [straight.losses[s] for s in (3, 4, 5)]
+
+
 def test_signal_before_the_first_step_stops_without_saving(tmp_path, data_dir, monkeypatch):
   _stall_training_data(monkeypatch, after=0, signum=signal.SIGINT)
   with pytest.raises(RunInterrupted, match="SIGINT while waiting for training data before the first step"):
