@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from refusion_jax.decoding.batching import DecodeOutputs, LoopState, run_rows
@@ -109,7 +110,7 @@ class Loop:
     return state_shardings(params, mesh, rules), loop_shardings(batch, mesh, rules), replicated, replicated
 
   def __call__(self, params: Any, batch: LoopState, max_iterations: Any, knobs: Any) -> LoopState:
-    placed = jax.device_put((params, batch, max_iterations, knobs), self.shardings(params, batch))
+    placed = _place((params, batch, max_iterations, knobs), self.shardings(params, batch))
     name = self.program[0].name
     with tagged(_LOOP_TAG, f"{_LOOP_TAG}/{name}"):  # the loop's compiles, not those of placing its inputs
       return decode_loop(self.graphdef, *placed, program=self.program, placement=self.placement)
@@ -119,6 +120,58 @@ class Loop:
     return decode_loop.lower(
       self.graphdef, params, batch, max_iterations, knobs, program=self.program, placement=self.placement
     )
+
+
+def _place(values: Any, shardings: Any) -> Any:
+  """`values` on `shardings` (a prefix tree of them), every leaf placed the same way on every call.
+
+  Within one process `jax.device_put` does it all. On a mesh that spans processes, a value this process holds
+  whole (host arrays, knobs: the same in every process) is assembled shard by shard from it, and an array spread
+  over the processes in another layout (the training state, when a multi-process run evaluates) is resharded by
+  one compiled identity, whose collectives every backend has, where `device_put` would need cross-host
+  transfers that some backends lack.
+  """
+  flat_shardings = jax.tree.leaves(shardings)
+  subtrees = jax.tree.structure(shardings).flatten_up_to(values)
+  pairs = [(leaf, sharding) for subtree, sharding in zip(subtrees, flat_shardings) for leaf in jax.tree.leaves(subtree)]
+  placed, across = [], []
+  for i, (leaf, sharding) in enumerate(pairs):
+    if sharding.is_fully_addressable or (isinstance(leaf, jax.Array) and leaf.sharding == sharding):
+      placed.append(jax.device_put(leaf, sharding))
+    elif not isinstance(leaf, jax.Array) or leaf.is_fully_addressable:
+      placed.append(_assembled(leaf, sharding))
+    else:
+      placed.append(leaf)
+      across.append(i)
+  if across:
+    moved = jax.jit(_same, out_shardings=[pairs[i][1] for i in across])([pairs[i][0] for i in across])
+    for i, leaf in zip(across, moved):
+      placed[i] = leaf
+  return jax.tree.unflatten(jax.tree.structure(values), placed)
+
+
+def _assembled(leaf: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+  """A value every process holds whole, as one array over `sharding`'s devices in all processes."""
+  if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+    data = _assembled(jax.random.key_data(leaf), sharding)
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(leaf))
+  whole = np.asarray(leaf)
+  return jax.make_array_from_callback(whole.shape, sharding, lambda index: whole[index])
+
+
+def _to_host(values: Any) -> Any:
+  """`values` as host arrays, whole in every process (rows split over processes are gathered)."""
+
+  def fetch(leaf: Any) -> Any:
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+      return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+    return jax.device_get(leaf)
+
+  return jax.tree.map(fetch, values)
+
+
+def _same(leaves: list[jax.Array]) -> list[jax.Array]:
+  return leaves
 
 
 def _default_device() -> jax.Device:
@@ -204,7 +257,7 @@ class _Feed:
 
   def collect(self, batch: LoopState) -> LoopState:
     """Read back the entries whose prompt finished, then refill them (`batch` after a loop call)."""
-    busy, entry, waiting, out = jax.device_get((batch.busy, batch.entry, batch.waiting, batch.out))
+    busy, entry, waiting, out = _to_host((batch.busy, batch.entry, batch.waiting, batch.out))
     decoding = np.zeros(self.held.shape, bool)
     decoding[entry[busy]] = True
     done = np.flatnonzero((self.held >= 0) & ~waiting & ~decoding)
@@ -265,7 +318,7 @@ def run_decoder(
   iterations = np.int32(chunk_iterations or np.iinfo(np.int32).max)
   while feed.left:
     batch = feed.collect(loop(params, batch, iterations, decoder.knobs))
-  widths = jax.device_get(batch.widths)
+  widths = _to_host(batch.widths)
   seconds = time.perf_counter() - start
   out = feed.results
   answers = [row[: row.index(decoder.eos_id) + 1] if decoder.eos_id in row else row for row in out.answer.tolist()]

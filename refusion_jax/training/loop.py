@@ -430,7 +430,8 @@ class _Evaluator:
         seed=config.seed,
         placement=self._run.placement,
       )
-      decoded, samples = evaluate_decoding(nnx.merge(self._graphdef, params), self._validation, tokenizer, config)
+      model = nnx.merge(self._graphdef, params)
+      decoded, samples = evaluate_decoding(model, self._validation, tokenizer, config, self._run.placement.mesh)
     metrics.update(decoded)
     result.samples = samples
     result.evals.append((step, metrics))

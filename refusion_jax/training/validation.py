@@ -52,22 +52,32 @@ def eval_knobs(method: str, eval_config: ml_collections.ConfigDict) -> dict[str,
 
 
 def decode_answers(
-  model: Transformer, prompts: list[list[int]], config: ml_collections.ConfigDict, batch_size: int | None = None
+  model: Transformer,
+  prompts: list[list[int]],
+  config: ml_collections.ConfigDict,
+  batch_size: int | None = None,
+  mesh: jax.sharding.Mesh | None = None,
 ) -> DecodeResult:
   """Decode with the method matching `config.objective.kind` and the knobs of `config.eval`.
 
   batch_size: rows kept busy by continuous batching over all `prompts`; None decodes them as one batch.
+  mesh: decode on this mesh (the training mesh during a run, where the parameters already are); None: one device.
   """
   kind = config.objective.kind
-  return METHODS[kind](model, prompts, **eval_knobs(kind, config.eval), batch_size=batch_size)
+  return METHODS[kind](model, prompts, **eval_knobs(kind, config.eval), batch_size=batch_size, mesh=mesh)
 
 
 def evaluate_decoding(
-  model: Transformer, records: Sequence[Mapping[str, Any]], tokenizer: Tokenizer, config: ml_collections.ConfigDict
+  model: Transformer,
+  records: Sequence[Mapping[str, Any]],
+  tokenizer: Tokenizer,
+  config: ml_collections.ConfigDict,
+  mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
   """Exact match and tokens per forward over the first `config.eval.num_examples` records.
 
-  Prompts are built as the training data builds them (`format_prompt`).
+  Prompts are built as the training data builds them (`format_prompt`). A run decodes on its training `mesh`:
+  the parameters stay where training put them, and a job of several processes decodes as one.
 
   Returns:
     ({exact_match, tpf, mean_forwards, exact_match_<task> per built-in task},
@@ -79,7 +89,7 @@ def evaluate_decoding(
   samples = []
   if examples:
     # eval.batch_size rows kept busy over every prompt (continuous batching), not batches waiting for their slowest row.
-    result = decode_answers(model, prompts, config, batch_size=config.eval.batch_size)
+    result = decode_answers(model, prompts, config, batch_size=config.eval.batch_size, mesh=mesh)
     answer_tokens, forwards = sum(len(t) for t in result.tokens), int(np.sum(result.num_forwards))
     for ex, tokens in zip(examples, result.tokens):
       answer = tokenizer.decode(tokens)
