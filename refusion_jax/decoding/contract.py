@@ -164,7 +164,11 @@ class Method(Protocol):
   The class attributes are what the loop needs, static: its `name` (what `driver.compile_count` counts its
   compilations under), `width_names` (the width counters' rows, "forward" first) and the three traced parts
   `start_rows`, `admit`, `step` (static methods). The instance holds the user's choices (`gen_length`, G, and
-  the method's own) and splits them, once per decode call, into the loop's static settings and traced knobs.
+  the method's own) and `decoder` splits them, once per decode call, into the loop's static settings and traced
+  knobs: checks that need the model (special ids inside the vocabulary) happen there. `special` holds the call's
+  mask and EOS ids as given or resolved (None where unknown), `seed` the PRNG seed of sampling, and `pick_rows`
+  whether a forward may run a subset of the rows (the driver's decision: not where rows are split over
+  devices); methods that never pick rows ignore it.
   """
 
   name: ClassVar[str]
@@ -176,14 +180,4 @@ class Method(Protocol):
   @property
   def gen_length(self) -> int: ...
 
-  def decoder(self, config: ModelConfig, special: SpecialTokens, seed: int, *, pick_rows: bool) -> Decoder:
-    """This method for one decode call: checks that need the model (special ids in the vocabulary), then the
-    static settings and traced knobs.
-
-    Args:
-      special: the call's mask and EOS ids, as given or resolved (None where unknown).
-      seed: the PRNG seed of sampling.
-      pick_rows: whether a forward may run a subset of the rows (the driver's decision: not where rows are
-        split over devices); methods that never pick rows ignore it.
-    """
-    ...
+  def decoder(self, config: ModelConfig, special: SpecialTokens, seed: int, *, pick_rows: bool) -> Decoder: ...

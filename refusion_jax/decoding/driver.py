@@ -22,7 +22,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from refusion_jax.data.special_tokens import SpecialTokens
 from refusion_jax.decoding.batching import LoopState, run_rows
 from refusion_jax.decoding.checks import check_positive, check_prompts, check_special_id, decoder_special_tokens
 from refusion_jax.decoding.compilations import compilations, tagged
@@ -96,7 +95,13 @@ class Loop:
     if self.placement is None:
       return replicated, replicated, replicated, replicated
     mesh, rules = self.placement.mesh, self.placement.rules
-    return state_shardings(params, mesh, rules), loop_shardings(state, mesh, rules), replicated, replicated
+    return state_shardings(params, mesh, rules), self.state_shardings(state), replicated, replicated
+
+  def state_shardings(self, state: LoopState) -> Any:
+    """The shardings of the loop's state (a prefix of it: one sharding without a mesh)."""
+    if self.placement is None:
+      return self._replicated()
+    return loop_shardings(state, self.placement.mesh, self.placement.rules)
 
   def _replicated(self) -> jax.sharding.Sharding:
     if self.placement is None:
@@ -113,11 +118,9 @@ class Loop:
     """Knobs or an iteration count, replicated (on the default device without a mesh)."""
     return place(tree, self._replicated())
 
-  def place_state(self, state: LoopState, shardings: LoopState | None = None) -> LoopState:
-    """`state` on its shardings (`shardings` when the caller kept them: the state's structure never changes)."""
-    if shardings is None:
-      shardings = self.shardings(None, state)[1] if self.placement else self._replicated()
-    return place(state, shardings)
+  def place_state(self, state: LoopState, shardings: Any = None) -> LoopState:
+    """`state` on its shardings (`shardings`: `state_shardings(state)` kept by the caller)."""
+    return place(state, self.state_shardings(state) if shardings is None else shardings)
 
   def __call__(self, params: Any, state: LoopState, max_iterations: Any, knobs: Any) -> LoopState:
     """One loop call on placed inputs."""
@@ -195,11 +198,11 @@ class Engine:
         engine.partial(request)                   # the answer's committed prefix so far (streaming)
       engine.cancel(request)                      # drop a request, queued or decoding
 
-  Request numbers restart at 0 whenever the engine is idle; a request's number is what its sampling noise folds
-  in (docs/method.md §3.3), so a run of N prompts from idle draws what `decode` draws for them. A row's decode never
-  depends on the other rows, so each request gets its B = 1 decode whenever it runs. The loop hands back to the
-  host when a row turns idle while submitted prompts wait on the host, after `iterations` iterations, or when
-  every entry is done; nothing compiles again for new prompts of the bucket.
+  Request numbers restart at 0 whenever the engine is idle with no result left to pop; a request's number is
+  what its sampling noise folds in (docs/method.md §3.3), so a run of N prompts from idle draws what `decode`
+  draws for them. A row's decode never depends on the other rows, so each request gets its B = 1 decode whenever
+  it runs. The loop hands back to the host when a row turns idle while submitted prompts wait on the host, after
+  `iterations` iterations, or when every entry is done; nothing compiles again for new prompts of the bucket.
 
   Attributes:
     loop_calls, host_seconds: the loop calls so far and the host's own time over them (all but the wait for
@@ -247,7 +250,7 @@ class Engine:
     graphdef, params = nnx.split(model)
     self._loop = loop_for(self.decoder, graphdef, mesh, rules)
     self._state = start_state(self.decoder, config, self.rows, prompt_width)
-    self._state_shardings = self._loop.shardings(None, self._state)[1] if mesh is not None else None
+    self._state_shardings = self._loop.state_shardings(self._state)  # the state's structure never changes
     self._params = self._loop.place_params(params)
     self._knobs = self._loop.place_replicated(self.decoder.knobs)
     self._chunks: dict[int | None, Any] = {}  # placed iteration counts by `advance`'s iterations
@@ -284,7 +287,7 @@ class Engine:
         f"A prompt of {len(prompt_ids)} tokens does not fit this engine's prompt bucket of {self.prompt_width}; "
         f"build an engine with prompt_width={bucket_length(len(prompt_ids))}."
       )
-    if self.idle:
+    if self.idle and not self._finished:
       self._next_request = 0
     request = self._next_request
     self._next_request += 1
@@ -312,6 +315,8 @@ class Engine:
     """The answer tokens of `request` committed so far, up to the first offset not yet committed (streaming)."""
     if request in self._finished:
       return list(self._finished[request]["tokens"])
+    if any(queued == request for queued, _ in self._pending):
+      return []
     entries = np.flatnonzero(self._held == request)
     if not len(entries):
       raise ValueError(f"Request {request} is neither decoding nor finished (cancelled, popped or never submitted).")
@@ -500,15 +505,19 @@ def decode(
   return engine.run(prompt_ids, chunk_iterations)
 
 
-def special_ids(special: SpecialTokens) -> dict[str, int | None]:
-  """`decode`'s mask_id / eos_id / pad_id keywords from resolved special tokens."""
-  return dict(mask_id=special.mask, eos_id=special.eos, pad_id=special.pad)
-
-
 __getattr__ = moved_names(
   __name__,
   {
     "Placement": ("refusion_jax.decoding.driver.LoopPlacement", lambda: LoopPlacement),
     "start_batch": ("refusion_jax.decoding.driver.start_state", lambda: start_state),
+    "loop_for_mesh": ("refusion_jax.decoding.driver.loop_for(decoder, graphdef, mesh, rules)", lambda: _loop_for_mesh),
   },
 )
+
+
+def _loop_for_mesh(
+  decoder: Decoder, graphdef: nnx.GraphDef, params: Any, state: LoopState, mesh: jax.sharding.Mesh, rules=None
+) -> Loop:
+  """The 0.2 `loop_for_mesh`: `loop_for` (the loop no longer needs `params` or the state)."""
+  del params, state
+  return loop_for(decoder, graphdef, mesh, LOGICAL_AXIS_RULES if rules is None else rules)

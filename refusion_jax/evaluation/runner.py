@@ -20,29 +20,16 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tqdm
 
-from refusion_jax.data.tasks import is_correct
 from refusion_jax.data.tokenizer import Tokenizer
 from refusion_jax.decoding.compilations import compilations
 from refusion_jax.decoding.contract import Method
 from refusion_jax.decoding.result import DecodeResult
 from refusion_jax.decoding.sampler import Sampler
 from refusion_jax.model.transformer import Transformer
+from refusion_jax.training.validation import Answer, check_answers
 
 # A decode call's prompts per row kept busy: enough to keep the rows full between calls.
 PROMPTS_PER_ROW = 4
-
-
-@dataclasses.dataclass
-class Answer:
-  """One decoded example: what was asked, what came back, whether it is right and what it cost."""
-
-  task: str
-  query: str
-  reference: str
-  answer: str
-  correct: bool
-  num_tokens: int  # answer tokens, EOS included
-  num_forwards: int  # forwards this row took part in
 
 
 @dataclasses.dataclass
@@ -146,19 +133,9 @@ def run(
         compile_seconds=compile_seconds,
       )
     )
-    for row, index in enumerate(rows):
-      example = examples[index]
-      text = tokenizer.decode(result.tokens[row])
-      answers[index] = Answer(
-        task=example.get("task", ""),
-        query=example["query"],
-        reference=example["response"],
-        answer=text,
-        correct=is_correct(example, text),
-        num_tokens=len(result.tokens[row]),
-        num_forwards=int(result.num_forwards[row]),
-      )
-      correct += answers[index].correct
+    for index, answer in zip(rows, check_answers([examples[i] for i in rows], tokenizer, result)):
+      answers[index] = answer
+      correct += answer.correct
     done += len(rows)
     bar.update(len(rows))
     bar.set_postfix(accuracy=f"{correct / done:.3f}", refresh=False)
