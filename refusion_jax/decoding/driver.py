@@ -205,8 +205,8 @@ class Engine:
   `iterations` iterations, or when every entry is done; nothing compiles again for new prompts of the bucket.
 
   Attributes:
-    loop_calls, host_seconds: the loop calls so far and the host's own time over them (all but the wait for
-      the device).
+    loop_calls, host_seconds: the loop calls so far and the host's work around them (refilling the queue,
+      placing the state, reading back), the calls themselves not included.
     config: the model's config (of its inference view).
     decoder: the method split for this engine (settings, knobs, the EOS id answers are cut after).
     rows: K, the requested rows rounded up to the mesh's batch-parallel devices.
@@ -302,13 +302,13 @@ class Engine:
     start = time.perf_counter()
     self._refill()
     state = self._loop.place_state(self._state, self._state_shardings)
+    placed = time.perf_counter()
     self._state = self._loop(self._params, state, self._iterations(iterations), self._knobs)
-    dispatched = time.perf_counter()
     jax.block_until_ready(self._state)
-    waited = time.perf_counter() - dispatched
+    ran = time.perf_counter()
     finished = self._collect()
     self.loop_calls += 1
-    self.host_seconds += time.perf_counter() - start - waited
+    self.host_seconds += (placed - start) + (time.perf_counter() - ran)
     return finished
 
   def partial(self, request: int) -> list[int]:
