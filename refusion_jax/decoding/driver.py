@@ -249,13 +249,14 @@ class Engine:
     self.prompt_width = prompt_width
     graphdef, params = nnx.split(model)
     self._loop = loop_for(self.decoder, graphdef, mesh, rules)
-    self._state = start_state(self.decoder, config, self.rows, prompt_width)
-    self._state_shardings = self._loop.state_shardings(self._state)  # the state's structure never changes
+    host_state = start_state(self.decoder, config, self.rows, prompt_width)
+    self._state_shardings = self._loop.state_shardings(host_state)  # the state's structure never changes
+    self._state = _placed_start(self._loop, host_state, self._state_shardings, config, prompt_width)
     self._params = self._loop.place_params(params)
     self._knobs = self._loop.place_replicated(self.decoder.knobs)
     self._chunks: dict[int | None, Any] = {}  # placed iteration counts by `advance`'s iterations
     # The host's copy of the queue, and what the last loop call left in it (read back after every call).
-    state = self._state
+    state = host_state
     self._tokens, self._lengths = np.array(state.queue_tokens), np.array(state.queue_lengths)
     self._prompt, self._waiting = np.array(state.queue_prompt), np.array(state.waiting)
     self._busy, self._entry = np.array(state.busy), np.array(state.entry)
@@ -436,6 +437,20 @@ class Engine:
       commit_iteration=np.where(answered, out.commit_iteration[entry], -1),
       commit_phase=np.where(answered, out.commit_phase[entry], PHASE_NONE),
     )
+
+
+# Idle start states already on their devices, by everything that fixes them: arrays are immutable and the loop
+# donates none, so every engine of a program starts from the same ones (a decode call places only its queue).
+_STARTS: dict[tuple, LoopState] = {}
+
+
+def _placed_start(loop: Loop, state: LoopState, shardings: Any, config: ModelConfig, prompt_width: int) -> LoopState:
+  key = (loop.program, loop.placement, config, jax.tree.structure(state), prompt_width, state.entry.shape)
+  if key not in _STARTS:
+    if len(_STARTS) >= 64:
+      _STARTS.pop(next(iter(_STARTS)))
+    _STARTS[key] = loop.place_state(state, shardings)
+  return _STARTS[key]
 
 
 def _cut(answer: list[int], eos_id: int) -> list[int]:

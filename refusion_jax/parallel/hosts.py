@@ -66,6 +66,8 @@ def to_host(values: Any) -> Any:
       return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
     return jax.device_get(leaf)
 
+  if all(not isinstance(leaf, jax.Array) or leaf.is_fully_addressable for leaf in jax.tree.leaves(values)):
+    return jax.device_get(values)  # one batched read
   return jax.tree.map(fetch, values)
 
 
