@@ -214,7 +214,11 @@ def test_no_module_imports_matplotlib_until_it_draws():
   script = (
     "import importlib, sys\n"
     f"for name in {modules!r}:\n"
-    "  importlib.import_module(name.removesuffix('.__init__'))\n"
+    "  try:\n"
+    "    importlib.import_module(name.removesuffix('.__init__'))\n"
+    "  except ModuleNotFoundError as missing:  # an extra not installed here (lm-eval, torch)\n"
+    "    if missing.name.startswith('refusion_jax'):\n"
+    "      raise\n"
     "  assert 'matplotlib' not in sys.modules, name\n"
   )
   out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root.parent)
