@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The paper's benchmark table through lm-evaluation-harness, as the official eval.sh runs it: seven tasks, each
-# with its decode settings (paper_task=, README "Reproduce the paper's table"), zero-shot, chat template,
+# with its decode settings (paper_task=, docs/evaluation.md "Reproduce the paper's table"), zero-shot, chat template,
 # samples logged, the decode statistics beside lm-eval's results in OUTPUT_DIR/TASK.
 #
 #   launch/paper_table.sh [--dry_run] [--tasks=T1,T2] [--batch_size=K] [--model_args=K=V,...] \

@@ -3,7 +3,7 @@
 Public names are imported lazily so that `import refusion_jax` stays cheap and
 a notebook only pays for what it uses (torch-free, tfds-free sampling). Everything
 else — the eager reference decoder, the KV cache, the training internals — is
-reached by its module path (see the module map in README.md).
+reached by its module path (see the module map in docs/modules.md).
 """
 
 import importlib

@@ -2,7 +2,7 @@
 
     python -m refusion_jax.aot --config configs/refusion_qwen3_8b.py --topology v5p:4x4x4
     python -m refusion_jax.aot --config configs/refusion_qwen3_8b.py --topology v5p:2x2x1 \\
-        --config.grad_accum_steps=4 --decode_batch=1,32 --decode_mesh=tensor=4
+        --config.grad_accum_steps=4 --decode_batch=1,32 --decode_mesh=tensor:4
     python -m refusion_jax.aot --config configs/demo.py:smoke      # the local devices
     python -m refusion_jax.aot --config configs/refusion_qwen3_8b.py --topology v5p:2x2x2 --programs train \\
         --remat_policies=full,projections_except_mlp,projections        # one row per remat policy
@@ -32,18 +32,14 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from refusion_jax.cli import report_errors
+from refusion_jax.deprecation import moved_names
 from refusion_jax.parallel import compiled
+from refusion_jax.parallel.mesh_spec import parse_mesh_spec
 from refusion_jax.training.aot_report import decode_mesh_ways, decode_reports, train_reports
 
-
-def parse_mesh(text: str) -> dict[str, int]:
-  """ "data=2,tensor=4" -> {"data": 2, "tensor": 4}."""
-  try:
-    return {name.strip(): int(size) for name, size in (item.split("=") for item in text.split(",") if item)}
-  except ValueError:
-    raise ValueError(
-      f"--decode_mesh={text!r}; write it as axis=size pairs, e.g. tensor=4 or data=2,tensor=2."
-    ) from None
+__getattr__ = moved_names(
+  __name__, {"parse_mesh": ("refusion_jax.parallel.mesh_spec.parse_mesh_spec", lambda: parse_mesh_spec)}
+)
 
 
 def _print_each(reports: Iterator[compiled.Report]) -> list[compiled.Report]:
@@ -67,7 +63,7 @@ def report(f: flags.FlagValues) -> None:
   """Compile what the flags ask for and print the reports; exits with status 1 when something does not fit."""
   devices = compiled.topology_devices(f.topology) if f.topology else jax.devices()
   chip = compiled.chip_of(devices[0], f.hbm_gib)
-  decode_mesh = parse_mesh(f.decode_mesh) if f.decode_mesh else dict(f.config.mesh)
+  decode_mesh = parse_mesh_spec(f.decode_mesh) if f.decode_mesh else dict(f.config.mesh)
   print(f"{len(devices)} devices ({devices[0].device_kind}){'' if chip else ', HBM unknown (pass --hbm_gib)'}")
   reports = []
   if "train" in f.programs:
@@ -110,7 +106,7 @@ if __name__ == "__main__":
   flags.DEFINE_list("programs", ["train", "decode"], "Which programs to compile: train, decode.")
   flags.DEFINE_list("decode_batch", ["1", "32"], "Decode batch sizes to compile.")
   flags.DEFINE_integer("decode_prompt_length", 512, "Prompt bucket of the decode programs.")
-  flags.DEFINE_string("decode_mesh", "", 'Decode mesh, e.g. "tensor=4" or "data=1" (one chip); "" = config.mesh.')
+  flags.DEFINE_string("decode_mesh", "", 'Decode mesh, e.g. "tensor:4" or "data:1" (one chip); "" = config.mesh.')
   flags.DEFINE_list(
     "remat_policies", [], "Compile the training step once per policy, e.g. full,projections ('': config.model.remat)."
   )

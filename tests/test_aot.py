@@ -109,9 +109,9 @@ def test_aot_cli_reports_memory_and_exits_1_saying_what_does_not_fit():
   assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
   lines = out.stdout.splitlines()
   train_row = next(line for line in lines if line.startswith("| train step, batch 8 x 64, grad_accum 1"))
-  assert "mesh data=2xfsdp=2xtensor=2 | 8 |" in train_row and "| yes |" in train_row
+  assert "mesh data:2+fsdp:2+tensor:2 | 8 |" in train_row and "| yes |" in train_row
   assert any(line.startswith("| decode (prefill + 1 loop iteration), batch 8") and "| NO |" in line for line in lines)
-  assert "DOES NOT FIT: decode" in out.stdout and "--decode_mesh=tensor=N" in out.stdout
+  assert "DOES NOT FIT: decode" in out.stdout and "--decode_mesh=tensor:N" in out.stdout
   times = next(line for line in lines if line.startswith("Compile times on this host: "))
   assert re.search(r"train step, batch 8 x 64, [^;]*: \d+ s; decode", times), times
 
@@ -145,10 +145,10 @@ def test_decode_report_pads_a_batch_smaller_than_the_mesh_and_names_the_mesh():
   # 3 prompts on the smoke config's 8-way data mesh: the cache's rows cannot split 8 ways until padded to 8.
   out = run_python(["-m", "refusion_jax.aot", *SMOKE, "--programs=decode", "--decode_batch=3", "--hbm_gib=1"])
   assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-  assert "Decode mesh data=8 (config.mesh; --decode_mesh=... to choose another)" in out.stdout
+  assert "Decode mesh data:8 (config.mesh; --decode_mesh=... to choose another)" in out.stdout
   rows = [line for line in out.stdout.splitlines() if line.startswith("| decode")]
   assert rows and all("batch 3 as 8 rows (a multiple of 8 batch-parallel devices)" in row for row in rows), rows
-  assert all("mesh data=8 | 8 |" in row and "| yes |" in row for row in rows), rows
+  assert all("mesh data:8 | 8 |" in row and "| yes |" in row for row in rows), rows
 
 
 def test_train_advice_names_the_knobs():

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers.decode_cases import random_weights, same_decode
+from helpers.hand_cases import HAND_CASES, bigram_model, hand_knobs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +23,6 @@ from refusion_jax.decoding.result import STAGE_NAMES
 from refusion_jax.decoding.sampler import Sampler
 from refusion_jax.model.config import tiny
 from refusion_jax.model.transformer import init_model
-from tests.test_refusion import HAND_CASES, bigram_model, hand_knobs
 
 VOCAB = 24
 MASK = VOCAB - 1

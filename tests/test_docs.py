@@ -1,18 +1,26 @@
-"""The README's module map names every module, config and launch script, and the public API it lists is the real one."""
+"""The docs keep their promises: the README is short, opens with the two set-up commands and links pages that
+exist; the module map (docs/modules.md) names every module, config and launch script, and the public API it lists
+is the real one."""
 
 import ast
 import inspect
 import pathlib
 import re
+import warnings
 
 import refusion_jax as rj
+from refusion_jax.deprecation import REMOVED_IN
 
 ROOT = pathlib.Path(__file__).parents[1]
+README = ROOT / "README.md"
+MODULE_MAP = ROOT / "docs" / "modules.md"
+# The pages the README's tour points a newcomer to.
+DOCS_PAGES = ("install", "training", "sampling", "checkpoints", "lora", "evaluation", "scaling", "modules")
 
 
 def _map_rows() -> dict[str, str]:
-  """{first cell: the whole row} of the README's "where | what it holds" table."""
-  text = (ROOT / "README.md").read_text()
+  """{first cell: the whole row} of docs/modules.md's "where | what it holds" table."""
+  text = MODULE_MAP.read_text()
   table = text[text.index("| where | what it holds |") :].split("\n\n")[0]
   rows = [line for line in table.splitlines()[2:] if line.startswith("|")]
   return {row.split("|")[1].strip(): row for row in rows}
@@ -20,11 +28,11 @@ def _map_rows() -> dict[str, str]:
 
 def _row_for(rows: dict[str, str], where: str) -> str:
   matches = [row for first, row in rows.items() if first.startswith(f"`{where}")]
-  assert len(matches) == 1, f"the README's module map has no row for {where}"
+  assert len(matches) == 1, f"docs/modules.md has no row for {where}"
   return matches[0]
 
 
-def test_every_module_is_in_the_readme_map():
+def test_every_module_is_in_the_module_map():
   rows = _map_rows()
   missing = []
   for package in sorted(p for p in (ROOT / "refusion_jax").iterdir() if (p / "__init__.py").exists()):
@@ -32,28 +40,60 @@ def test_every_module_is_in_the_readme_map():
     missing += [
       f"{package.name}/{m.name}" for m in package.glob("*.py") if m.name != "__init__.py" and f"`{m.name}`" not in row
     ]
-  top = " ".join(
-    row for first, row in rows.items() if first.startswith(("`refusion_jax/__init__", "`refusion_jax/train.py"))
-  )
+  # The rows of top-level modules (the public API, the entry points, deprecation.py) name them by file.
+  top = " ".join(row for first, row in rows.items() if re.match(r"`refusion_jax/\w+\.py`", first))
   missing += [m.name for m in (ROOT / "refusion_jax").glob("*.py") if not re.search(rf"[`/]{re.escape(m.name)}`", top)]
   for folder in ("configs", "launch"):
     row = _row_for(rows, f"{folder}/")
     missing += [f"{folder}/{f.name}" for f in (ROOT / folder).iterdir() if f.is_file() and f"`{f.name}`" not in row]
-  assert not missing, f"not in the README's module map: {missing}"
+  assert not missing, f"not in docs/modules.md: {missing}"
 
 
-def test_the_readme_lists_the_public_api():
+def test_the_module_map_lists_the_public_api():
   row = _row_for(_map_rows(), "refusion_jax/__init__.py")
   listed = set(re.findall(r"`(\w+)`", row.split("|")[2]))
   assert listed == set(rj.__all__), (
-    f"README lists {sorted(listed - set(rj.__all__))} but not {sorted(set(rj.__all__) - listed)}"
+    f"docs/modules.md lists {sorted(listed - set(rj.__all__))} but not {sorted(set(rj.__all__) - listed)}"
   )
 
 
-def test_the_readme_calls_only_public_names():
-  text = (ROOT / "README.md").read_text()
-  called = set(re.findall(r"\brj\.(\w+)\(", text))
-  assert called <= set(rj.__all__), sorted(called - set(rj.__all__))
+def test_the_docs_name_only_public_names_or_deprecated_ones_that_still_work():
+  for page in [README, *sorted((ROOT / "docs").glob("*.md"))]:
+    for name in sorted(set(re.findall(r"\brj\.(\w+)", page.read_text())) - set(rj.__all__)):
+      with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert hasattr(rj, name), f"{page.name} names rj.{name}, which refusion_jax does not export"
+      assert any(issubclass(w.category, DeprecationWarning) for w in caught), f"{page.name}: rj.{name} is not public"
+
+
+def test_the_readme_is_short_and_opens_with_the_two_set_up_commands():
+  text = README.read_text()
+  assert len(text.splitlines()) <= 200, "the README is read in five minutes: move reference material to docs/"
+  commands = re.findall(r"^    (pip install .*)$", text, re.M)
+  assert commands[:2] == [
+    "pip install -e . && python -m refusion_jax.train --config configs/demo.py --workdir /tmp/refusion_demo",
+    'pip install -e ".[test]" && python -m pytest -q -n 2 --dist loadfile',
+  ]
+  assert text.index(commands[0]) < text.index("## What this is")
+  ci = (ROOT / ".ci" / "run").read_text()
+  assert 'pip install -q -e ".[test' in ci and "python -m pytest -q -x" in ci and "--dist loadfile" in ci
+
+
+def test_every_link_in_the_docs_resolves_and_the_readme_links_every_page():
+  pages = [README, *sorted((ROOT / "docs").glob("*.md"))]
+  broken = []
+  for page in pages:
+    for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+      path = target.split("#")[0]
+      if path and "://" not in path and not (page.parent / path).exists():
+        broken.append(f"{page.relative_to(ROOT)} -> {target}")
+  assert not broken, broken
+  linked = set(re.findall(r"\]\(docs/(\w+)\.md\)", README.read_text()))
+  assert set(DOCS_PAGES) <= linked, f"the README links no docs/{sorted(set(DOCS_PAGES) - linked)}.md"
+
+
+def test_the_readme_says_when_deprecated_names_go():
+  assert f"removed in {REMOVED_IN}" in README.read_text()
 
 
 def test_architecture_quotes_the_decoder_contract_as_the_code_defines_it():

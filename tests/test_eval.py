@@ -7,6 +7,7 @@ import types
 
 import numpy as np
 import pytest
+from helpers.decode_cases import byte_model
 from helpers.train_utils import REPO
 
 from refusion_jax import eval as eval_cli
@@ -16,7 +17,6 @@ from refusion_jax.data.tokenizer import ByteTokenizer
 from refusion_jax.decoding import refusion as decode
 from refusion_jax.decoding.ar import ar_generate
 from refusion_jax.evaluation import report, runner
-from tests.test_sampler_cli import byte_model
 
 TOK = ByteTokenizer()
 SMOKE = os.path.join(REPO, "configs", "demo.py") + ":smoke"

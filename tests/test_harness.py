@@ -141,7 +141,7 @@ def test_command_line_writes_results_samples_and_stats_with_the_samplers_texts(t
     ("checkpoint=/no/such/checkpoint", "checkpoint='/no/such/checkpoint' does not exist"),
     ("checkpoint=tiny,method=beam", "method='beam': choose one of refusion, ar, mdm"),
     ("checkpoint=tiny,mesh=data:3", "mesh='data:3': The mesh"),
-    ("checkpoint=tiny,mesh=rows:2", "mesh='rows:2': write axis:size pairs"),
+    ("checkpoint=tiny,mesh=rows:2", "mesh 'rows:2' names no mesh axis"),
   ],
 )
 def test_bad_model_args_exit_2_saying_what_is_wrong(capsys, model_args, message):

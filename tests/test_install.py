@@ -1,5 +1,5 @@
-"""setup.py gives each Python its jax line and the flax that imports under it; the extras and the README's
-install commands agree with it."""
+"""setup.py gives each Python its jax line and the flax that imports under it; the extras and the install
+commands of docs/install.md agree with it."""
 
 import pathlib
 import re
@@ -65,11 +65,11 @@ def test_torch_comes_with_the_tests_on_python_3_11_only(setup_kwargs):
     requirement(setup_kwargs["extras_require"]["test"], "torch", "3.12")
 
 
-def test_readme_no_deps_install_brings_every_other_requirement(setup_kwargs):
-  """The README's command for a machine whose jax pip must not touch lists what setup.py requires besides jax."""
-  readme = (REPO / "README.md").read_text()
+def test_the_no_deps_install_brings_every_other_requirement(setup_kwargs):
+  """docs/install.md's command for a machine whose jax pip must not touch lists what setup.py requires besides jax."""
+  page = (REPO / "docs" / "install.md").read_text()
   # The command, with its continuation lines.
-  command = re.search(r"^    pip install -c /tmp/keep-jax.txt ((?:.*\\\n)*.*)$", readme, re.M).group(1)
+  command = re.search(r"^    pip install -c /tmp/keep-jax.txt ((?:.*\\\n)*.*)$", page, re.M).group(1)
   listed = {Requirement(word.strip('"')).name for word in command.replace("\\\n", " ").split()}
   required = {Requirement(r).name for r in setup_kwargs["install_requires"]} - {"jax"}
   assert listed == required

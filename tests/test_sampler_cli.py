@@ -6,6 +6,7 @@ import grain
 import numpy as np
 import pytest
 from flax import nnx
+from helpers.decode_cases import byte_model
 
 from refusion_jax import sample
 from refusion_jax.checkpoints import hf as hf_io
@@ -21,16 +22,6 @@ from refusion_jax.model import transformer as model_lib
 TOK = ByteTokenizer()
 REFUSION = dict(gen_length=8, slot_size=4, serial_blocks=1, slot_threshold=0.5, token_threshold=0.5)
 BASELINES = {"ar": ar.ar_generate, "mdm": mdm.mdm_generate}
-
-
-def byte_model(seed=0):
-  model_config = config.tiny(
-    vocab_size=TOK.vocab_size,
-    mask_token_id=TOK.mask_id,
-    eos_token_id=TOK.eos_id,
-    pad_token_id=TOK.pad_id,
-  )
-  return model_lib.init_model(model_config, seed)
 
 
 @pytest.fixture(scope="module")

@@ -11,18 +11,18 @@ baseline step.
 
 from __future__ import annotations
 
-import matplotlib
-import matplotlib.cm
-import matplotlib.colors
-import matplotlib.patches
-import matplotlib.ticker
-import numpy as np
+import functools
+from typing import TYPE_CHECKING
 
-# A bare Figure renders with Agg and never touches pyplot or a display.
-from matplotlib.figure import Figure
+import numpy as np
 
 from refusion_jax.data.tokenizer import Tokenizer
 from refusion_jax.decoding.result import PHASE_INFILL, PHASE_NAMES, DecodeResult
+
+# matplotlib is imported by the functions that draw: a decode never pays its import time.
+if TYPE_CHECKING:
+  import matplotlib.colors
+  from matplotlib.figure import Figure
 
 COLORMAP = "viridis"
 # Hatch of each phase in the figure (verification / baseline step: plain).
@@ -46,6 +46,8 @@ def token_texts(tokens: list[int], tokenizer: Tokenizer | None) -> list[str]:
 
 def _iteration_colours(iterations: np.ndarray) -> tuple[np.ndarray, matplotlib.colors.Normalize]:
   """RGB [N, 3] per token from its commit iteration (grey where none), and the colour scale."""
+  import matplotlib.colors
+
   top = max(int(iterations.max(initial=0)), 1)
   norm = matplotlib.colors.Normalize(vmin=0, vmax=top)
   rgb = matplotlib.colormaps[COLORMAP](norm(iterations))[:, :3]
@@ -93,6 +95,11 @@ def plot_trace(
     The figure. Its axes hold exactly one `Rectangle` patch per answer token
     (gid "token"), in position order.
   """
+  import matplotlib.cm
+  import matplotlib.patches
+  import matplotlib.ticker
+  from matplotlib.figure import Figure  # a bare Figure renders with Agg and never touches pyplot or a display
+
   tokens, iterations, phases = _row_trace(result, row)
   texts = token_texts(tokens, tokenizer)
   rgb, norm = _iteration_colours(iterations)
@@ -154,21 +161,24 @@ def _xterm_code(rgb) -> int:
   return 16 + 36 * r + 6 * g + b
 
 
-def _terminal_ramp() -> list[int]:
+@functools.cache
+def _terminal_ramp() -> tuple[int, ...]:
   """The colormap as the distinct xterm codes it passes through, in order (15 for viridis)."""
+  import matplotlib
+
   codes = [_xterm_code(c) for c in matplotlib.colormaps[COLORMAP](np.linspace(0, 1, 256))[:, :3]]
-  return [c for i, c in enumerate(codes) if i == 0 or c != codes[i - 1]]
+  return tuple(c for i, c in enumerate(codes) if i == 0 or c != codes[i - 1])
 
 
-_TERMINAL_RAMP = _terminal_ramp()
 _UNCOMMITTED_CODE = 250
 
 
 def _terminal_code(iteration: int, top: int) -> int:
   """Distinct codes for distinct iterations as long as there are at most 15 of them."""
+  ramp = _terminal_ramp()
   if iteration < 0:
     return _UNCOMMITTED_CODE
-  return _TERMINAL_RAMP[round(iteration / max(top, 1) * (len(_TERMINAL_RAMP) - 1))]
+  return ramp[round(iteration / max(top, 1) * (len(ramp) - 1))]
 
 
 def _ansi_cell(text: str, code: int, underline: bool) -> str:
@@ -196,7 +206,7 @@ def format_trace_terminal(result: DecodeResult, row: int = 0, tokenizer: Tokeniz
     _ansi_cell(t, _terminal_code(int(i), top), int(p) == PHASE_INFILL) for t, i, p in zip(texts, iterations, phases)
   )
   # Past the ramp's length, neighbouring iterations share a colour: label one per colour.
-  shown = sorted({round(i) for i in np.linspace(0, top, min(top + 1, len(_TERMINAL_RAMP)))})
+  shown = sorted({round(i) for i in np.linspace(0, top, min(top + 1, len(_terminal_ramp())))})
   swatches = "".join(_ansi_cell(f"{i:^3}", _terminal_code(i, top), False) for i in shown)
   legend = f"iteration: {swatches}  (underlined: committed by the parallel infill)"
   return "\n".join([_title(result, row), body, legend])

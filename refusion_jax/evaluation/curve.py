@@ -12,11 +12,7 @@ import glob
 import os
 import struct
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only; no display needed
-import matplotlib.pyplot as plt  # noqa: E402 (after choosing the backend)
-from tensorboardX.proto import event_pb2  # noqa: E402
+from tensorboardX.proto import event_pb2
 
 TABLE = "learning_curve.md"
 PLOT = "learning_curve.png"
@@ -71,7 +67,11 @@ def format_curve(curves: dict[str, dict[int, float]], tpf: dict[int, float]) -> 
 
 def plot_curve(curves: dict[str, dict[int, float]], path: str, title: str = "") -> None:
   """Validation exact match against step, one line per task (the overall one dashed)."""
-  figure, axes = plt.subplots(figsize=(6.5, 4))
+  # Imported here, when a plot is drawn; a bare Figure draws with Agg, leaving pyplot and the user's backend alone.
+  from matplotlib.figure import Figure
+
+  figure = Figure(figsize=(6.5, 4))
+  axes = figure.add_subplot()
   for name in sorted(curves, key=lambda n: (n == "all", n)):
     steps = sorted(curves[name])
     axes.plot(steps, [curves[name][s] for s in steps], marker="o", linestyle="--" if name == "all" else "-", label=name)
@@ -85,7 +85,6 @@ def plot_curve(curves: dict[str, dict[int, float]], path: str, title: str = "") 
     axes.set_title(title, fontsize=10)
   figure.tight_layout()
   figure.savefig(path, dpi=150)
-  plt.close(figure)
 
 
 def write_curve(workdir: str, out_dir: str, title: str = "") -> list[str]:

@@ -59,7 +59,8 @@ from refusion_jax.decoding.sampler import Sampler
 from refusion_jax.deprecation import moved_names
 from refusion_jax.model.config import PRESETS
 from refusion_jax.model.transformer import Transformer
-from refusion_jax.parallel.sharding import MESH_AXES, make_mesh
+from refusion_jax.parallel.mesh_spec import parse_mesh_spec
+from refusion_jax.parallel.sharding import make_mesh
 
 # The official harness's code extraction: the body of the first ```python fenced block.
 PYTHON_FENCE = re.compile(r"```python\n(.*?)\n```", re.DOTALL)
@@ -119,29 +120,24 @@ def check_model_args(args: Mapping[str, Any]) -> None:
       )
 
 
-def parse_mesh(spec: str) -> dict[str, int]:
-  """ "data:2+tensor:4" -> {"data": 2, "tensor": 4} (axes `MESH_AXES`; -1 takes the remaining devices)."""
-  shape = {}
-  for part in spec.split("+"):
-    name, _, size = part.partition(":")
-    if name not in MESH_AXES or not re.fullmatch(r"-?\d+", size):
-      raise HarnessArgumentError(
-        f"mesh={spec!r}: write axis:size pairs joined by '+', e.g. mesh=data:-1 or mesh=fsdp:4+tensor:2;"
-        f" the axes are {MESH_AXES}."
-      )
-    shape[name] = int(size)
-  return shape
+__getattr__ = moved_names(
+  __name__, {"parse_mesh": ("refusion_jax.parallel.mesh_spec.parse_mesh_spec", lambda: parse_mesh_spec)}
+)
 
 
 def build_mesh(mesh: str | jax.sharding.Mesh | None) -> jax.sharding.Mesh | None:
-  """The decode mesh of the `mesh` argument: a `Mesh` as given, a spec for `parse_mesh` over every device of
+  """The decode mesh of the `mesh` argument: a `Mesh` as given, a spec for `parse_mesh_spec` over every device of
   every process, or (None) all devices on the data axis when there are several, else no mesh."""
   if isinstance(mesh, jax.sharding.Mesh):
     return mesh
   if mesh is None:
     return make_mesh({"data": -1}) if jax.device_count() > 1 else None
   try:
-    return make_mesh(parse_mesh(str(mesh)))
+    shape = parse_mesh_spec(str(mesh))
+  except ValueError as error:  # it names the spec and shows the syntax
+    raise HarnessArgumentError(str(error)) from error
+  try:
+    return make_mesh(shape)
   except ValueError as error:  # the mesh does not fit the devices: make_mesh says how
     raise HarnessArgumentError(f"mesh={mesh!r}: {error}") from error
 

@@ -14,11 +14,6 @@ import json
 import os
 from collections.abc import Sequence
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only; no display needed
-import matplotlib.pyplot as plt  # noqa: E402 (after choosing the backend)
-
 TABLE = "table.md"
 PLOT = "speed_accuracy.png"
 
@@ -95,13 +90,18 @@ def _point(record: dict) -> tuple[float, float]:
 
 def plot_speed_accuracy(results: Sequence[dict], path: str) -> None:
   """Accuracy vs tokens per second on the test set with the most rows, one colour per model, Pareto front joined."""
+  # Imported here, when a plot is drawn; a bare Figure draws with Agg, leaving pyplot and the user's backend alone.
+  import matplotlib
+  from matplotlib.figure import Figure
+
   names = [test_set_name(r) for r in results]
   test_set = max(dict.fromkeys(names), key=names.count)
   rows = [r for r in results if test_set_name(r) == test_set]
   points = [_point(r) for r in rows]
-  figure, axes = plt.subplots(figsize=(7.5, 5))
+  figure = Figure(figsize=(7.5, 5))
+  axes = figure.add_subplot()
   models = list(dict.fromkeys(r["model"] for r in rows))
-  colours = plt.get_cmap("tab10")
+  colours = matplotlib.colormaps["tab10"]
   for index, model in enumerate(models):
     mine = [p for r, p in zip(rows, points) if r["model"] == model]
     axes.scatter(*zip(*mine), color=colours(index % 10), label=model, s=36, zorder=3)
@@ -120,7 +120,6 @@ def plot_speed_accuracy(results: Sequence[dict], path: str) -> None:
   axes.legend(fontsize=8)
   figure.tight_layout()
   figure.savefig(path, dpi=150)
-  plt.close(figure)
 
 
 def write_report(results_dir: str, out_dir: str, title: str = "") -> list[str]:

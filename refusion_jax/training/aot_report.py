@@ -27,6 +27,7 @@ from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import inference_config, init_model
 from refusion_jax.parallel import compiled, sharding
 from refusion_jax.parallel.activations import normalize_rules, sharded_activations
+from refusion_jax.parallel.mesh_spec import format_mesh_spec
 from refusion_jax.training.run_config import lora_config_from, objective_config_from, preset_with_overrides
 from refusion_jax.training.state import init_state_fn, make_optimizer, make_placement, make_train_step
 
@@ -141,7 +142,7 @@ def decode_report(
   if report.fits is False:
     report.advice = [
       f"decode batch {batch} does not fit: lower --decode_batch, or split the weights over more chips "
-      f"with a tensor-parallel mesh (--decode_mesh=tensor=N, N dividing {model_config.num_kv_heads} KV heads)."
+      f"with a tensor-parallel mesh (--decode_mesh=tensor:N, N dividing {model_config.num_kv_heads} KV heads)."
     ]
   return report
 
@@ -184,8 +185,8 @@ def train_advice(
 
 
 def mesh_text(mesh: jax.sharding.Mesh) -> str:
-  """The mesh's axes of more than one device, e.g. "data=2xtensor=4" ("1 device" for none)."""
-  return "x".join(f"{name}={size}" for name, size in mesh.shape.items() if size > 1) or "1 device"
+  """The mesh's axes of more than one device as `--decode_mesh` takes them, e.g. "data:2+tensor:4" ("1 device")."""
+  return format_mesh_spec(mesh.shape) or "1 device"
 
 
 def decode_mesh_ways(

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from refusion_jax.data.tokenizer import ByteTokenizer
 from refusion_jax.model.config import tiny
 from refusion_jax.model.transformer import Transformer, init_model
 
@@ -104,3 +105,15 @@ def same_decode(a, b, row_a: int = 0, row_b: int = 0) -> list[str]:
     if not np.array_equal(x, y):
       diffs.append(f"{field} {np.asarray(x).tolist()} != {np.asarray(y).tolist()}")
   return diffs
+
+
+def byte_model(seed: int = 0) -> Transformer:
+  """A random tiny model over the byte tokenizer's vocabulary, with its mask, EOS and pad ids in the config."""
+  tokenizer = ByteTokenizer()
+  model_config = tiny(
+    vocab_size=tokenizer.vocab_size,
+    mask_token_id=tokenizer.mask_id,
+    eos_token_id=tokenizer.eos_id,
+    pad_token_id=tokenizer.pad_id,
+  )
+  return init_model(model_config, seed)
