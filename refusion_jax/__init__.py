@@ -22,7 +22,7 @@ _EXPORTS = {
   "save_hf": "refusion_jax.checkpoints.hf",
   "load_tokenizer": "refusion_jax.data.tokenizer",
   # LoRA: adapters on a model, merged into it, and peft's adapter files both ways.
-  "LoraConfig": "refusion_jax.model.lora",
+  "LoraConfig": "refusion_jax.model.adapter",
   "add_lora": "refusion_jax.model.lora",
   "merge_lora": "refusion_jax.model.lora",
   "save_lora": "refusion_jax.checkpoints.peft",

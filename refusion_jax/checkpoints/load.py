@@ -213,7 +213,15 @@ def _model_of(
   if found.format == "refusion" and lora_run.is_lora_run(found.path, found.step):
     if config is not None:
       raise ValueError(f"{found.path} is a LoRA run: its base records the config; pass no config.")
-    return lora_run.load_run_model(found.path, found.step, dtype, param_dtype, mesh, rules)
+    base = load_model(
+      lora_run.base_of(found.path, found.step),
+      format="refusion",
+      dtype=dtype,
+      param_dtype=param_dtype,
+      mesh=mesh,
+      rules=rules,
+    )
+    return lora_run.add_run_adapters(base, found.path, found.step, mesh, rules)
   base = config or (hf.load_hf_config(found.path) if found.format == "hf" else None)
   source = _open(found, base)
   base = base or source.config
