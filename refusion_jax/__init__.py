@@ -26,6 +26,9 @@ _EXPORTS = {
   "add_lora": "refusion_jax.model.lora",
   "merge_lora": "refusion_jax.model.lora",
   "save_lora": "refusion_jax.checkpoints.peft",
+  # Weight-only int8 / int4 projections (QLoRA: a quantized base under LoRA adapters).
+  "quantize": "refusion_jax.model.quantize",
+  "dequantize": "refusion_jax.model.quantize",
   "load_lora": "refusion_jax.checkpoints.peft",
   # Decoding.
   "generate": "refusion_jax.decoding.refusion",

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from refusion_jax.model import quantize as quantize_lib
 from refusion_jax.model.adapter import (
   ADAPTER_WEIGHTS,
   DEFAULT_TARGETS,
@@ -115,11 +116,24 @@ def merged_weight(weight: jax.Array, adapter: LoraAdapter) -> jax.Array:
   return (weight.astype(jnp.float32) + update).astype(weight.dtype)
 
 
-def merge_lora(model: Transformer) -> Transformer:
+def merge_lora(model: Transformer, dequantize: bool = False) -> Transformer:
   """A model without adapters whose kernels are W + scale·A·B: the same function, no extra contractions.
 
   `model` itself is left as it is; the result shares its other parameters.
+
+  Args:
+    dequantize: for a quantized base (QLoRA), merge into its dequantized kernels (in the config's
+      `param_dtype`): the result is a float model. Without it adapters on a quantized base are refused,
+      since W + scale·A·B is no longer on the integer grid (a quantized model without adapters is
+      returned quantized).
   """
+  if model.config.quantize != "none" and (dequantize or any(True for _ in adapted_kernels(model))):
+    if not dequantize:
+      raise ValueError(
+        f"The base is quantized ({model.config.quantize}): adapters merge only into float kernels. Use "
+        "merge_lora(model, dequantize=True) for a float model (e.g. to export), or keep the adapters unmerged."
+      )
+    model = quantize_lib.dequantize(model)
   graphdef, state = nnx.split(model)
   merged = nnx.merge(graphdef, state)  # a new module tree over the same arrays
   for _, kernel, parent, adapter in adapted_kernels(merged):
