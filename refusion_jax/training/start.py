@@ -156,15 +156,25 @@ def _from_init(config: ml_collections.ConfigDict, checkpoint_dir: str) -> Start:
   """The parameters of `config.init_from`, whatever its format (precedence 2)."""
   found = locate(config.init_from, config.init_format)
   dtype, param_dtype = config.model.get("dtype"), config.model.get("param_dtype")
+  # A QLoRA run quantizes the base while reading it: the float base never sits on the devices whole.
+  quantized = dict(quantize=config.get("quantize"), quantize_group_size=config.get("quantize_group_size", 128))
   if found.format == "hf":
-    return _from_hf(config, found.path, checkpoint_dir)
+    return _from_hf(config, found.path, checkpoint_dir, quantized)
   if found.format == "refusion":
-    model = load_model(found.path, format="refusion", step=found.step, dtype=dtype, param_dtype=param_dtype)
+    model = load_model(
+      found.path, format="refusion", step=found.step, dtype=dtype, param_dtype=param_dtype, **quantized
+    )
     return Start(model.config, checkpoint_tokenizer(found), params=nnx.state(model))
   # tunix and MaxText store no config: config.model and config.tokenizer describe the model.
   model_config = model_config_from(config, load_tokenizer(config.tokenizer))
   model = load_model(
-    found.path, format=found.format, step=found.step, config=model_config, dtype=dtype, param_dtype=param_dtype
+    found.path,
+    format=found.format,
+    step=found.step,
+    config=model_config,
+    dtype=dtype,
+    param_dtype=param_dtype,
+    **quantized,
   )
   return Start(model.config, config.tokenizer, params=nnx.state(model))
 
