@@ -107,15 +107,8 @@ def check_run_config(config: ml_collections.ConfigDict, resuming: bool) -> None:
     raise ValueError(f"checkpoint.on_corrupt={config.checkpoint.on_corrupt!r}; choose 'fallback' or 'fail'.")
   if config.init_format not in ("auto", *FORMATS):
     raise ValueError(f"config.init_format={config.init_format!r}; choose 'auto' or one of {FORMATS}.")
-  lora = lora_config_from(config)  # a bad config.lora is refused here, before any data or model is built
-  mode = config.get("quantize", "none")
-  quant.check_mode(mode)
-  if mode != "none" and not lora.enabled:
-    raise ValueError(
-      f"config.quantize={mode!r} freezes integer kernels, which cannot train themselves: set "
-      "--config.lora.rank (e.g. 8) to train float32 adapters over the quantized base (QLoRA), or "
-      "--config.quantize=none to train every weight."
-    )
+  lora_config_from(config)  # a bad config.lora is refused here, before any data or model is built
+  check_quantize(config)
   missing = []
   if not (resuming or config.init_from or config.tokenizer):
     missing.append(
@@ -143,6 +136,18 @@ def lora_config_from(config: ml_collections.ConfigDict) -> LoraConfig:
     known = [f.name for f in dataclasses.fields(LoraConfig)]
     raise ValueError(f"config.lora has unknown fields {unknown}; it takes {known}.")
   return LoraConfig(**fields)
+
+
+def check_quantize(config: ml_collections.ConfigDict) -> None:
+  """Refuse an unknown `config.quantize`, or a quantized base without adapters to train (QLoRA needs LoRA)."""
+  mode = config.get("quantize", "none")
+  quant.check_mode(mode)
+  if mode != "none" and not lora_config_from(config).enabled:
+    raise ValueError(
+      f"config.quantize={mode!r} freezes integer kernels, which cannot train themselves: set "
+      "--config.lora.rank (e.g. 8) to train float32 adapters over the quantized base (QLoRA), or "
+      "--config.quantize=none to train every weight."
+    )
 
 
 def quantized_as_configured(model_config: ModelConfig, config: ml_collections.ConfigDict) -> ModelConfig:
