@@ -107,6 +107,10 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.lora.dropout = 0.0  # dropout on the adapters' inputs while training (peft's lora_dropout)
   config.lora.targets = ("q_proj", "k_proj", "v_proj", "o_proj")  # also gate_proj, up_proj, down_proj
   config.lora.use_rslora = False  # scale = alpha / sqrt(r) instead
+  # QLoRA (refusion_jax.model.quant): "int8" or "int4" freezes the base's projections as integers under the float32
+  # adapters (needs lora.rank > 0); the base is quantized while it is loaded. "none": the base as loaded.
+  config.quantize = "none"
+  config.quantize_group_size = 128  # int4: inputs per scale (0: one scale per output channel)
 
   config.optimizer = ml_collections.ConfigDict()
   config.optimizer.lr = 2e-3  # peak learning rate

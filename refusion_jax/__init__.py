@@ -23,10 +23,13 @@ _EXPORTS = {
   "save_hf": "refusion_jax.checkpoints.hf",
   "load_tokenizer": "refusion_jax.data.tokenizer",
   # LoRA: adapters on a model, merged into it, and peft's adapter files both ways.
-  "LoraConfig": "refusion_jax.model.lora",
+  "LoraConfig": "refusion_jax.model.adapter",
   "add_lora": "refusion_jax.model.lora",
   "merge_lora": "refusion_jax.model.lora",
   "save_lora": "refusion_jax.checkpoints.peft",
+  # Weight-only int8 / int4 projections (QLoRA: a quantized base under LoRA adapters).
+  "quantize": "refusion_jax.model.quantize",
+  "dequantize": "refusion_jax.model.quantize",
   "load_lora": "refusion_jax.checkpoints.peft",
   # Decoding: a method value, one call (or a Sampler for text, an Engine to feed prompt by prompt).
   "ReFusion": "refusion_jax.decoding.refusion",

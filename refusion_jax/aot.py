@@ -6,6 +6,8 @@
     python -m refusion_jax.aot --config configs/demo.py:smoke      # the local devices
     python -m refusion_jax.aot --config configs/refusion_qwen3_8b.py --topology v5p:2x2x2 --programs train \\
         --remat_policies=full,projections_except_mlp,projections        # one row per remat policy
+    python -m refusion_jax.aot --config configs/refusion_qwen3_8b.py --topology v5e:2x2 --config.mesh.data=1 \
+        --programs decode --decode_mesh=data=1 --decode_batch=1,8 --quantize int8   # int8 decode on one v5e chip
 
 Compiles (a) the training step at the config's batch, sequence length,
 gradient accumulation and mesh (once per `--remat_policies` entry, one row
@@ -33,6 +35,7 @@ from ml_collections import config_flags
 
 from refusion_jax.cli import report_errors
 from refusion_jax.deprecation import moved_names
+from refusion_jax.model import quant
 from refusion_jax.parallel import compiled
 from refusion_jax.parallel.mesh_spec import parse_mesh_spec
 from refusion_jax.training.aot_report import decode_mesh_ways, decode_reports, train_reports
@@ -61,6 +64,8 @@ def main(argv) -> None:
 
 def report(f: flags.FlagValues) -> None:
   """Compile what the flags ask for and print the reports; exits with status 1 when something does not fit."""
+  if f.quantize is not None:
+    f.config.quantize = f.quantize
   devices = compiled.topology_devices(f.topology) if f.topology else jax.devices()
   chip = compiled.chip_of(devices[0], f.hbm_gib)
   decode_mesh = parse_mesh_spec(f.decode_mesh) if f.decode_mesh else dict(f.config.mesh)
@@ -109,6 +114,9 @@ if __name__ == "__main__":
   flags.DEFINE_string("decode_mesh", "", 'Decode mesh, e.g. "tensor:4" or "data:1" (one chip); "" = config.mesh.')
   flags.DEFINE_list(
     "remat_policies", [], "Compile the training step once per policy, e.g. full,projections ('': config.model.remat)."
+  )
+  flags.DEFINE_enum(
+    "quantize", None, list(quant.MODES), "Projection kernels (sets config.quantize; the training step needs LoRA)."
   )
   flags.DEFINE_float("hbm_gib", None, "Per-device memory in GiB (overrides the chip table; needed on CPU/GPU).")
   flags.mark_flags_as_required(["config"])

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from refusion_jax.checkpoints.detect import FORMATS
 from refusion_jax.checkpoints.orbax import quiet_checkpoint_noise
 from refusion_jax.model import config as config_lib
+from refusion_jax.model import quant
 
 # Errors that mean "this input cannot be used": reported as one line, exit status 2.
 BAD_INPUT = (ValueError, FileNotFoundError, NotImplementedError)
@@ -113,6 +114,18 @@ def add_model_flags(parser: argparse.ArgumentParser, random_init: bool = True, r
   )
   parser.add_argument("--dtype", choices=DTYPES, help="activation and parameter dtype (default: as stored).")
   parser.add_argument(
+    "--quantize",
+    choices=quant.MODES,
+    help="int8 or int4 projection kernels, quantized while loading (default: as stored; docs/architecture.md, "
+    "'Quantized weights').",
+  )
+  parser.add_argument(
+    "--quantize_group_size",
+    type=int,
+    default=128,
+    help="with --quantize int4: inputs per scale (0: one scale per output channel).",
+  )
+  parser.add_argument(
     "--lora",
     metavar="DIR",
     help="a peft LoRA adapter directory (adapter_config.json + adapter_model.safetensors) to add to the model, "
@@ -154,4 +167,6 @@ def model_request(args: argparse.Namespace) -> dict:
     dtype=args.dtype,
     seed=getattr(args, "init_seed", 0),
     lora=getattr(args, "lora", None),
+    quantize=getattr(args, "quantize", None),
+    quantize_group_size=getattr(args, "quantize_group_size", 128),
   )

@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--dtype", choices=DTYPES, help="dtype to write (default: stored).")
   parser.add_argument("--tokenizer", help="a tokenizer directory to copy along ('bytes' for the byte tokenizer).")
   parser.add_argument("--lora", metavar="DIR", help="a peft LoRA adapter directory to merge into SRC's model.")
+  parser.add_argument(
+    "--dequantize", action="store_true", help="write a quantized (int8 / int4) model's kernels as floats (q · scale)."
+  )
   return parser
 
 

@@ -74,12 +74,16 @@ def convert(
   dtype: str | None = None,
   tokenizer: str | None = None,
   lora: str | None = None,
+  dequantize: bool = False,
 ) -> str:
   """Write the checkpoint `source` to `out` in the format `to` ("hf" or "refusion"), with its tokenizer, or
   with `inspect` describe it; returns what was done, as one line.
 
   A model with LoRA adapters (a LoRA run, or `lora`: a peft adapter directory added to `source`) is written
   merged (`W + scale·A·B`), or with `to="peft"` as its adapters alone, in peft's format.
+
+  A quantized model (int8 / int4 projections) is written as it is to "refusion"; "hf", or merging adapters
+  into it, needs `dequantize` (float kernels q · scale in the stored `param_dtype`, or `dtype`).
 
   The tokenizer copied along is `tokenizer` if given, else the source's (or `config`'s when it is a Hugging
   Face directory); none is found for tunix and MaxText sources without one.
@@ -98,10 +102,10 @@ def convert(
   if to == "peft":
     save_lora(model, out, base_model_name_or_path=source)
     return f"wrote the LoRA adapters of the {found.description} to {out} (peft format)"
-  model = merge_lora(model)
+  model = merge_lora(model, dequantize=dequantize)
   tokenizer = tokenizer_source(found, config, tokenizer)
   if to == "hf":
-    save_hf(model, out)
+    save_hf(model, out, dequantize=dequantize)
     copy_tokenizer(tokenizer, out)
   else:
     write_refusion(model, out, found.step or 0, tokenizer)

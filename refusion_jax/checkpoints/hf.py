@@ -32,6 +32,7 @@ from refusion_jax.checkpoints.mapping import Rule, Table, split_heads
 from refusion_jax.checkpoints.restore import Fetch, Source, dotted
 from refusion_jax.data.special_tokens import discover_special_tokens, first_id
 from refusion_jax.model import lora
+from refusion_jax.model import quantize as quantize_lib
 from refusion_jax.model.config import ModelConfig, family_switches
 from refusion_jax.model.transformer import Transformer
 
@@ -425,7 +426,9 @@ def _shard(sizes: list[int], max_bytes: int | None) -> list[list[int]]:
   return groups
 
 
-def save_hf(model: Transformer, path: str | pathlib.Path, max_shard_bytes: int | None = None) -> None:
+def save_hf(
+  model: Transformer, path: str | pathlib.Path, max_shard_bytes: int | None = None, dequantize: bool = False
+) -> None:
   """Write `model` as a Hugging Face checkpoint that transformers'
   `AutoModelForCausalLM.from_pretrained(path)` loads.
 
@@ -433,12 +436,23 @@ def save_hf(model: Transformer, path: str | pathlib.Path, max_shard_bytes: int |
   `max_shard_bytes`, model-0000i-of-0000n.safetensors shards with
   model.safetensors.index.json. Replaces any checkpoint files already in
   `path`. Tensors are copied to the host one shard at a time.
+
+  A quantized model (refusion_jax.model.quant) is refused: a Hugging Face
+  checkpoint holds float kernels. `dequantize=True` writes q · scale in the
+  config's `param_dtype` instead (not the original weights: the rounding stays).
   """
   if any(True for _ in lora.adapted_kernels(model)):
     raise ValueError(
       "The model carries LoRA adapters, which a Hugging Face checkpoint has no place for: save "
       "merge_lora(model) (the adapters folded into the kernels), or the adapters alone with save_lora."
     )
+  if model.config.quantize != "none":
+    if not dequantize:
+      raise ValueError(
+        f"The model's projections are {model.config.quantize}, and a Hugging Face checkpoint holds float "
+        "kernels: pass dequantize=True (--dequantize) to write them dequantized, or save the float model."
+      )
+    model = quantize_lib.dequantize(model)
   path = pathlib.Path(path)
   path.mkdir(parents=True, exist_ok=True)
   (path / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")

@@ -46,6 +46,7 @@ from refusion_jax.checkpoints.restore import Source, build_model, check_config
 from refusion_jax.data.tokenizer import Tokenizer, load_tokenizer
 from refusion_jax.model import config as config_lib
 from refusion_jax.model import lora as lora_lib
+from refusion_jax.model import quant
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer, init_model
 from refusion_jax.parallel.sharding import Rules
@@ -119,6 +120,37 @@ def _open(found: Found, config: ModelConfig | None) -> Source:
   return maxtext.maxtext_source(found.path, found.description, architecture)
 
 
+@dataclasses.dataclass(frozen=True)
+class Quantize:
+  """What a load asks for its projections: `mode` None (as stored), "none", "int8" or "int4"."""
+
+  mode: str | None = None
+  group_size: int = 128
+
+  def applied_to(self, config: ModelConfig) -> ModelConfig:
+    """`config` (the stored model's) with the quantization asked for; checked before anything is read.
+
+    Raises:
+      ValueError: an unknown mode or group size, or a checkpoint already quantized otherwise (a quantized
+        checkpoint loads as it is: it is never quantized twice).
+    """
+    if self.mode is None:
+      return config
+    quant.check_mode(self.mode)
+    if config.quantize != "none":
+      if self.mode == config.quantize and (self.mode == "int8" or self.group_size == config.quantize_group_size):
+        return config
+      raise ValueError(
+        f"The checkpoint is already quantized ({config.quantize}, group size {config.quantize_group_size}); it "
+        f"loads as stored and is never quantized twice, so quantize={self.mode!r} does not apply. Load it without "
+        "quantize (refusion_jax.dequantize(model) gives float kernels), or quantize its float original."
+      )
+    if self.mode == "none":
+      return config
+    quant.check_backend(self.mode)
+    return config.replace(quantize=self.mode, quantize_group_size=self.group_size)
+
+
 def _with_dtypes(config: ModelConfig, dtype: str | None, param_dtype: str | None) -> ModelConfig:
   changes = {} if dtype is None else dict(dtype=dtype, param_dtype=dtype)
   if param_dtype is not None:
@@ -138,6 +170,8 @@ def load_model(
   rules: Rules | None = None,
   seed: int = 0,
   lora: str | None = None,
+  quantize: str | None = None,
+  quantize_group_size: int = 128,
 ) -> Transformer:
   """Load the model a checkpoint holds, each parameter restored straight onto its sharding.
 
@@ -158,6 +192,9 @@ def load_model(
     seed: with a preset, the seed of the random weights.
     lora: a peft adapter directory (adapter_config.json + adapter_model.safetensors) to add, unmerged,
       to the model `path` holds.
+    quantize: "int8" or "int4" projection kernels (refusion_jax.model.quant), quantized while reading,
+      one group of arrays at a time; None or "none": as stored (a quantized checkpoint loads quantized).
+    quantize_group_size: int4's inputs per scale (0: one per output channel).
 
   Returns:
     The `Transformer` (`model(tokens)` gives logits).
@@ -167,10 +204,13 @@ def load_model(
     ValueError: the format is not the one asked for; no config for a format that
       stores none; a config that disagrees with the arrays; a missing, unexpected
       or misfitting array (named); a LoRA-only tunix checkpoint; a MaxText scan axis
-      that does not match; a LoRA adapter that does not fit the model (the tensor named).
+      that does not match; a LoRA adapter that does not fit the model (the tensor named); an unknown
+      `quantize`, a group size that does not divide the projections' inputs, int4 where the backend
+      cannot contract it, a checkpoint already quantized otherwise.
     NotImplementedError: an architecture feature we do not implement (e.g. a RoPE type).
   """
-  return _with_lora(_read_model(path, format, config, step, dtype, param_dtype, mesh, rules, seed)[0], lora)
+  quantized = Quantize(quantize, quantize_group_size)
+  return _with_lora(_read_model(path, format, config, step, dtype, param_dtype, mesh, rules, seed, quantized)[0], lora)
 
 
 def _read_model(
@@ -183,15 +223,17 @@ def _read_model(
   mesh: Mesh | None,
   rules: Rules | None,
   seed: int,
+  quantized: Quantize,
   preset_tokenizer: str = "bytes",
 ) -> tuple[Transformer, Found | None, Tokenizer | None]:
   """(the model, the checkpoint it was read from, None), or for a preset name (a random model whose
   vocabulary and special ids are `preset_tokenizer`'s, None, that tokenizer)."""
   if format == "preset" or (format == "auto" and detect_format(source) == "preset"):
     tokenizer = load_tokenizer(preset_tokenizer)
-    return _random_model(source, tokenizer, config, step, dtype, param_dtype, seed), None, tokenizer
+    model = _random_model(source, tokenizer, config, step, dtype, param_dtype, seed, quantized)
+    return model, None, tokenizer
   found = locate(source, format, step)
-  return _model_of(found, resolve_config(config), dtype, param_dtype, mesh, rules), found, None
+  return _model_of(found, resolve_config(config), dtype, param_dtype, mesh, rules, quantized), found, None
 
 
 def _with_lora(model: Transformer, directory: str | None) -> Transformer:
@@ -206,14 +248,30 @@ def _with_lora(model: Transformer, directory: str | None) -> Transformer:
 
 
 def _model_of(
-  found: Found, config: ModelConfig | None, dtype: str | None, param_dtype: str | None, mesh, rules
+  found: Found,
+  config: ModelConfig | None,
+  dtype: str | None,
+  param_dtype: str | None,
+  mesh,
+  rules,
+  quantized: Quantize,
 ) -> Transformer:
   """The model of a located checkpoint; `config` replaces (and is checked against) what it stores."""
   logger.info("Loading %s", found.description)
   if found.format == "refusion" and lora_run.is_lora_run(found.path, found.step):
     if config is not None:
       raise ValueError(f"{found.path} is a LoRA run: its base records the config; pass no config.")
-    return lora_run.load_run_model(found.path, found.step, dtype, param_dtype, mesh, rules)
+    base = load_model(
+      lora_run.base_of(found.path, found.step),
+      format="refusion",
+      dtype=dtype,
+      param_dtype=param_dtype,
+      mesh=mesh,
+      rules=rules,
+      quantize=quantized.mode,
+      quantize_group_size=quantized.group_size,
+    )
+    return lora_run.add_run_adapters(base, found.path, found.step, mesh, rules)
   base = config or (hf.load_hf_config(found.path) if found.format == "hf" else None)
   source = _open(found, base)
   base = base or source.config
@@ -225,7 +283,7 @@ def _model_of(
     )
   if config is not None:
     check_config(source, config)
-  return build_model(source, _with_dtypes(base, dtype, param_dtype), mesh, rules)
+  return build_model(source, quantized.applied_to(_with_dtypes(base, dtype, param_dtype)), mesh, rules)
 
 
 def checkpoint_tokenizer(found: Found, config: ConfigLike = None) -> str | None:
@@ -259,6 +317,8 @@ def load(
   rules: Rules | None = None,
   seed: int = 0,
   lora: str | None = None,
+  quantize: str | None = None,
+  quantize_group_size: int = 128,
 ) -> tuple[Transformer, Tokenizer]:
   """`load_model` plus the tokenizer that goes with the model.
 
@@ -270,8 +330,9 @@ def load(
     The model and its tokenizer (a `NoTokenizer` when the checkpoint names none
     and none was given; the byte tokenizer for presets unless given).
   """
+  quantized = Quantize(quantize, quantize_group_size)
   model, found, preset_tokenizer = _read_model(
-    source, format, config, step, dtype, param_dtype, mesh, rules, seed, preset_tokenizer=tokenizer or "bytes"
+    source, format, config, step, dtype, param_dtype, mesh, rules, seed, quantized, tokenizer or "bytes"
   )
   model = _with_lora(model, lora)
   if found is None:
@@ -281,7 +342,14 @@ def load(
 
 
 def _random_model(
-  name: str, tokenizer: Tokenizer, config, step, dtype: str | None, param_dtype: str | None, seed: int
+  name: str,
+  tokenizer: Tokenizer,
+  config,
+  step,
+  dtype: str | None,
+  param_dtype: str | None,
+  seed: int,
+  quantized: Quantize,
 ) -> Transformer:
   """A random model of preset `name` whose vocabulary and special ids are the tokenizer's."""
   if step is not None or config is not None:
@@ -292,7 +360,7 @@ def _random_model(
     eos_token_id=tokenizer.eos_id,
     pad_token_id=tokenizer.pad_id,
   )
-  return init_model(_with_dtypes(model_config, dtype, param_dtype), seed)
+  return init_model(quantized.applied_to(_with_dtypes(model_config, dtype, param_dtype)), seed)
 
 
 @dataclasses.dataclass

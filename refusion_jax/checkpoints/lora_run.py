@@ -107,16 +107,11 @@ def is_lora_run(path: str, step: int | None = None) -> bool:
   return bool(run_step(path, step)[2].get("lora"))
 
 
-def load_run_model(
-  path: str, step: int | None, dtype: str | None, param_dtype: str | None, mesh: Mesh | None, rules
-) -> Transformer:
-  """A LoRA run's model at `step` (default: the latest): its base, with the step's adapters (unmerged)."""
-  from refusion_jax.checkpoints.load import load_model  # the loader's front door calls this module
-
+def add_run_adapters(model: Transformer, path: str, step: int | None, mesh: Mesh | None, rules) -> Transformer:
+  """`model` (the run's base, loaded by the caller) with the adapters of the run's `step` (default: the
+  latest), unmerged; changed in place and returned. The loader loads the base (`base_of`): this module,
+  the layout of a run, never imports it."""
   directory, step, meta = run_step(path, step)
-  model = load_model(
-    base_of(path, step), format="refusion", dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules
-  )
   lora.add_lora(model, stored_lora(meta))
   item = os.path.join(directory, str(step), PARAMS)
   fill_adapters(model, orbax_tree.fetcher(item), orbax_tree.item_arrays(item), item, mesh, rules)

@@ -30,6 +30,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from refusion_jax.model.config import ModelConfig
+from refusion_jax.model.quant import GROUPS_AXIS
+
+# Axes that keep their stored size (a padded vocabulary; the input groups of a quantized kernel's scales, which
+# the stored config's quantize_group_size sets) and determine no field.
+_STORED_SIZE_AXES = ("padded_vocab", GROUPS_AXIS)
 
 # Logical axis -> the ModelConfig field that sizes it.
 AXIS_FIELDS = {
@@ -177,7 +182,7 @@ def axis_size(axis: str, config: ModelConfig) -> int:
 def expected_shape(entry: Entry, config: ModelConfig) -> tuple[int, ...]:
   """The shape `entry` must have under `config` (a padded vocabulary keeps its stored size)."""
   return tuple(
-    stored if axis == "padded_vocab" else axis_size(axis, config)
+    stored if axis in _STORED_SIZE_AXES else axis_size(axis, config)
     for axis, stored in zip(entry.rule.stored_axes, entry.shape)
   )
 
@@ -189,6 +194,8 @@ def misfit_fields(entry: Entry, config: ModelConfig) -> str:
     return f"expected {len(entry.rule.stored_axes)} axes ({', '.join(entry.rule.stored_axes)})"
   parts = []
   for axis, size in zip(entry.rule.stored_axes, entry.shape):
+    if axis == GROUPS_AXIS:
+      continue
     if axis == "padded_vocab":
       if size < config.vocab_size:
         parts.append(f"vocab_size = {config.vocab_size} exceeds the stored (padded) vocabulary {size}")
@@ -213,7 +220,7 @@ def infer_fields(entries: Iterable[Entry], layer_count: int | None = None) -> di
   seen: dict[str, tuple[int, str]] = {}
   for entry in entries:
     for axis, size in zip(entry.rule.stored_axes, entry.shape):
-      if "*" in axis:
+      if "*" in axis or axis == GROUPS_AXIS:
         continue
       if axis in seen and seen[axis][0] != size:
         raise ValueError(

@@ -16,6 +16,11 @@ they fit the config (`mapping.check_fit`) and `fill`
 
 So the host holds at most the model plus about two of its largest arrays
 (tests/helpers/memory_probe.py measures it), and no array is gathered onto one device.
+
+A float checkpoint read into a quantized config (`load_model(..., quantize="int8")`)
+is filled into the float model's targets, and every projection kernel is
+quantized on the devices as soon as its group is read (`quantizer`): the devices
+hold the quantized model plus one group of float arrays, never the float model.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from refusion_jax.checkpoints.mapping import Entry, Table, check_fit, disagreements, infer_fields
+from refusion_jax.model import quant
+from refusion_jax.model.adapter import TARGETS
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer, abstract_model
 from refusion_jax.parallel import sharding as sharding_lib
@@ -168,14 +175,19 @@ def fill(
   fetch: Fetch,
   mesh: Mesh | None = None,
   rules: sharding_lib.Rules | None = None,
+  finish: Callable[[dict[str, jax.Array]], dict[str, jax.Array]] = lambda values: values,
 ) -> dict[str, jax.Array]:
-  """Every target parameter, from `entries` (which must cover the targets exactly; see `check`)."""
+  """Every target parameter, from `entries` (which must cover the targets exactly; see `check`).
+
+  `finish` turns each group of parameters as soon as they are read (e.g. quantizes them, `quantizer`), so
+  what the reads hold at once is one group, never the whole model.
+  """
   rules = _rules(rules)
   values: dict[str, jax.Array] = {}
   direct = [e for e in entries if e.rule.to_ours is None and not e.rule.stacked and e.shape == targets[e.ours[0]].shape]
   for batch in _batches(direct, targets):
     restored = jax.block_until_ready(fetch([(e.name, targets[e.ours[0]]) for e in batch]))
-    values.update({e.ours[0]: array for e, array in zip(batch, restored)})
+    values.update(jax.block_until_ready(finish({e.ours[0]: array for e, array in zip(batch, restored)})))
   for entry in sorted(entries, key=lambda e: -math.prod(e.shape) * np.dtype(e.dtype).itemsize):
     if entry.ours[0] in values:
       continue
@@ -193,8 +205,36 @@ def fill(
     )
     converted = jax.block_until_ready(convert(array))
     del array  # the stored copy goes (the conversion having run, not just been dispatched) before the next read
-    values.update(zip(entry.ours, converted))
+    values.update(jax.block_until_ready(finish(dict(zip(entry.ours, converted)))))
   return values
+
+
+def quantizer(config: ModelConfig, targets: dict[str, jax.ShapeDtypeStruct]) -> Callable[[dict], dict]:
+  """A `fill` finish that turns every float projection kernel it is given into its integer kernel and scale
+  (`config.quantize`), placed on their `targets` (the quantized model's) shardings; other arrays pass."""
+
+  def finish(values: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    out = {}
+    for path, value in values.items():
+      scale_path = path + quant.SCALE_SUFFIX
+      if scale_path not in targets:
+        out[path] = value
+        continue
+      inputs = TARGETS[path.rsplit(".", 1)[1]][1]
+      convert = _quantize_converter(
+        inputs, config.quantize, config.quantize_group_size, targets[path].sharding, targets[scale_path].sharding
+      )
+      out[path], out[scale_path] = convert(value)
+    return out
+
+  return finish
+
+
+@functools.cache
+def _quantize_converter(inputs: int, mode: str, group_size: int, kernel_sharding, scale_sharding) -> Callable:
+  """A jitted float kernel -> (integer kernel, scale), cached per signature."""
+  quantize = functools.partial(quant.quantize_kernel, inputs=inputs, mode=mode, group_size=group_size)
+  return jax.jit(quantize, out_shardings=(kernel_sharding, scale_sharding))
 
 
 def check_config(source: Source, config: ModelConfig) -> None:
@@ -218,5 +258,14 @@ def build_model(
   """
   entries, unknown = source.table.entries(source.arrays)
   graphdef, targets = abstract_targets(config, mesh, rules)
-  check_fit(entries, unknown, source.table, config, {path: t.shape for path, t in targets.items()}, source.where)
-  return merge(graphdef, config, fill(entries, targets, source.fetch, mesh, rules))
+  stored_quantized = source.config is not None and source.config.quantize != "none"
+  if config.quantize == "none" or stored_quantized:
+    check_fit(entries, unknown, source.table, config, {path: t.shape for path, t in targets.items()}, source.where)
+    return merge(graphdef, config, fill(entries, targets, source.fetch, mesh, rules))
+  # Float arrays read into a quantized model: each kernel is quantized on the devices as soon as it is read.
+  float_config = config.replace(quantize="none")
+  _, float_targets = abstract_targets(float_config, mesh, rules)
+  shapes = {path: t.shape for path, t in float_targets.items()}
+  check_fit(entries, unknown, source.table, float_config, shapes, source.where)
+  values = fill(entries, float_targets, source.fetch, mesh, rules, finish=quantizer(config, targets))
+  return merge(graphdef, config, values)

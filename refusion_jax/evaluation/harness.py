@@ -74,6 +74,7 @@ MODEL_ARGS = (
   "checkpoint",
   "tokenizer",
   "dtype",
+  "quantize",
   "method",
   "paper_task",
   "gen_length",
@@ -241,6 +242,7 @@ class ReFusionLM(LM):
     model: Transformer | None = None,
     tokenizer: str | Tokenizer | None = None,
     dtype: str | None = None,
+    quantize: str | None = None,
     method: str = "refusion",
     paper_task: str | None = None,
     gen_length: int | None = None,
@@ -264,6 +266,7 @@ class ReFusionLM(LM):
       model: a loaded model instead of `checkpoint` (Python use; `tokenizer` then names or is its tokenizer).
       tokenizer: "bytes", a tokenizer directory (replacing the checkpoint's own), or a `Tokenizer`.
       dtype: compute dtype to load the model in (e.g. "bfloat16").
+      quantize: "int8" or "int4" projection kernels, quantized while loading (refusion_jax.model.quant).
       method: "refusion", or the baselines "ar" and "mdm".
       paper_task: take the paper's settings for this task (`PAPER_TASKS`, G = 512); explicit fields override.
       gen_length: the longest answer G; a task's `max_gen_toks` shortens it, rounded up to the slot grid.
@@ -299,7 +302,7 @@ class ReFusionLM(LM):
     self.rows = _positive_int("batch_size", 1 if batch_size is None else batch_size)
     self.mesh = build_mesh(mesh)
     if model is None:
-      self.model, self.tokenizer = self._load(checkpoint, tokenizer, dtype)
+      self.model, self.tokenizer = self._load(checkpoint, tokenizer, dtype, quantize)
     else:
       self.model = model
       self.tokenizer = load_tokenizer(tokenizer or "bytes") if isinstance(tokenizer, (str, type(None))) else tokenizer
@@ -340,9 +343,11 @@ class ReFusionLM(LM):
         settings["serial_blocks"] = fitted_serial_blocks(length // settings["slot_size"], settings["serial_blocks"])
     return settings
 
-  def _load(self, checkpoint: str, tokenizer: str | None, dtype: str | None) -> tuple[Transformer, Tokenizer]:
+  def _load(
+    self, checkpoint: str, tokenizer: str | None, dtype: str | None, quantize: str | None
+  ) -> tuple[Transformer, Tokenizer]:
     try:
-      return load(str(checkpoint), tokenizer=tokenizer, dtype=dtype, mesh=self.mesh)
+      return load(str(checkpoint), tokenizer=tokenizer, dtype=dtype, mesh=self.mesh, quantize=quantize)
     except (FileNotFoundError, ValueError) as error:
       raise HarnessArgumentError(f"checkpoint={checkpoint!r} could not be loaded: {error}") from error
 

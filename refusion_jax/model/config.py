@@ -16,6 +16,7 @@ from typing import Literal
 
 import jax.numpy as jnp
 
+from refusion_jax.model import quant
 from refusion_jax.model import remat as remat_policies
 
 Architecture = Literal["qwen3", "qwen2", "llama"]
@@ -84,6 +85,11 @@ class ModelConfig:
   # in the compiled forward and backward: faster compiles). Parameters stay one subtree per layer, so
   # checkpoints are the same either way; decoding always runs the layers unrolled.
   scan_layers: bool = False
+  # Weight-only quantization of the projections (q/k/v/o, gate/up/down; refusion_jax.model.quant): "none",
+  # "int8" (one scale per output channel) or "int4" (one per output channel and group of
+  # `quantize_group_size` inputs; 0: per output channel). The embedding, norms and LM head stay float.
+  quantize: str = "none"
+  quantize_group_size: int = 128
 
   def __post_init__(self):
     if isinstance(self.remat, bool):  # the boolean of older configs and checkpoints
@@ -103,6 +109,8 @@ class ModelConfig:
       raise ValueError(f"attention_impl={self.attention_impl!r}; expected one of {_ATTENTION_IMPLS}.")
     if self.attention_chunk < 1:
       raise ValueError(f"attention_chunk={self.attention_chunk} must be at least 1 (query rows per chunk).")
+    quant.check_mode(self.quantize)
+    quant.check_group_size(self.quantize, self.quantize_group_size, self.projection_inputs)
     if self.rope_scaling not in ("linear", "llama3"):
       raise ValueError(f"rope_scaling={self.rope_scaling!r}; expected 'linear' or 'llama3'.")
     if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
@@ -110,6 +118,15 @@ class ModelConfig:
         f"rope_high_freq_factor={self.rope_high_freq_factor} must exceed rope_low_freq_factor="
         f"{self.rope_low_freq_factor} (llama3 RoPE interpolates between them)."
       )
+
+  @property
+  def projection_inputs(self) -> dict[str, int]:
+    """The input widths of the projections (what an int4 group size must divide), by what sets them."""
+    return {
+      "hidden_size (q/k/v/gate/up)": self.hidden_size,
+      "num_heads × head_dim (o_proj)": self.num_heads * self.head_dim,
+      "intermediate_size (down_proj)": self.intermediate_size,
+    }
 
   @property
   def compute_dtype(self) -> jnp.dtype:

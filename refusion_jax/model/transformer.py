@@ -29,7 +29,7 @@ and `flash`: the fused kernels know segments, not arbitrary masks.
 `lax.scan` over their weights stacked inside the forward (the parameter tree
 stays one subtree per layer, so checkpoints and shardings do not change).
 
-Any projection may carry a LoRA adapter beside its kernel (refusion_jax.model.lora):
+Any projection may carry a LoRA adapter beside its kernel (refusion_jax.model.adapter):
 its output is then `x·W + scale·(x·A)·B`, named as the projection's for remat.
 """
 
@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from refusion_jax.model import lora, remat
+from refusion_jax.model import adapter, quant, remat
 from refusion_jax.model.cache import BlockKV, KVCache, block_mask
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.flash import Segments, attend_segments, kernel_available, kernel_for, target_platform
@@ -71,6 +71,18 @@ def _param(rngs: nnx.Rngs, shape, axes, config: ModelConfig, init=None) -> nnx.P
   init = init or nnx.initializers.normal(0.02)
   value = init(rngs.params(), shape, config.weight_dtype)
   return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def _add_projection(module: nnx.Module, name: str, rngs: nnx.Rngs, shape, axes, config: ModelConfig) -> None:
+  """Set `module.<name>`, a projection kernel: float, or under `config.quantize` an integer kernel and its
+  scale `module.<name>_scale` (refusion_jax.model.quant; what a random init quantizes to)."""
+  kernel = _param(rngs, shape, axes, config)
+  if config.quantize != "none":
+    inputs = adapter.TARGETS[name][1]
+    q, scale = quant.quantize_kernel(kernel[...], inputs, config.quantize, config.quantize_group_size)
+    setattr(module, name + quant.SCALE_SUFFIX, quant.scale_param(scale, kernel, inputs))
+    kernel = kernel.replace(q)
+  setattr(module, name, kernel)
 
 
 class RMSNorm(nnx.Module):
@@ -126,10 +138,11 @@ class Attention(nnx.Module):
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
     c = config
     self.config = config
-    self.q_proj = _param(rngs, (c.hidden_size, c.num_heads, c.head_dim), ("embed", "heads", "head_dim"), c)
-    self.k_proj = _param(rngs, (c.hidden_size, c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), c)
-    self.v_proj = _param(rngs, (c.hidden_size, c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), c)
-    self.o_proj = _param(rngs, (c.num_heads, c.head_dim, c.hidden_size), ("heads", "head_dim", "embed"), c)
+    _add_projection(self, "q_proj", rngs, (c.hidden_size, c.num_heads, c.head_dim), ("embed", "heads", "head_dim"), c)
+    kv_shape, kv_axes = (c.hidden_size, c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim")
+    _add_projection(self, "k_proj", rngs, kv_shape, kv_axes, c)
+    _add_projection(self, "v_proj", rngs, kv_shape, kv_axes, c)
+    _add_projection(self, "o_proj", rngs, (c.num_heads, c.head_dim, c.hidden_size), ("heads", "head_dim", "embed"), c)
     if c.qkv_bias:
       zeros = nnx.initializers.zeros
       self.q_bias = _param(rngs, (c.num_heads, c.head_dim), ("heads", "head_dim"), c, zeros)
@@ -140,8 +153,7 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(c.head_dim, "head_dim", c, rngs)
 
   def _project(self, x, kernel, bias_name, name, dropout_key):
-    out = jnp.einsum("bte,ehd->bthd", x, getattr(self, kernel)[...].astype(x.dtype))
-    out = out + lora.delta(self, kernel, x, dropout_key)
+    out = quant.project(self, kernel, x, 1) + adapter.delta(self, kernel, x, dropout_key)
     if self.config.qkv_bias:
       out = out + getattr(self, bias_name)[...].astype(x.dtype)
     return checkpoint_name(out, name)
@@ -189,8 +201,8 @@ class Attention(nnx.Module):
       attend = {"chunked": chunked, "dot_product": attend_dot_product}.get(c.attention_impl, attend_dense)
       out = attend(q, k, v, cached, mask)
     out = constrain(out.reshape(batch, block, c.num_heads, c.head_dim), _HEADS)
-    projected = jnp.einsum("bthd,hde->bte", out, self.o_proj[...].astype(x.dtype))
-    out = checkpoint_name(projected + lora.delta(self, "o_proj", out, dropout_key), remat.O_PROJ)
+    projected = quant.project(self, "o_proj", out, 2)
+    out = checkpoint_name(projected + adapter.delta(self, "o_proj", out, dropout_key), remat.O_PROJ)
     return constrain(out, _RESIDUAL), (k, v)
 
 
@@ -269,12 +281,12 @@ class MLP(nnx.Module):
 
   def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
     c = config
-    self.gate_proj = _param(rngs, (c.hidden_size, c.intermediate_size), ("embed", "mlp"), c)
-    self.up_proj = _param(rngs, (c.hidden_size, c.intermediate_size), ("embed", "mlp"), c)
-    self.down_proj = _param(rngs, (c.intermediate_size, c.hidden_size), ("mlp", "embed"), c)
+    _add_projection(self, "gate_proj", rngs, (c.hidden_size, c.intermediate_size), ("embed", "mlp"), c)
+    _add_projection(self, "up_proj", rngs, (c.hidden_size, c.intermediate_size), ("embed", "mlp"), c)
+    _add_projection(self, "down_proj", rngs, (c.intermediate_size, c.hidden_size), ("mlp", "embed"), c)
 
   def _project(self, x: jax.Array, kernel: str, name: str, dropout_key: jax.Array | None) -> jax.Array:
-    out = x @ getattr(self, kernel)[...].astype(x.dtype) + lora.delta(self, kernel, x, dropout_key)
+    out = quant.project(self, kernel, x, 1) + adapter.delta(self, kernel, x, dropout_key)
     return checkpoint_name(out, name)
 
   def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
@@ -392,6 +404,7 @@ class Transformer(nnx.Module):
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     c = config
+    quant.check_backend(c.quantize)  # int4 where the backend cannot contract it: refused before anything compiles
     self.config = config
     self.embed_tokens = _param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), c)
     self.layers = nnx.List([DecoderLayer(c, rngs) for _ in range(c.num_layers)])
@@ -545,12 +558,20 @@ def inference_view(model: Transformer) -> Transformer:
   graphdef, state = nnx.split(model)
   if view_config.weight_dtype != config.weight_dtype:
     state = jax.tree.map(lambda x: x.astype(config.compute_dtype) if x.dtype == config.weight_dtype else x, state)
-  view = nnx.merge(graphdef, state)
-  # The config is a static attribute of the modules that read it at call time.
-  for _, node in nnx.iter_graph(view):
-    if isinstance(node, nnx.Module) and getattr(node, "config", None) == config:
-      node.config = view_config
-  return view
+  return with_config(nnx.merge(graphdef, state), view_config)
+
+
+def with_config(model: Transformer, config: ModelConfig) -> Transformer:
+  """`model` (changed in place) with `config` on every module that holds its config.
+
+  The config is a static attribute of the modules that read it at call time; whoever changes what the
+  parameters are (a dtype, quantized kernels) gives the modules the config that says so.
+  """
+  old = model.config
+  for _, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.Module) and getattr(node, "config", None) == old:
+      node.config = config
+  return model
 
 
 def inference_config(config: ModelConfig) -> ModelConfig:

@@ -41,6 +41,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
   ("head_dim", None),
   ("mlp", "tensor"),
   ("layers", None),
+  ("quant_groups", None),  # a quantized kernel's scales: one per input group (refusion_jax.model.quant)
   # The decode KV cache (refusion_jax.decoding.mesh): rows like the batch, entries whole on each device.
   ("cache_batch", ("data", "fsdp")),
   ("cache_length", None),

@@ -28,13 +28,20 @@ from refusion_jax.model.transformer import inference_config, init_model
 from refusion_jax.parallel import compiled, sharding
 from refusion_jax.parallel.activations import normalize_rules, sharded_activations
 from refusion_jax.parallel.mesh_spec import format_mesh_spec
-from refusion_jax.training.run_config import lora_config_from, objective_config_from, preset_with_overrides
+from refusion_jax.training.run_config import (
+  check_quantize,
+  lora_config_from,
+  objective_config_from,
+  preset_with_overrides,
+  quantized_as_configured,
+)
 from refusion_jax.training.state import init_state_fn, make_optimizer, make_placement, make_train_step
 
 
 def model_config_of(config: ml_collections.ConfigDict) -> ModelConfig:
-  """`config.model` (preset + overrides) with placeholder special ids where the config has none."""
-  model_config = preset_with_overrides(config.model)
+  """`config.model` (preset + overrides) with `config.quantize`, and placeholder special ids where the config
+  has none."""
+  model_config = quantized_as_configured(preset_with_overrides(config.model), config)
   last = model_config.vocab_size - 1
   return model_config.replace(
     mask_token_id=model_config.mask_token_id if model_config.mask_token_id is not None else last,
@@ -69,6 +76,7 @@ def train_report(
   sharding.check_batch_split(config.batch_size, accum, mesh, rules, processes=1)
   tx, schedule = make_optimizer(config.optimizer, total_steps=max(config.num_train_steps, 1))
   lora_config = lora_config_from(config)
+  check_quantize(config)
   placement = make_placement(init_state_fn(model_config, tx, config.seed, lora_config), mesh, rules)
   graphdef, _ = lora.abstract_lora_model(model_config, lora_config)
   objective = objective_config_from(config, model_config)
@@ -82,7 +90,7 @@ def train_report(
     for key, shape in shapes.items()
   }
   name = (
-    f"train step{f', LoRA r={lora_config.rank}' if lora_config.enabled else ''}, "
+    f"train step{f', LoRA r={lora_config.rank}' if lora_config.enabled else ''}{_quantized(model_config)}, "
     f"batch {config.batch_size} x {config.data.seq_len}, grad_accum {accum}, "
     f"remat {model_config.remat}{', layers scanned' if model_config.scan_layers else ''}, mesh {mesh_text(mesh)}"
   )
@@ -134,7 +142,7 @@ def decode_report(
   padding = f" as {rows} rows (a multiple of {ways} batch-parallel devices)" if rows != batch else ""
   name = (
     f"decode (prefill + 1 loop iteration), batch {batch}{padding}, prompt {prompt_length} + {method.gen_length} "
-    f"(S={method.slot_size}, {method.serial_blocks} blocks), {model_config.param_dtype} weights, "
+    f"(S={method.slot_size}, {method.serial_blocks} blocks), {model_config.param_dtype} weights{_quantized(model_config)}, "
     f"mesh {mesh_text(mesh)}"
   )
   lower = lambda: loop.lower(params, state, max_iterations, knobs)
@@ -142,9 +150,18 @@ def decode_report(
   if report.fits is False:
     report.advice = [
       f"decode batch {batch} does not fit: lower --decode_batch, or split the weights over more chips "
-      f"with a tensor-parallel mesh (--decode_mesh=tensor:N, N dividing {model_config.num_kv_heads} KV heads)."
+      f"with a tensor-parallel mesh (--decode_mesh=tensor:N, N dividing {model_config.num_kv_heads} KV heads)"
+      + ("." if model_config.quantize == "int4" else ", or quantize the projections (--quantize int8 or int4).")
     ]
   return report
+
+
+def _quantized(model_config: ModelConfig) -> str:
+  """ ", int8 projections" (or int4 with its group size) for a report's name; "" for float ones."""
+  if model_config.quantize == "none":
+    return ""
+  group = f" g{model_config.quantize_group_size or 'channel'}" if model_config.quantize == "int4" else ""
+  return f", {model_config.quantize}{group} projections"
 
 
 def train_advice(

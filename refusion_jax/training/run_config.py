@@ -8,6 +8,7 @@
   fields a run cannot start without), named together.
 - `objective_config_from`: `config.objective` with the model's mask and pad ids.
 - `lora_config_from`: `config.lora`, the adapters a LoRA run trains.
+- `quantized_as_configured`: `config.quantize`, the integer base a QLoRA run trains adapters over.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from refusion_jax.checkpoints.detect import FORMATS
 from refusion_jax.checkpoints.mapping import ARRAY_FIELDS
 from refusion_jax.data.special_tokens import SpecialTokens, resolve_special_tokens, with_special_tokens
 from refusion_jax.data.tokenizer import Tokenizer
+from refusion_jax.model import quant
 from refusion_jax.model.config import ModelConfig, preset
 from refusion_jax.model.lora import LoraConfig
 from refusion_jax.training.objective import ObjectiveConfig
@@ -106,6 +108,7 @@ def check_run_config(config: ml_collections.ConfigDict, resuming: bool) -> None:
   if config.init_format not in ("auto", *FORMATS):
     raise ValueError(f"config.init_format={config.init_format!r}; choose 'auto' or one of {FORMATS}.")
   lora_config_from(config)  # a bad config.lora is refused here, before any data or model is built
+  check_quantize(config)
   missing = []
   if not (resuming or config.init_from or config.tokenizer):
     missing.append(
@@ -133,6 +136,40 @@ def lora_config_from(config: ml_collections.ConfigDict) -> LoraConfig:
     known = [f.name for f in dataclasses.fields(LoraConfig)]
     raise ValueError(f"config.lora has unknown fields {unknown}; it takes {known}.")
   return LoraConfig(**fields)
+
+
+def check_quantize(config: ml_collections.ConfigDict) -> None:
+  """Refuse an unknown `config.quantize`, or a quantized base without adapters to train (QLoRA needs LoRA)."""
+  mode = config.get("quantize", "none")
+  quant.check_mode(mode)
+  if mode != "none" and not lora_config_from(config).enabled:
+    raise ValueError(
+      f"config.quantize={mode!r} freezes integer kernels, which cannot train themselves: set "
+      "--config.lora.rank (e.g. 8) to train float32 adapters over the quantized base (QLoRA), or "
+      "--config.quantize=none to train every weight."
+    )
+
+
+def quantized_as_configured(model_config: ModelConfig, config: ml_collections.ConfigDict) -> ModelConfig:
+  """`model_config` with the projections `config.quantize` asks for (`config.quantize_group_size` for int4).
+
+  A float start (random, or a float checkpoint) takes them; a start that is quantized already (a resumed
+  QLoRA run, a quantized checkpoint) must be quantized as asked.
+
+  Raises:
+    ValueError: the start is quantized otherwise than the config asks (both named).
+  """
+  mode, group_size = config.get("quantize", "none"), config.get("quantize_group_size", 128)
+  if model_config.quantize == "none":
+    return model_config if mode == "none" else model_config.replace(quantize=mode, quantize_group_size=group_size)
+  if mode == model_config.quantize and (mode == "int8" or group_size == model_config.quantize_group_size):
+    return model_config
+  raise ValueError(
+    f"The run starts from a base quantized as {model_config.quantize} (group size "
+    f"{model_config.quantize_group_size}), but the config asks for quantize={mode!r} (group size {group_size}): "
+    f"set --config.quantize={model_config.quantize} --config.quantize_group_size="
+    f"{model_config.quantize_group_size}, or start from the float checkpoint (a new workdir)."
+  )
 
 
 def objective_config_from(config: ml_collections.ConfigDict, model_config: ModelConfig) -> ObjectiveConfig:

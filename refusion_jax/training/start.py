@@ -50,6 +50,7 @@ from refusion_jax.training.run_config import (
   check_hf_architecture,
   lora_config_from,
   model_config_from,
+  quantized_as_configured,
   run_as_configured,
 )
 from refusion_jax.training.state import Placement, TrainState, init_state_fn, make_placement, state_with_params
@@ -128,7 +129,8 @@ def _check_same_lora(config: ml_collections.ConfigDict, meta: dict, directory: s
 
 
 def _as_configured(start: Start, config: ml_collections.ConfigDict) -> Start:
-  return dataclasses.replace(start, model_config=run_as_configured(start.model_config, config.model))
+  model_config = quantized_as_configured(run_as_configured(start.model_config, config.model), config)
+  return dataclasses.replace(start, model_config=model_config)
 
 
 def _set_aside(
@@ -154,33 +156,44 @@ def _from_init(config: ml_collections.ConfigDict, checkpoint_dir: str) -> Start:
   """The parameters of `config.init_from`, whatever its format (precedence 2)."""
   found = locate(config.init_from, config.init_format)
   dtype, param_dtype = config.model.get("dtype"), config.model.get("param_dtype")
+  # A QLoRA run quantizes the base while reading it: the float base never sits on the devices whole.
+  quantized = dict(quantize=config.get("quantize"), quantize_group_size=config.get("quantize_group_size", 128))
   if found.format == "hf":
-    return _from_hf(config, found.path, checkpoint_dir)
+    return _from_hf(config, found.path, checkpoint_dir, quantized)
   if found.format == "refusion":
-    model = load_model(found.path, format="refusion", step=found.step, dtype=dtype, param_dtype=param_dtype)
+    model = load_model(
+      found.path, format="refusion", step=found.step, dtype=dtype, param_dtype=param_dtype, **quantized
+    )
     return Start(model.config, checkpoint_tokenizer(found), params=nnx.state(model))
   # tunix and MaxText store no config: config.model and config.tokenizer describe the model.
   model_config = model_config_from(config, load_tokenizer(config.tokenizer))
   model = load_model(
-    found.path, format=found.format, step=found.step, config=model_config, dtype=dtype, param_dtype=param_dtype
+    found.path,
+    format=found.format,
+    step=found.step,
+    config=model_config,
+    dtype=dtype,
+    param_dtype=param_dtype,
+    **quantized,
   )
   return Start(model.config, config.tokenizer, params=nnx.state(model))
 
 
-def _from_hf(config: ml_collections.ConfigDict, path: str, checkpoint_dir: str) -> Start:
+def _from_hf(config: ml_collections.ConfigDict, path: str, checkpoint_dir: str, quantized: dict) -> Start:
   """A Hugging Face checkpoint made ready to train ReFusion: a mask token, and an embedding row for it.
 
   The tokenizer of a base checkpoint (Qwen3) has no mask token: one is added
   (process 0 writes the extended tokenizer into the checkpoint directory, the
   others wait for it) and, when its id lies past the embedding table, the table
   grows to hold it, rounded up to `config.vocab_multiple` rows so the vocabulary
-  still shards.
+  still shards. `quantized` (load_model's quantize arguments) quantizes the projections while reading;
+  the embedding and LM head, which grow, stay float.
   """
   dtype = config.model.get("dtype") or "float32"
   model_config = hf.load_hf_config(path, dtype=dtype, param_dtype=config.model.get("param_dtype") or dtype)
   # config.json alone says whether the architecture fits: checked before the weights are read.
   check_hf_architecture(config.model, model_config, path)
-  params = nnx.state(load_model(path, format="hf", config=model_config))
+  params = nnx.state(load_model(path, format="hf", config=model_config, **quantized))
   tokenizer_path, mask_id = path, model_config.mask_token_id
   if mask_id is None:
     tokenizer_path = os.path.join(checkpoint_dir, TOKENIZER_SUBDIR)
