@@ -9,6 +9,11 @@ reached by its module path (see the module map in README.md).
 import importlib
 import warnings
 
+from refusion_jax.versions import check_jax
+
+check_jax()  # a jax outside the window is named here, not deep in a kernel
+del check_jax
+
 _EXPORTS = {
   # Models and their configs.
   "ModelConfig": "refusion_jax.model.config",
