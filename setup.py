@@ -1,15 +1,17 @@
 """refusion_jax: ReFusion (arXiv 2512.13586) in JAX / Flax NNX."""
 
+import os
+import runpy
+
 from setuptools import find_packages, setup
 
-# jax 0.11 dropped Python 3.11, so each Python gets the jax line it can run, and the flax that imports under
-# it: flax 0.12.8 is the newest for Python 3.11 (and fails to import under jax >= 0.11.1); on Python >= 3.12,
-# flax 0.12.9 imports under jax 0.11.1 only, 0.12.10 under jax 0.11.1 through 0.12. The accelerator extras
+# The jax lines, the flax of each and the tokamax release live in refusion_jax/versions.py, which the package
+# checks at import: read here without importing the package (nothing is installed yet). The accelerator extras
 # pin the same jax, so `pip install -e ".[cuda12]"` never moves jax off the line the package was tested on.
-JAX_LINES = {
-  'python_version < "3.12"': (">=0.10.2,<0.11", ">=0.12.8,<0.13"),
-  'python_version >= "3.12"': (">=0.11.1,<0.13", ">=0.12.10,<0.13"),
-}
+VERSIONS = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "refusion_jax", "versions.py"))
+JAX_LINES = VERSIONS["JAX_LINES"]
+# tokamax needs Python >= 3.12 and jax >= 0.11.1: the GPU's fused attention on jax >= 0.12.1 (model/flash.py).
+TOKAMAX = f'{VERSIONS["TOKAMAX"]}; python_version >= "3.12"'
 
 
 def jax_requirements(extra: str = "") -> list[str]:
@@ -63,6 +65,8 @@ setup(
       "transformers>=5.24,<6",
       # LoRA adapters written and read by peft itself (tests/test_lora.py); it needs torch, hence the same marker
       'peft>=0.21,<0.22; python_version < "3.12"',
+      # the GPU kernel of jax >= 0.12.1, whose forward tests/test_flash_attention.py runs interpreted on the CPU
+      TOKAMAX,
       # docs/sampling.ipynb is executed headlessly by tests/test_notebook.py
       "nbclient>=0.10",
       "nbformat>=5.10",
@@ -76,7 +80,7 @@ setup(
     "eval": ["lm-eval==0.4.13"],
     "eval-math": ["lm-eval[math]==0.4.13"],
     "tpu": jax_requirements("[tpu]"),
-    "cuda12": jax_requirements("[cuda12]"),
-    "cuda13": jax_requirements("[cuda13]"),
+    "cuda12": [*jax_requirements("[cuda12]"), TOKAMAX],
+    "cuda13": [*jax_requirements("[cuda13]"), TOKAMAX],
   },
 )

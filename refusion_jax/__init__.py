@@ -9,6 +9,10 @@ reached by its module path (see the module map in docs/modules.md).
 import importlib
 
 from refusion_jax.deprecation import moved_names
+from refusion_jax.versions import check_jax
+
+check_jax()  # a jax outside the window is named here, not deep in a kernel
+del check_jax
 
 _EXPORTS = {
   # Models and their configs.

@@ -62,21 +62,60 @@ def assert_same_attention_and_gradients(attend, q, k, v, ids, bidirectional, err
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5, err_msg=f"d{name} {err_msg}")
 
 
-@pytest.mark.parametrize("kernel", ["splash", "triton"])
-@pytest.mark.parametrize("bidirectional", [False, True])
-def test_each_kernel_matches_the_dense_path_with_packed_segments_and_gqa(kernel, bidirectional):
-  seed = int(np.random.default_rng().integers(1 << 16))
-  rng = np.random.default_rng(seed)
-  batch, length, kv_heads, groups, head_dim = 2, 128, 2, 2, 16
-  q, k, v = random_qkv(rng, batch, length, kv_heads, groups, head_dim)
-  ids = jnp.asarray(packed_rows(rng, batch, length)[0])
+def installed(kernel: str):
+  """`kernel` as a parameter that skips, naming what is missing, where the installed packages lack it."""
+  missing = f"{flash._KERNEL_MODULES[kernel]} is not installed (jax {jax.__version__})"
+  return pytest.param(kernel, marks=pytest.mark.skipif(not flash.kernel_available(kernel), reason=missing))
+
+
+def interpreted_kernel_attention(kernel, ids, bidirectional, shape):
+  """attend(q, k, v) for q [batch, length, kv_heads, groups, head_dim] through one kernel, interpreted."""
+  batch, length, kv_heads, groups, head_dim = shape
 
   def attend(q, k, v):
     heads = q.reshape(batch, length, kv_heads * groups, head_dim)
     out = fused_attention(heads, k, v, ids, bidirectional=bidirectional, kernel=kernel, interpret=True)
     return out.reshape(q.shape)
 
+  return attend
+
+
+@pytest.mark.parametrize("kernel", [installed("splash"), installed("triton")])
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_each_kernel_matches_the_dense_path_with_packed_segments_and_gqa(kernel, bidirectional):
+  seed = int(np.random.default_rng().integers(1 << 16))
+  rng = np.random.default_rng(seed)
+  shape = batch, length, _, _, _ = 2, 128, 2, 2, 16
+  q, k, v = random_qkv(rng, *shape)
+  ids = jnp.asarray(packed_rows(rng, batch, length)[0])
+  attend = interpreted_kernel_attention(kernel, ids, bidirectional, shape)
   assert_same_attention_and_gradients(attend, q, k, v, ids, bidirectional, f"{kernel} seed {seed}")
+
+
+# tokamax's backward kernel does not run in jax's interpreter (tests/helpers/gpu_flash_check.py checks it on a
+# GPU): its forward is checked here, over several blocks of keys and segments that start inside a block.
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_tokamax_kernel_matches_the_dense_path_with_packed_segments_and_gqa(bidirectional):
+  pytest.importorskip("tokamax", reason="tokamax installs with the test extra on Python >= 3.12")
+  seed = int(np.random.default_rng().integers(1 << 16))
+  rng = np.random.default_rng(seed)
+  shape = batch, length, _, _, _ = 2, 256, 2, 3, 16
+  q, k, v = random_qkv(rng, *shape)
+  ids = jnp.asarray(packed_rows(rng, batch, length)[0])
+  got = interpreted_kernel_attention("tokamax", ids, bidirectional, shape)(q, k, v)
+  # Both sum a softmax over at most `length` float32 terms, in other orders: a few ulps of the largest value.
+  np.testing.assert_allclose(got, dense(q, k, v, ids, bidirectional), rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_segment_key_ranges_are_the_segment_mask(bidirectional):
+  seed = int(np.random.default_rng().integers(1 << 16))
+  ids, _ = packed_rows(np.random.default_rng(seed), 4, 200)
+  start, end = flash.segment_key_range(jnp.asarray(ids), bidirectional)
+  keys = np.arange(200)[None, None, :]
+  sees = keys >= np.asarray(start)[..., None]
+  sees &= keys <= np.arange(200)[None, :, None] if end is None else keys < np.asarray(end)[..., None]
+  np.testing.assert_array_equal(sees, segment_mask(jnp.asarray(ids), bidirectional), err_msg=f"seed {seed}")
 
 
 def test_lengths_off_the_block_size_are_padded_with_a_segment_no_token_sees():
@@ -134,12 +173,27 @@ def test_flash_never_builds_a_dense_mask_and_auto_keeps_the_dense_path_on_cpu():
   assert "pallas_call" not in auto and dense_mask in auto  # the CPU keeps today's speed
 
 
-def test_where_jax_lacks_the_kernel_auto_keeps_the_dense_path_and_flash_says_so(monkeypatch):
+@pytest.mark.parametrize("installed", [(), ("triton",), ("tokamax",), ("triton", "tokamax")])
+def test_a_gpu_takes_jaxs_triton_kernel_else_tokamaxs(monkeypatch, installed):
+  monkeypatch.setattr(flash, "kernel_available", lambda kernel: kernel in installed)
+  assert flash.kernel_for("gpu") == (installed[0] if installed else "tokamax")
+  assert flash.kernel_for("tpu") == flash.kernel_for("cpu") == "splash"
+
+
+def test_where_no_gpu_kernel_is_installed_auto_keeps_the_dense_path_says_why_once_and_flash_says_so(
+  monkeypatch, caplog
+):
   monkeypatch.setattr(transformer, "target_platform", lambda: "gpu")
-  monkeypatch.setitem(flash._KERNEL_MODULES, "triton", "jax.experimental.pallas.ops.gpu.no_such_kernel")
-  assert "pallas_call" not in forward_jaxpr("auto", 2, 8)
+  for kernel in flash.GPU_KERNELS:
+    monkeypatch.setitem(flash._KERNEL_MODULES, kernel, f"jax.experimental.pallas.ops.gpu.no_{kernel}_kernel")
+  with caplog.at_level("WARNING", logger=flash.__name__):
+    assert "pallas_call" not in forward_jaxpr("auto", 2, 8)
+    assert "pallas_call" not in forward_jaxpr("auto", 2, 16)
+  said = [r.getMessage() for r in caplog.records if r.name == flash.__name__]
+  assert len(said) == 1 and "dense path" in said[0] and "no_tokamax_kernel is not installed" in said[0], said
+  assert 'pip install -e ".[cuda13]"' in said[0]
   monkeypatch.setattr(flash, "target_platform", lambda: "gpu")
-  with pytest.raises(ValueError, match="no_such_kernel.*attention_impl=auto"):
+  with pytest.raises(ValueError, match="no_tokamax_kernel.*attention_impl=auto"):
     forward_jaxpr("flash", 2, 8)
 
 

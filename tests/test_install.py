@@ -6,10 +6,14 @@ import re
 import runpy
 import sys
 import types
+import warnings
 from unittest import mock
 
 import pytest
 from packaging.requirements import Requirement
+
+from refusion_jax import versions
+from refusion_jax.versions import check_jax
 
 REPO = pathlib.Path(__file__).parent.parent
 
@@ -73,3 +77,39 @@ def test_the_no_deps_install_brings_every_other_requirement(setup_kwargs):
   listed = {Requirement(word.strip('"')).name for word in command.replace("\\\n", " ").split()}
   required = {Requirement(r).name for r in setup_kwargs["install_requires"]} - {"jax"}
   assert listed == required
+
+
+@pytest.mark.parametrize("python", ["3.11", "3.12"])
+def test_gpu_extras_bring_tokamax_where_it_installs(setup_kwargs, python):
+  for extra in ("cuda12", "cuda13", "test"):
+    wanted = [Requirement(r) for r in setup_kwargs["extras_require"][extra]]
+    tokamax = [r for r in wanted if r.name == "tokamax" and r.marker.evaluate({"python_version": python})]
+    assert len(tokamax) == (python != "3.11"), (extra, python, tokamax)
+
+
+@pytest.mark.parametrize("version", ["0.10.2", "0.11.2", "0.12.1", "0.12.9rc1"])
+def test_jax_in_the_window_imports_quietly(version):
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    check_jax(version)
+
+
+@pytest.mark.parametrize("version", ["0.10.1", "0.9.0", "0.4.38"])
+def test_older_jax_is_refused_at_import_naming_the_window(version):
+  with pytest.raises(ImportError, match=rf"0\.10\.2 <= jax < 0\.13, but jax {re.escape(version)} is installed"):
+    check_jax(version)
+
+
+@pytest.mark.parametrize("version", ["0.13.0", "0.13.0.dev20270101", "1.0"])
+def test_newer_jax_is_named_with_the_tested_window(version):
+  with pytest.warns(RuntimeWarning, match=rf"tested on 0\.10\.2 <= jax < 0\.13; jax {re.escape(version)} is newer"):
+    check_jax(version)
+
+
+def test_the_installed_jax_is_read_without_importing_it_and_is_in_the_window():
+  import jax
+
+  assert versions._installed_jax() == jax.__version__
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    check_jax()

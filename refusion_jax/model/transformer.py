@@ -47,7 +47,7 @@ from jax.ad_checkpoint import checkpoint_name
 from refusion_jax.model import adapter, quant, remat
 from refusion_jax.model.cache import BlockKV, KVCache, block_mask
 from refusion_jax.model.config import ModelConfig
-from refusion_jax.model.flash import Segments, attend_segments, kernel_available, kernel_for, target_platform
+from refusion_jax.model.flash import Segments, attend_segments, auto_uses_kernel, target_platform
 from refusion_jax.parallel.activations import constrain
 
 # Large negative instead of -inf: a fully masked query row (padding, finished
@@ -315,11 +315,10 @@ class DecoderLayer(nnx.Module):
 
 def uses_fused_attention(attention_impl: str) -> bool:
   """Whether a training forward (segment ids) runs the fused kernel: "flash" always, "auto" off the CPU where
-  the installed jax has the platform's kernel."""
+  the platform's kernel is installed (refusion_jax.model.flash.auto_uses_kernel)."""
   if attention_impl != "auto":
     return attention_impl == "flash"
-  platform = target_platform()
-  return platform != "cpu" and kernel_available(kernel_for(platform))
+  return auto_uses_kernel(target_platform())
 
 
 def run_layers(

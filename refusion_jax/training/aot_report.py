@@ -142,8 +142,8 @@ def decode_report(
   padding = f" as {rows} rows (a multiple of {ways} batch-parallel devices)" if rows != batch else ""
   name = (
     f"decode (prefill + 1 loop iteration), batch {batch}{padding}, prompt {prompt_length} + {method.gen_length} "
-    f"(S={method.slot_size}, {method.serial_blocks} blocks), {model_config.param_dtype} weights{_quantized(model_config)}, "
-    f"mesh {mesh_text(mesh)}"
+    f"(S={method.slot_size}, {method.serial_blocks} blocks), {model_config.param_dtype} weights"
+    f"{_quantized(model_config)}, mesh {mesh_text(mesh)}"
   )
   lower = lambda: loop.lower(params, state, max_iterations, knobs)
   report = compiled.compile_report(name, lower, (params, state, knobs), list(mesh.devices.flat), chip)
