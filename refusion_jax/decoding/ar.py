@@ -170,7 +170,7 @@ class AR:
     """The settings and knobs of one decode call (a `contract.Method`); every row is in every forward."""
     del pick_rows
     eos = optional_eos_id(special.eos, config)
-    knobs = ARKnobs(key=jax.random.key(seed), temperature=jnp.float32(self.temperature), eos_id=jnp.int32(eos))
+    knobs = ARKnobs(key=jax.random.key(seed), temperature=np.float32(self.temperature), eos_id=np.int32(eos))
     return Decoder(self, ARSettings(self.gen_length, sample=self.temperature > 0), knobs, eos)
 
 

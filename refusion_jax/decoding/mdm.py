@@ -248,7 +248,7 @@ class MDM:
     del pick_rows
     mask = check_special_id("mask_id", special.mask, config)
     eos = optional_eos_id(special.eos, config)
-    knobs = MDMKnobs(key=jax.random.key(seed), temperature=jnp.float32(self.temperature), mask_id=jnp.int32(mask))
+    knobs = MDMKnobs(key=jax.random.key(seed), temperature=np.float32(self.temperature), mask_id=np.int32(mask))
     settings = MDMSettings(self.gen_length, self.block_length, self.steps, sample=self.temperature > 0)
     return Decoder(self, settings, knobs, eos)
 

@@ -464,12 +464,12 @@ class ReFusion:
     mask_id = check_special_id("mask_id", special.mask, config)
     eos_id = check_special_id("eos_id", special.eos, config)
     knobs = ReFusionKnobs(
-      slot_threshold=jnp.float32(self.slot_threshold),
-      token_threshold=jnp.float32(self.token_threshold),
-      temperature=jnp.float32(self.temperature),
+      slot_threshold=np.float32(self.slot_threshold),
+      token_threshold=np.float32(self.token_threshold),
+      temperature=np.float32(self.temperature),
       key=jax.random.key(seed),
-      mask_id=jnp.int32(mask_id),
-      eos_id=jnp.int32(eos_id),
+      mask_id=np.int32(mask_id),
+      eos_id=np.int32(eos_id),
     )
     settings = ReFusionSettings(
       self.gen_length,
