@@ -165,6 +165,25 @@ def test_the_engine_decodes_prompts_fed_one_by_one_as_decode_does_and_compiles_o
   assert compile_count("refusion") == before  # `decode` compiled this program; feeding it compiled nothing
 
 
+def test_decode_places_a_model_once_and_sees_its_weights_change():
+  from flax import nnx
+
+  from refusion_jax.decoding import driver
+
+  rng = np.random.default_rng()
+  model, prompts = random_model(int(rng.integers(1 << 20)), head_std=0.7), random_prompts(rng, 3)
+  method = rj.AR(gen_length=8)
+  first = rj.decode(model, prompts, method, eos_id=EOS)
+  placed = driver._PROGRAMS[model].programs
+  assert rj.decode(model, prompts, method, eos_id=EOS).tokens == first.tokens
+  assert driver._PROGRAMS[model].programs is placed and len(placed) == 1  # nothing placed again
+  # New weights (an update replaces arrays) are seen at once: the tokens are those of a model built with them.
+  other = random_model(int(rng.integers(1 << 20)), head_std=0.7)
+  nnx.update(model, nnx.state(other))
+  assert rj.decode(model, prompts, method, eos_id=EOS).tokens == rj.decode(other, prompts, method, eos_id=EOS).tokens
+  assert driver._PROGRAMS[model].programs is not placed
+
+
 def test_a_cancelled_request_frees_its_row_for_the_others():
   rng = np.random.default_rng()
   model, prompts = random_model(int(rng.integers(1 << 20))), random_prompts(rng, 3)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -247,14 +248,12 @@ class Engine:
     self.pad_id = check_special_id("pad_id", special.pad, config)
     self.rows = padded_rows(rows, mesh, rules)
     self.prompt_width = prompt_width
-    graphdef, params = nnx.split(model)
-    self._loop = loop_for(self.decoder, graphdef, mesh, rules)
+    placed = _placed_program(model, self.decoder, mesh, rules, (method, seed, special))
+    self._loop, self._params, self._knobs = placed.loop, placed.params, placed.knobs
+    self._chunks = placed.chunks  # placed iteration counts by `advance`'s iterations
     host_state = start_state(self.decoder, config, self.rows, prompt_width)
     self._state_shardings = self._loop.state_shardings(host_state)  # the state's structure never changes
     self._state = _placed_start(self._loop, host_state, self._state_shardings, config, prompt_width)
-    self._params = self._loop.place_params(params)
-    self._knobs = self._loop.place_replicated(self.decoder.knobs)
-    self._chunks: dict[int | None, Any] = {}  # placed iteration counts by `advance`'s iterations
     # The host's copy of the queue, and what the last loop call left in it (read back after every call).
     state = host_state
     self._tokens, self._lengths = np.array(state.queue_tokens), np.array(state.queue_lengths)
@@ -439,18 +438,78 @@ class Engine:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class _PlacedProgram:
+  """What an engine places once: its compiled loop, the parameters and the knobs on their devices, and the
+  iteration counts `advance` has placed (by count)."""
+
+  loop: Loop
+  params: nnx.State
+  knobs: Any
+  chunks: dict[int | None, Any]
+
+
+@dataclasses.dataclass
+class _ModelPrograms:
+  """The placed programs of one model, valid while its arrays are the very ones they were placed from."""
+
+  graphdef: nnx.GraphDef
+  leaves: list[Any]
+  programs: dict[tuple, _PlacedProgram]
+
+  def holds(self, graphdef: nnx.GraphDef, leaves: list[Any]) -> bool:
+    return (
+      len(leaves) == len(self.leaves) and all(a is b for a, b in zip(leaves, self.leaves)) and graphdef == self.graphdef
+    )
+
+
+# Placed programs by model, dropped with the model. An engine built for a model whose arrays are unchanged (arrays
+# are immutable: an update replaces them) reuses its loop, parameters and knobs, so a `decode` call places and splits
+# nothing it placed before. Only programs whose parameters were already where the loop needs them are kept (the
+# common one-device case), so an entry never holds a second copy of the weights.
+_PROGRAMS: weakref.WeakKeyDictionary[Transformer, _ModelPrograms] = weakref.WeakKeyDictionary()
+_PROGRAMS_PER_MODEL = 16
+
+
+def _placed_program(
+  model: Transformer, decoder: Decoder, mesh: jax.sharding.Mesh | None, rules: Rules, key: tuple
+) -> _PlacedProgram:
+  """The loop of `decoder` for `model` on `mesh`, with its parameters and knobs placed (`key`: what fixes the
+  knobs besides the placement: the method value, the seed, the special ids)."""
+  graphdef, params = nnx.split(model)
+  leaves = jax.tree.leaves(params)
+  key = (key, mesh, None if mesh is None else normalize_rules(rules))
+  cached = _PROGRAMS.get(model)
+  if cached is not None and cached.holds(graphdef, leaves) and key in cached.programs:
+    return cached.programs[key]
+  loop = loop_for(decoder, graphdef, mesh, rules)
+  placed = _PlacedProgram(loop, loop.place_params(params), loop.place_replicated(decoder.knobs), {})
+  if all(a is b for a, b in zip(jax.tree.leaves(placed.params), leaves)):
+    if cached is None or not cached.holds(graphdef, leaves):
+      cached = _PROGRAMS[model] = _ModelPrograms(graphdef, leaves, {})
+    if len(cached.programs) >= _PROGRAMS_PER_MODEL:
+      cached.programs.pop(next(iter(cached.programs)))
+    cached.programs[key] = placed
+  return placed
+
+
 # Idle start states already on their devices, by everything that fixes them: arrays are immutable and the loop
-# donates none, so every engine of a program starts from the same ones (a decode call places only its queue).
+# donates none, so every engine of a program starts from the same ones (a decode call places only its queue). A few
+# small ones are kept: a big model's idle caches would hold device memory between calls.
 _STARTS: dict[tuple, LoopState] = {}
+_STARTS_KEPT, _START_BYTES = 8, 64 * 2**20
 
 
 def _placed_start(loop: Loop, state: LoopState, shardings: Any, config: ModelConfig, prompt_width: int) -> LoopState:
   key = (loop.program, loop.placement, config, jax.tree.structure(state), prompt_width, state.entry.shape)
-  if key not in _STARTS:
-    if len(_STARTS) >= 64:
+  if key in _STARTS:
+    return _STARTS[key]
+  placed = loop.place_state(state, shardings)
+  if sum(leaf.nbytes for leaf in jax.tree.leaves(state)) <= _START_BYTES:  # a big model's caches are not kept idle
+    if len(_STARTS) >= _STARTS_KEPT:
       _STARTS.pop(next(iter(_STARTS)))
-    _STARTS[key] = loop.place_state(state, shardings)
-  return _STARTS[key]
+    _STARTS[key] = placed
+  return placed
 
 
 def _cut(answer: list[int], eos_id: int) -> list[int]:
