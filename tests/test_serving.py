@@ -5,6 +5,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import json
+import queue
 import threading
 import time
 
@@ -20,7 +21,7 @@ from refusion_jax.decoding.refusion import ReFusion
 from refusion_jax.decoding.sampler import Sampler
 from refusion_jax.serving.app import create_app
 from refusion_jax.serving.auth import check_authorization, server_key
-from refusion_jax.serving.engine import ServingEngine
+from refusion_jax.serving.engine import Job, ServingEngine
 from refusion_jax.serving.errors import APIError
 from refusion_jax.serving.metrics import Metrics
 
@@ -279,6 +280,53 @@ def test_sigterm_finishes_the_requests_held_and_exits_0(server):
   assert replies and replies[0].status_code in (200, 503), replies
   with pytest.raises(httpx.ConnectError):
     httpx.get(server.url + "/health", timeout=5)
+
+
+@pytest.fixture(scope="module")
+def serving(model):
+  """A started serving engine of two rows in this process, advancing one loop iteration per call."""
+  backbone, tokenizer = model
+  special = Sampler(backbone, tokenizer, METHOD).special_ids
+  engine = Engine(backbone, METHOD, rows=2, prompt_width=16, sampling=True, **special)
+  serving = ServingEngine(engine, tokenizer, max_queue=4, chunk_iterations=1)
+  serving.start()
+  yield serving
+  serving.stop(30)
+
+
+def _job(serving, prompt: str, deliver) -> Job:
+  return Job(list(prompt.encode()), serving.token_limit(None), 0.0, 0, (), deliver)
+
+
+def test_a_request_whose_delivery_fails_ends_alone(serving, model):
+  updates = queue.Queue()
+
+  def explode(update):
+    raise RuntimeError("this client's side broke")
+
+  serving.submit(_job(serving, "first", explode))
+  serving.submit(_job(serving, "second", updates.put))
+  texts, finished = [], None
+  while finished is None:
+    update = updates.get(timeout=120)
+    assert update.error is None
+    texts.append(update.text)
+    finished = update.finish_reason
+  assert "".join(texts) == _expected(model, "second")
+
+
+def test_a_cancelled_request_frees_its_row_at_the_next_boundary(serving):
+  updates = []
+  job = _job(serving, "cancel me", updates.append)
+  serving.submit(job)
+  while job.admitted is None:
+    time.sleep(0.001)
+  serving.cancel(job)
+  deadline = time.monotonic() + 30
+  while time.monotonic() < deadline and not serving.engine.idle:
+    time.sleep(0.01)
+  assert serving.engine.idle and serving.rows_busy == 0
+  assert not [u for u in updates if u.finish_reason or u.error]
 
 
 # --- the parts on their own -------------------------------------------------------------------------------

@@ -120,13 +120,16 @@ class ServerState:
       )
     return ids
 
-  def job(self, body: schemas._Request, ids: list[int], deliver: Callable[[Update], None]) -> Job:
-    if body.model != self.model_name:
+  def check_model(self, model: str) -> None:
+    if model != self.model_name:
       raise bad_request(
-        f"The model {body.model!r} is not served here; use {self.model_name!r} (GET /v1/models).",
+        f"The model {model!r} is not served here; use {self.model_name!r} (GET /v1/models).",
         param="model",
         code="model_not_found",
       )
+
+  def job(self, body: schemas.GenerationRequest, ids: list[int], deliver: Callable[[Update], None]) -> Job:
+    """The engine's job for a checked request: its stop strings checked, its token limit applied."""
     try:
       stops = check_stop_strings(body.stop)
     except ValueError as error:
@@ -247,6 +250,7 @@ def create_app(
     request.state.request_id = request_id
     raw = await _read_body(request, max_body_bytes)
     body = _parse(schemas.ChatCompletionRequest if chat else schemas.CompletionRequest, raw)
+    state.check_model(body.model)
     body.unsupported()
     if chat:
       messages = [dict(role=m.role, content=m.text()) for m in body.messages]

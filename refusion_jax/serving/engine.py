@@ -210,14 +210,21 @@ class ServingEngine:
           break
         arrived, self._inbox = list(self._inbox), collections.deque()
         self._running += arrived
-      self._boundary(arrived)
+      try:
+        self._boundary(arrived)
+      except Exception as error:  # never let the thread die: end what it held, go on with a fresh queue
+        self._fail(list(self._running), error)
     for job in self._running + list(self._inbox):
       self._end(job, Update(error=APIError(503, "The server shut down before the answer ended.", type="server_error")))
 
   def _boundary(self, arrived: list[Job]) -> None:
     """Between two loop calls: admit `arrived`, drop cancelled requests, run one call, deliver text."""
     for job in arrived:
-      job.request = self.engine.submit(job.prompt_ids, temperature=job.temperature, seed=job.seed)
+      try:
+        job.request = self.engine.submit(job.prompt_ids, temperature=job.temperature, seed=job.seed)
+      except ValueError as error:  # what the decoder refuses that the app's checks let through
+        self._end(job, Update(error=APIError(400, str(error))))
+        continue
       job.admitted = time.perf_counter()
     for job in [job for job in self._running if job.cancelled]:
       self._end(job, None)
@@ -227,9 +234,7 @@ class ServingEngine:
     try:
       finished = set(self.engine.advance(self.chunk_iterations))
     except Exception as error:  # the loop failed: end what it was decoding, keep serving
-      logger.exception("the decode loop failed; ending the %d requests it held", len(self._running))
-      for job in list(self._running):
-        self._end(job, Update(error=APIError(500, f"Decoding failed: {error}", type="server_error")))
+      self._fail(list(self._running), error)
       return
     if self.metrics:
       self.metrics.add("loop_calls_total", 1)
@@ -238,8 +243,7 @@ class ServingEngine:
       try:
         self._read(job, job.request in finished)
       except Exception as error:  # this request's text or delivery failed: end it alone
-        logger.exception("request failed while reading its answer")
-        self._end(job, Update(error=APIError(500, f"Reading the answer failed: {error}", type="server_error")))
+        self._fail([job], error)
 
   def _read(self, job: Job, final: bool) -> None:
     """Hand `job` the text its committed prefix settled; end it when its answer is over."""
@@ -259,6 +263,12 @@ class ServingEngine:
     )
     self._request_seconds.append(now - job.arrived)
     self._end(job, update)
+
+  def _fail(self, jobs: list[Job], error: Exception) -> None:
+    """End `jobs` with a 500 naming `error` (logged with its traceback)."""
+    logger.error("ending %d request(s) after a failure", len(jobs), exc_info=error)
+    for job in jobs:
+      self._end(job, Update(error=APIError(500, f"The server failed on this request: {error}", type="server_error")))
 
   def _end(self, job: Job, update: Update | None) -> None:
     """Free `job`'s row and entry and send it its last update (None: its client left, send nothing)."""

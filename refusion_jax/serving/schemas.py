@@ -18,7 +18,7 @@ import pydantic
 from refusion_jax.serving.errors import bad_request
 
 
-class _Request(pydantic.BaseModel):
+class GenerationRequest(pydantic.BaseModel):
   """What both endpoints take. Unset sampling fields take the server's settings (its command line)."""
 
   model_config = pydantic.ConfigDict(extra="forbid")
@@ -57,7 +57,7 @@ class _Request(pydantic.BaseModel):
     return {}
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(GenerationRequest):
   """`POST /v1/completions`: one prompt (text or token ids)."""
 
   prompt: str | list[str] | list[int] | list[list[int]]
@@ -106,7 +106,7 @@ class ChatMessage(pydantic.BaseModel):
     return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(GenerationRequest):
   """`POST /v1/chat/completions`: a chat, rendered by the checkpoint's chat template."""
 
   messages: list[ChatMessage] = pydantic.Field(min_length=1)
