@@ -7,7 +7,8 @@ reached by its module path (see the module map in README.md).
 """
 
 import importlib
-import warnings
+
+from refusion_jax.deprecation import moved_names
 
 _EXPORTS = {
   # Models and their configs.
@@ -27,20 +28,21 @@ _EXPORTS = {
   "merge_lora": "refusion_jax.model.lora",
   "save_lora": "refusion_jax.checkpoints.peft",
   "load_lora": "refusion_jax.checkpoints.peft",
-  # Decoding.
+  # Decoding: a method value, one call (or a Sampler for text, an Engine to feed prompt by prompt).
+  "ReFusion": "refusion_jax.decoding.refusion",
+  "AR": "refusion_jax.decoding.ar",
+  "MDM": "refusion_jax.decoding.mdm",
+  "PAPER_TASKS": "refusion_jax.decoding.paper",
+  "decode": "refusion_jax.decoding.driver",
+  "Engine": "refusion_jax.decoding.driver",
+  "DecodeResult": "refusion_jax.decoding.result",
+  "Sampler": "refusion_jax.decoding.sampler",
+  # The 0.2 decoding calls: they warn (`deprecation.deprecated`) and forward to `decode`.
   "generate": "refusion_jax.decoding.refusion",
   "ar_generate": "refusion_jax.decoding.ar",
   "mdm_generate": "refusion_jax.decoding.mdm",
-  "DecodeResult": "refusion_jax.decoding.result",
-  "Sampler": "refusion_jax.decoding.sampler",
   # Scale-out.
   "make_mesh": "refusion_jax.parallel.sharding",
-}
-
-# Names of earlier versions, kept working until 0.3 with a DeprecationWarning that names their replacement.
-_DEPRECATED = {
-  "load_checkpoint": "load_model(path, ...) (same arguments)",
-  "load_hf": 'load_model(path, format="hf", dtype=..., config=...) (config replaces config_overrides)',
 }
 
 __all__ = sorted(_EXPORTS)
@@ -57,14 +59,19 @@ def _load_hf(path, dtype="float32", param_dtype=None, config_overrides=None, mes
   )
 
 
+_moved = moved_names(
+  __name__,
+  {
+    "load_checkpoint": ("refusion_jax.load_model(path, ...) (same arguments)", lambda: __getattr__("load_model")),
+    "load_hf": (
+      'refusion_jax.load_model(path, format="hf", dtype=..., config=...) (config replaces config_overrides)',
+      lambda: _load_hf,
+    ),
+  },
+)
+
+
 def __getattr__(name):
   if name in _EXPORTS:
     return getattr(importlib.import_module(_EXPORTS[name]), name)
-  if name in _DEPRECATED:
-    warnings.warn(
-      f"refusion_jax.{name} is deprecated and will be removed in 0.3: use refusion_jax.{_DEPRECATED[name]}.",
-      DeprecationWarning,
-      stacklevel=2,
-    )
-    return _load_hf if name == "load_hf" else __getattr__("load_model")
-  raise AttributeError(f"module 'refusion_jax' has no attribute {name!r}")
+  return _moved(name)

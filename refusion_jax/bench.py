@@ -1,6 +1,6 @@
 """Benchmarks. `decode`: ReFusion against its eager reference and the AR / MDM baselines;
-`throughput`: many prompts one by one, in static batches and by continuous batching;
-`serve`: the OpenAI-compatible server under concurrent clients against the Sampler.
+`throughput`: many prompts one by one, in static batches and by continuous batching; `lora`: LoRA adapters
+unmerged against merged; `serve`: the OpenAI-compatible server under concurrent clients against the Sampler.
 
     python -m refusion_jax.bench decode                       # tiny + small, sharpened random weights
     python -m refusion_jax.bench decode --sizes tiny --batch 4 --gen_length 32 --repeats 1
@@ -9,13 +9,14 @@
     python -m refusion_jax.bench throughput --official_repo CHECKOUT   # + the official PyTorch code, same weights
     python -m refusion_jax.bench throughput --checkpoint WORKDIR --task_prompts sort,lookup,code \
         --gen_length 48 --slot_size 8 --serial_blocks 1                      # a trained demo checkpoint
+    python -m refusion_jax.bench lora                         # LoRA decode cost (results/lora.md)
     python -m refusion_jax.bench serve --random_init tiny --prompts 64 --clients 16 --rows 8   # the HTTP server
 
 `decode` runs `refusion_jax.evaluation.decode_bench`, `throughput` runs
-`refusion_jax.evaluation.throughput`, `serve` runs `refusion_jax.evaluation.serve_bench`
-(what each measures is said there); the random models of `decode` and
-`throughput` are sharpened (`evaluation.bench_models`: --sharpen scales the LM
-head, EOS is never predicted) so that slots pass verification as a trained
+`refusion_jax.evaluation.throughput`, `lora` runs `refusion_jax.evaluation.lora_cost`, `serve` runs
+`refusion_jax.evaluation.serve_bench` (what each measures is said there); the random models of `decode` and
+`throughput` are sharpened (`evaluation.bench_models`: --sharpen scales the LM head, EOS is never predicted)
+so that slots pass verification as a trained
 model's do. Pass --hf_checkpoint / --checkpoint to measure trained weights.
 """
 
@@ -31,11 +32,13 @@ import jax
 
 from refusion_jax.checkpoints.load import load
 from refusion_jax.cli import UsageError, add_model_flags, has_model, model_request, run_argparse
-from refusion_jax.decoding import defaults
+from refusion_jax.decoding.mdm import MDM
 from refusion_jax.decoding.methods import add_method_flags, field_names, flag_values, method_value
-from refusion_jax.evaluation.bench_models import ReFusionOptions, TrainedSource
+from refusion_jax.decoding.refusion import ReFusion
+from refusion_jax.evaluation.bench_models import TrainedSource
 from refusion_jax.evaluation.bench_tables import format_serve, format_table, format_throughput, summary
 from refusion_jax.evaluation.decode_bench import DecodeBenchOptions, run_decode_bench
+from refusion_jax.evaluation.lora_cost import LoraCostOptions, run_lora_cost
 from refusion_jax.evaluation.serve_bench import ServeBenchOptions, run_serve_bench
 from refusion_jax.evaluation.throughput import ThroughputOptions, run_throughput_bench
 from refusion_jax.model import config as config_lib
@@ -56,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--sizes", default="tiny,small", help="comma-separated model presets (random weights).")
   p.add_argument("--batch", type=int, default=16, help="the large batch (batch 1 is always measured too).")
   p.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up; the median is reported.")
-  _add_refusion_flags(p, serial_blocks=defaults.REFUSION_KNOBS["serial_blocks"])
+  _add_refusion_flags(p, serial_blocks=ReFusion().serial_blocks)
   p.add_argument("--mdm_block_length", type=int, help="MDM tokens per block (default min(32, gen_length)).")
   p.add_argument("--mdm_steps", type=int, help="MDM unmasking steps in all (default gen_length: one token per step).")
   p.add_argument("--sharpen", type=float, default=128.0, help="LM-head scale of the random models (1: plain init).")
@@ -85,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
   )
   _add_source_flags(t)
 
+  lora = commands.add_parser(
+    "lora",
+    help="ReFusion decoding with LoRA adapters unmerged vs merged (results/lora.md).",
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  for field in dataclasses.fields(LoraCostOptions):
+    lora.add_argument(f"--{field.name}", type=type(field.default), default=field.default)
+
   s = commands.add_parser(
     "serve",
     help="the OpenAI server under concurrent clients vs the Sampler one by one and with K rows.",
@@ -97,9 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+# The fields of ReFusion a benchmark's flags set (its defaults, but serial_blocks where a benchmark says).
+REFUSION_FLAGS = ("gen_length", "slot_size", "serial_blocks", "slot_threshold", "token_threshold")
+
+
 def _add_refusion_flags(parser: argparse.ArgumentParser, serial_blocks: int) -> None:
-  parser.add_argument("--gen_length", type=int, default=defaults.GEN_LENGTH, help="G, answer tokens at most.")
-  for name, value in dict(defaults.REFUSION_KNOBS, serial_blocks=serial_blocks).items():
+  defaults = dataclasses.replace(ReFusion(), serial_blocks=serial_blocks)
+  for name in REFUSION_FLAGS:
+    value = getattr(defaults, name)
     parser.add_argument(f"--{name}", type=type(value), default=value, help="ReFusion decoding (docs/method.md §2).")
 
 
@@ -112,9 +128,8 @@ def _add_source_flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--mask_id", type=int, help="with a checkpoint: the mask id if neither tokenizer nor config has.")
 
 
-def _refusion_options(args: argparse.Namespace) -> ReFusionOptions:
-  names = ("gen_length", "slot_size", "serial_blocks", "slot_threshold", "token_threshold")
-  return ReFusionOptions(**{name: getattr(args, name) for name in names})
+def _refusion(args: argparse.Namespace) -> ReFusion:
+  return method_value("refusion", vars(args))
 
 
 def _trained_source(args: argparse.Namespace) -> TrainedSource | None:
@@ -135,6 +150,10 @@ def _trained_source(args: argparse.Namespace) -> TrainedSource | None:
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
   """Run the benchmark the flags (`argv`, parsed into `args`) name and print its report."""
+  if args.command == "lora":
+    options = LoraCostOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(LoraCostOptions)})
+    print(run_lora_cost(options).format())
+    return
   if args.command == "serve":
     model, tokenizer = load(**model_request(args))
     method = method_value(args.method, flag_values(args, field_names(args.method)))
@@ -148,7 +167,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
   trained = _trained_source(args)
   if args.command == "throughput":
     options = ThroughputOptions(
-      _refusion_options(args),
+      _refusion(args),
       prompts=args.prompts,
       batch_sizes=args.batch_sizes,
       repeats=args.repeats,
@@ -161,12 +180,12 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
     )
     report = format_throughput(run_throughput_bench(options, trained))
   else:
+    refusion = _refusion(args)
     options = DecodeBenchOptions(
-      _refusion_options(args),
+      refusion,
       batch=args.batch,
       repeats=args.repeats,
-      mdm_block_length=args.mdm_block_length,
-      mdm_steps=args.mdm_steps,
+      mdm=MDM(refusion.gen_length, block_length=args.mdm_block_length, steps=args.mdm_steps),
       sizes=args.sizes.split(","),
       sharpen=args.sharpen,
       seed=args.seed,

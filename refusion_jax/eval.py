@@ -19,7 +19,6 @@ exit status 2.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
@@ -29,11 +28,11 @@ import ml_collections
 
 from refusion_jax.checkpoints.load import load
 from refusion_jax.cli import UsageError, add_model_flags, model_request, run_argparse
-from refusion_jax.data.tasks import generate_examples
-from refusion_jax.decoding.sampler import METHODS, decoder_options
+from refusion_jax.decoding.methods import add_method_flags
 from refusion_jax.evaluation import curve, report, runner
+from refusion_jax.evaluation.sweep import default_label, method_sweep, result_record
+from refusion_jax.evaluation.test_sets import load_examples
 from refusion_jax.training.config_file import load_config
-from refusion_jax.training.validation import EVAL_KNOBS
 
 SPLITS = ("train", "validation", "test")
 
@@ -66,23 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
   data.add_argument("--data", metavar="JSON", help='a JSON file of {"query", "response"[, "task"]} records instead.')
   data.add_argument("--num_examples", type=int, help="evaluate only the first N examples (default: all).")
 
-  knobs = parser.add_argument_group(
-    "decoding (defaults: the config's eval section; comma-separated values sweep every combination)"
+  decoding = parser.add_argument_group(
+    "decoding (a method's fields; defaults: the config's eval section, then the method's; comma-separated "
+    "values sweep every combination)"
   )
-  knobs.add_argument("--method", choices=sorted(METHODS), default="refusion")
-  knobs.add_argument(
+  add_method_flags(decoding, values=_values)
+  decoding.add_argument(
     "--batch_size", type=int, help="rows decoded at once, by continuous batching (default: config eval.batch_size)."
   )
-  knobs.add_argument("--gen_length", type=_values(int), help="G, answer tokens at most.")
-  knobs.add_argument("--slot_size", type=_values(int), help="refusion: S, tokens per slot.")
-  knobs.add_argument("--serial_blocks", type=_values(int), help="refusion: NB, blocks decoded left to right.")
-  knobs.add_argument("--slot_threshold", type=_values(float), help="refusion: plan confidence to choose a slot.")
-  knobs.add_argument("--token_threshold", type=_values(float), help="refusion: AR probability to accept a token.")
-  knobs.add_argument("--block_length", type=_values(int), help="mdm: tokens per block.")
-  knobs.add_argument("--steps", type=_values(int), help="mdm: total unmasking steps.")
-  knobs.add_argument("--repeats", type=int, default=1, help="time each batch this many times, keep the fastest.")
-  knobs.add_argument("--temperature", type=float, default=0.0)
-  knobs.add_argument("--seed", type=int, default=0)
+  decoding.add_argument("--repeats", type=int, default=1, help="time each batch this many times, keep the fastest.")
+  decoding.add_argument("--seed", type=int, default=0)
 
   output = parser.add_argument_group("output")
   output.add_argument("--out", metavar="JSON", help="write metrics, settings and every answer here (one setting).")
@@ -124,56 +116,6 @@ def read_config(spec: str) -> ml_collections.ConfigDict:
   return load_config(path, variant)
 
 
-def decode_settings(args: argparse.Namespace, config: ml_collections.ConfigDict) -> list[dict]:
-  """Every combination of the chosen method's decoder arguments: the flags' values, else the config's eval settings."""
-  options = decoder_options(METHODS[args.method])
-  grid = {}
-  for name in options:
-    values = getattr(args, name, None)
-    if values is None and name in EVAL_KNOBS:
-      values = config.eval.get(EVAL_KNOBS[name])
-    if values is not None:
-      grid[name] = values if isinstance(values, list) else [values]
-  settings = [dict(zip(grid, combination)) for combination in itertools.product(*grid.values())]
-  if args.method == "mdm":
-    for knobs in settings:
-      # The config's MDM block and steps may exceed a --gen_length given on the command line.
-      knobs["block_length"] = min(knobs["block_length"], knobs["gen_length"])
-      knobs["steps"] = min(knobs["steps"], knobs["gen_length"])
-  return settings
-
-
-def load_examples(args: argparse.Namespace, config: ml_collections.ConfigDict) -> tuple[list[dict], dict]:
-  """The test examples and a description of where they came from."""
-  if args.data:
-    if not os.path.isfile(args.data):
-      raise UsageError(f"--data {args.data!r} is not a file; pass a JSON list of query/response records.")
-    from refusion_jax.data.builders import read_query_response_json  # imports tensorflow-datasets: JSON only
-
-    examples, source = read_query_response_json(args.data), dict(file=os.path.abspath(args.data))
-  else:
-    data = config.data
-    if data.dataset != "tasks":
-      raise UsageError(f"--config {args.config} trains on data.dataset={data.dataset!r}; pass its test file as --data.")
-    size = data.get(f"num_{args.split}")
-    examples = generate_examples(args.split, size, seed=data.seed, tasks=tuple(data.tasks))
-    source = dict(split=args.split, tasks=sorted(set(data.tasks)), seed=data.seed, split_size=size)
-  if args.num_examples is not None:
-    if args.num_examples < 1:
-      raise UsageError(f"--num_examples={args.num_examples} must be at least 1.")
-    examples = examples[: args.num_examples]
-  return examples, source
-
-
-def default_label(method: str, knobs: dict) -> str:
-  """A short name for reports, e.g. `refusion S8 0.9/0.5` or `mdm B16 24 steps`."""
-  if method == "refusion":
-    return f"refusion S{knobs['slot_size']} {knobs['slot_threshold']:g}/{knobs['token_threshold']:g}"
-  if method == "mdm":
-    return f"mdm B{knobs['block_length']} {knobs['steps']} steps"
-  return method
-
-
 def result_path(out_dir: str, label: str) -> str:
   """`out_dir/<label>.json` with the label's spaces and slashes made file-name safe."""
   return os.path.join(out_dir, label.replace("/", "-").replace(" ", "_") + ".json")
@@ -185,38 +127,39 @@ def evaluate(args: argparse.Namespace) -> list[dict]:
   Each record is also written to --out (one setting) or to --out_dir/<label>.json.
   """
   config = read_config(args.config)
-  settings = decode_settings(args, config)
-  if len(settings) > 1 and (args.out or args.label):
-    raise UsageError(f"The flags sweep {len(settings)} decode settings: use --out_dir instead of --out / --label.")
-  examples, source = load_examples(args, config)
+  try:
+    sweep = method_sweep(args.method, vars(args), config.eval)
+    examples, source = load_examples(config, split=args.split, data=args.data, num_examples=args.num_examples)
+  except ValueError as error:
+    raise UsageError(str(error)) from error
+  if len(sweep) > 1 and (args.out or args.label):
+    raise UsageError(f"The flags sweep {len(sweep)} decode settings: use --out_dir instead of --out / --label.")
   model, tokenizer = load(**model_request(args))
   checkpoint = os.path.abspath(args.checkpoint or args.hf_checkpoint)
   batch_size = args.batch_size or config.eval.batch_size
   records = []
-  for knobs in settings:
+  for method in sweep:
     run = runner.run(
       model,
       tokenizer,
       examples,
-      method=args.method,
-      knobs=knobs,
+      method=method,
       batch_size=batch_size,
       chat_template=config.data.chat_template,
       repeats=args.repeats,
+      seed=args.seed,
       progress=not args.no_progress,
     )
-    record = dict(
+    record = result_record(
+      run,
+      method,
       model=args.model_name or os.path.basename(checkpoint),
-      label=args.label or default_label(args.method, knobs),
+      label=args.label or default_label(method),
       checkpoint=checkpoint,
       step=args.step,
-      method=args.method,
-      knobs=knobs,
       batch_size=batch_size,
       repeats=args.repeats,
       data=source,
-      metrics=runner.summarize(run),
-      answers=[vars(answer) for answer in run.answers],
     )
     paths = [args.out] if args.out else []
     paths += [result_path(args.out_dir, record["label"])] if args.out_dir else []

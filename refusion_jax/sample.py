@@ -23,9 +23,9 @@ from collections.abc import Sequence
 from refusion_jax.checkpoints.load import load
 from refusion_jax.cli import UsageError, add_model_flags, model_request, run_argparse
 from refusion_jax.data.tokenizer import Tokenizer
-from refusion_jax.decoding import defaults
+from refusion_jax.decoding.methods import add_method_flags, method_value
 from refusion_jax.decoding.result import DecodeResult
-from refusion_jax.decoding.sampler import METHODS, Sampler, decoder_options
+from refusion_jax.decoding.sampler import Sampler
 from refusion_jax.decoding.trace_plot import format_trace_terminal, plot_trace
 
 
@@ -48,34 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
   )
   prompts.add_argument("--chat_template", action="store_true", help="wrap text prompts with the chat template.")
 
-  knobs = parser.add_argument_group("decoding")
-  knobs.add_argument("--method", choices=sorted(METHODS), default="refusion")
-  refusion = defaults.REFUSION_KNOBS
-  knobs.add_argument("--gen_length", type=int, default=defaults.GEN_LENGTH, help="G, answer tokens at most.")
-  knobs.add_argument("--slot_size", type=int, default=refusion["slot_size"], help="refusion: S, tokens per slot.")
-  knobs.add_argument(
-    "--serial_blocks", type=int, default=refusion["serial_blocks"], help="refusion: NB, blocks decoded left to right."
-  )
-  knobs.add_argument(
-    "--slot_threshold",
-    type=float,
-    default=refusion["slot_threshold"],
-    help="refusion: plan confidence to choose a slot.",
-  )
-  knobs.add_argument(
-    "--token_threshold",
-    type=float,
-    default=refusion["token_threshold"],
-    help="refusion: AR probability to accept a token.",
-  )
-  knobs.add_argument(
-    "--block_length", type=int, help=f"mdm: tokens per block (default min({defaults.MDM_BLOCK_LENGTH}, G))."
-  )
-  knobs.add_argument("--steps", type=int, help="mdm: total unmasking steps (default G: one token per step).")
+  knobs = parser.add_argument_group("decoding (a method's fields: unset ones take the method's defaults)")
+  add_method_flags(knobs)
   knobs.add_argument(
     "--batch_size", type=int, help="rows decoded at once, a finished row taking the next prompt (default: all)."
   )
-  knobs.add_argument("--temperature", type=float, default=0.0)
   knobs.add_argument("--seed", type=int, default=0)
   knobs.add_argument("--mask_id", type=int, help="default: the tokenizer's, else the model config's.")
   knobs.add_argument("--eos_id", type=int, help="default: the tokenizer's, else the model config's.")
@@ -99,12 +76,6 @@ def _parse_ids(text: str) -> list[int]:
     raise UsageError(
       f"--prompt_ids {text!r} is not a comma-separated list of integers, e.g. --prompt_ids 1,2,3."
     ) from None
-
-
-def decode_kwargs(args: argparse.Namespace) -> dict:
-  """The flags the chosen method's decoder takes (unset optional ones left to the sampler's defaults)."""
-  options = decoder_options(METHODS[args.method])
-  return {name: getattr(args, name) for name in options if getattr(args, name, None) is not None}
 
 
 def trace_paths(path: str, count: int) -> list[str]:
@@ -142,7 +113,17 @@ def run(args: argparse.Namespace) -> None:
     raise UsageError("Give at least one --prompt TEXT or --prompt_ids 1,2,3.")
   id_prompts = [_parse_ids(text) for text in args.prompt_ids]
   model, tokenizer = load(**model_request(args))
-  sampler = Sampler(model, tokenizer, method=args.method, chat_template=args.chat_template, **decode_kwargs(args))
+  sampler = Sampler(
+    model,
+    tokenizer,
+    method_value(args.method, vars(args)),
+    batch_size=args.batch_size,
+    seed=args.seed,
+    chat_template=args.chat_template,
+    mask_id=args.mask_id,
+    eos_id=args.eos_id,
+    pad_id=args.pad_id,
+  )
   prompt_ids = [sampler.encode(text) for text in args.prompt] + id_prompts
   result = sampler.decode_ids(prompt_ids)
   answers = [tokenizer.decode(tokens) for tokens in result.tokens]

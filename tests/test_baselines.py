@@ -1,9 +1,8 @@
 """The AR and MDM baselines against naive eager transcriptions on a tiny random model."""
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from helpers.eager_baselines import llada_low_confidence, naive_greedy
 
 from refusion_jax.decoding.ar import ar_generate
 from refusion_jax.decoding.driver import compile_count
@@ -13,7 +12,6 @@ from refusion_jax.model import config
 from refusion_jax.model import transformer as model_lib
 
 MASK_ID = 255
-NAIVE_WIDTH = 48
 
 
 @pytest.fixture(scope="module")
@@ -28,54 +26,6 @@ def model():
 def random_prompts(seed, lengths, vocab=200):
   rng = np.random.default_rng(seed)
   return [rng.integers(0, vocab, size=n).tolist() for n in lengths]
-
-
-@nnx.jit
-def logits_of(model, tokens, mask=None):
-  return model(tokens, mask=mask)[0]
-
-
-def naive_greedy(model, prompt, gen_length, eos_id=None):
-  """Full causal forward over the whole sequence for every new token."""
-  seq = list(prompt)
-  answer = []
-  for _ in range(gen_length):
-    # Trailing filler changes nothing under the causal mask and keeps one shape.
-    padded = seq + [0] * (NAIVE_WIDTH - len(seq))
-    logits = logits_of(model, jnp.asarray([padded], jnp.int32))
-    token = int(jnp.argmax(logits[0, len(seq) - 1]))
-    answer.append(token)
-    seq.append(token)
-    if token == eos_id:
-      break
-  return answer
-
-
-def llada_low_confidence(model, prompt, gen_length, block_length, steps, mask_id):
-  """LLaDA generate.py (temperature 0, low_confidence remasking), batch 1, in NumPy."""
-  x = np.array(list(prompt) + [mask_id] * gen_length)
-  start = len(prompt)
-  num_blocks = gen_length // block_length
-  steps_per_block = steps // num_blocks
-  for block in range(num_blocks):
-    lo, hi = start + block * block_length, start + (block + 1) * block_length
-    masked = int((x[lo:hi] == mask_id).sum())
-    counts = np.full(steps_per_block, masked // steps_per_block)
-    counts[: masked % steps_per_block] += 1
-    for i in range(steps_per_block):
-      mask_index = x == mask_id
-      full = jnp.ones((1, len(x), len(x)), bool)
-      logits = np.asarray(logits_of(model, jnp.asarray(x[None], jnp.int32), full)[0], np.float64)
-      x0 = logits.argmax(-1)
-      p = np.exp(logits - logits.max(-1, keepdims=True))
-      p /= p.sum(-1, keepdims=True)
-      x0_p = p[np.arange(len(x)), x0]
-      x0_p[hi:] = -np.inf
-      x0 = np.where(mask_index, x0, x)
-      confidence = np.where(mask_index, x0_p, -np.inf)
-      select = np.argsort(-confidence, kind="stable")[: counts[i]]
-      x[select] = x0[select]
-  return x[start:].tolist()
 
 
 def test_ar_greedy_matches_naive_loop_for_a_ragged_batch(model):

@@ -250,21 +250,3 @@ def test_bad_batch_size_or_chunk_is_rejected(name, value):
   model, prompts, eos, rng = random_setup(9, count=2)
   with pytest.raises(ValueError, match=f"{name}=.* must be a positive integer"):
     refusion.generate(model, prompts, **refusion_knobs(rng, eos_id=eos), **{name: value})
-
-
-@pytest.mark.parametrize(
-  "module, old, new",
-  [
-    ("batching", "Batch", "LoopState"),
-    ("mdm", "MDMSchedule", "MDMSettings"),
-    ("defaults", "REFUSION", "REFUSION_KNOBS"),
-    ("refusion", "picks_rows", "pick_rows_on"),
-    ("mesh", "batch_shardings", "loop_shardings"),
-  ],
-)
-def test_renamed_decoding_names_still_work_with_a_warning_naming_the_new_one(module, old, new):
-  import importlib
-
-  decoding = importlib.import_module(f"refusion_jax.decoding.{module}")
-  with pytest.warns(DeprecationWarning, match=new):
-    assert getattr(decoding, old) is getattr(decoding, new)

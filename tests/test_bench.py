@@ -9,8 +9,9 @@ import types
 import pytest
 from helpers.train_utils import REPO, load_config
 
+from refusion_jax.decoding.mdm import MDM
+from refusion_jax.decoding.refusion import ReFusion
 from refusion_jax.evaluation import step_timing
-from refusion_jax.evaluation.bench_models import ReFusionOptions
 from refusion_jax.evaluation.bench_tables import different_from_sequential, format_table, format_throughput, summary
 from refusion_jax.evaluation.decode_bench import EAGER, DecodeBenchOptions, run_decode_bench
 from refusion_jax.evaluation.throughput import ThroughputOptions, run_throughput_bench
@@ -19,11 +20,11 @@ ROWS = [("refusion", 1), (EAGER, 1), ("ar", 1), ("mdm", 1), ("refusion", 2), ("a
 
 
 def refusion_options(gen_length=8, serial_blocks=1):
-  return ReFusionOptions(gen_length, slot_size=4, serial_blocks=serial_blocks, slot_threshold=0.9, token_threshold=0.9)
+  return ReFusion(gen_length, slot_size=4, serial_blocks=serial_blocks, slot_threshold=0.9, token_threshold=0.9)
 
 
 def test_minimal_decode_bench_measures_every_method_and_batch():
-  options = DecodeBenchOptions(refusion_options(), batch=2, repeats=1, mdm_block_length=8, sizes=("tiny",))
+  options = DecodeBenchOptions(refusion_options(), batch=2, repeats=1, mdm=MDM(8, block_length=8), sizes=("tiny",))
   rows = {(r.method, r.batch): r for r in run_decode_bench(options)}
   assert sorted(rows) == sorted(ROWS) and {r.model for r in rows.values()} == {"tiny"}
   assert rows[("ar", 1)].forwards == 8.0  # EOS is never predicted: 8 tokens, one forward each
@@ -71,7 +72,7 @@ def test_throughput_bench_measures_every_mode_with_the_same_tokens():
 
 def test_bench_options_reject_bad_knobs():
   with pytest.raises(ValueError, match="multiple of slot_size"):
-    DecodeBenchOptions(refusion_options(gen_length=10)).check()
+    refusion_options(gen_length=10)  # the method value checks itself
   with pytest.raises(ValueError, match="Unknown --sizes"):
     DecodeBenchOptions(refusion_options(), sizes=("tiny", "huge")).check()
   with pytest.raises(ValueError, match="at least 1"):

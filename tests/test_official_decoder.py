@@ -12,8 +12,8 @@ import os
 import numpy as np
 import pytest
 
-from refusion_jax.decoding.refusion import generate
-from refusion_jax.evaluation.bench_models import ReFusionOptions, random_bench_model
+from refusion_jax.decoding.refusion import ReFusion, generate
+from refusion_jax.evaluation.bench_models import random_bench_model
 from refusion_jax.evaluation.bench_tables import same_answers
 from refusion_jax.evaluation.throughput import ThroughputOptions, run_throughput_bench
 
@@ -61,8 +61,8 @@ def test_official_decoder_runs_in_the_model_dtype_on_our_device():
 
 def test_throughput_bench_compares_the_official_answers_with_ours():
   pytest.importorskip("torch")
-  knobs = ReFusionOptions(gen_length=8, slot_size=4, serial_blocks=1, slot_threshold=0.9, token_threshold=0.9)
-  options = ThroughputOptions(knobs, prompts=(3,), batch_sizes=(1,), repeats=1, num_layers=1, official_repo=REPO)
+  method = ReFusion(gen_length=8, slot_size=4, serial_blocks=1, slot_threshold=0.9, token_threshold=0.9)
+  options = ThroughputOptions(method, prompts=(3,), batch_sizes=(1,), repeats=1, num_layers=1, official_repo=REPO)
   rows = run_throughput_bench(options)
   (official,) = [r for r in rows if r.official]
   sequential = next(r for r in rows if r.mode == "sequential")

@@ -20,6 +20,9 @@ def test_every_exported_name_is_the_object_its_module_defines(name):
   exported = getattr(rj, name)
   module = importlib.import_module(rj._EXPORTS[name])
   assert exported is getattr(module, name)
+  if name == "PAPER_TASKS":  # the one exported table: method values
+    assert all(isinstance(value, rj.ReFusion) for value in exported.values())
+    return
   assert callable(exported) and exported.__module__.startswith("refusion_jax.")
 
 
@@ -77,7 +80,7 @@ def test_imports_run_one_way():
     for path in (root / package).glob("*.py"):
       for match in pattern.finditer(path.read_text(encoding="utf-8")):
         target = match.group(1) or match.group(2)
-        if target not in allowed:
+        if target not in allowed and target != "deprecation":  # the old-names helper imports nothing
           offenders.append(f"{package}/{path.name} imports refusion_jax.{target}")
   assert not offenders, offenders
   assert set(ALLOWED_IMPORTS) == set(LIBRARY_PACKAGES)
@@ -96,9 +99,56 @@ def test_no_module_imports_an_entry_point():
     for match in pattern.finditer(path.read_text(encoding="utf-8"))
   ]
   assert not offenders, offenders
-  assert {p.stem for p in root.glob("*.py")} == {"__init__", "cli", *ENTRY_POINTS}
+  assert {p.stem for p in root.glob("*.py")} == {"__init__", "cli", "deprecation", *ENTRY_POINTS}
 
 
 def test_sub_packages_import_on_their_own():
   for package in LIBRARY_PACKAGES:
     importlib.import_module(f"refusion_jax.{package}")
+
+
+# Every renamed decoding name: (module, old name, what the warning names, the object it must give).
+def _renamed_decoding_names():
+  from refusion_jax.decoding import batching, driver, mdm, mesh, methods, refusion
+
+  return [
+    ("batching", "Batch", "batching.LoopState", batching.LoopState),
+    ("mdm", "MDMSchedule", "mdm.MDMSettings", mdm.MDMSettings),
+    ("mesh", "batch_shardings", "mesh.loop_shardings", mesh.loop_shardings),
+    ("refusion", "REFUSION", "refusion.ReFusion", refusion.ReFusion),
+    ("refusion", "picks_rows", "driver.pick_rows_on", driver.pick_rows_on),
+    ("refusion", "pick_rows_on", "driver.pick_rows_on", driver.pick_rows_on),
+    ("driver", "Placement", "driver.LoopPlacement", driver.LoopPlacement),
+    ("driver", "start_batch", "driver.start_state", driver.start_state),
+    ("sampler", "METHODS", "methods.METHODS", methods.METHODS),
+    ("defaults", "MDM_BLOCK_LENGTH", "mdm.MDM_BLOCK_LENGTH", mdm.MDM_BLOCK_LENGTH),
+  ]
+
+
+@pytest.mark.parametrize("index", range(10))
+def test_every_renamed_decoding_name_warns_naming_its_replacement_and_works(index):
+  module, old, new, value = _renamed_decoding_names()[index]
+  decoding = importlib.import_module(f"refusion_jax.decoding.{module}")
+  with pytest.warns(DeprecationWarning, match=rf"refusion_jax.decoding.{module}.{old} is deprecated .*{new}"):
+    assert getattr(decoding, old) is value
+
+
+def test_the_old_decode_defaults_warn_and_equal_the_method_classes_defaults():
+  from refusion_jax.decoding import defaults, sampler
+
+  with pytest.warns(DeprecationWarning, match="refusion_jax.ReFusion"):
+    assert defaults.GEN_LENGTH == rj.ReFusion().gen_length
+  with pytest.warns(DeprecationWarning, match="ReFusion"):
+    assert defaults.REFUSION_KNOBS == dict(slot_size=4, serial_blocks=1, slot_threshold=0.9, token_threshold=0.9)
+  with pytest.warns(DeprecationWarning, match="ReFusion"):
+    assert defaults.REFUSION == defaults.REFUSION_KNOBS
+  with pytest.warns(DeprecationWarning, match=r"MDM\(gen_length=G\)"):
+    assert (defaults.mdm_block_length(48), defaults.mdm_steps(48)) == (32, 48)
+  with pytest.warns(DeprecationWarning, match="method_value"):
+    assert defaults.method_defaults("mdm", 16) == dict(gen_length=16, block_length=16, steps=16)
+  with pytest.warns(DeprecationWarning, match="method_value"):
+    assert defaults.method_defaults("refusion") == dict(
+      gen_length=64, slot_size=4, serial_blocks=1, slot_threshold=0.9, token_threshold=0.9
+    )
+  with pytest.warns(DeprecationWarning, match="dataclasses.fields"):
+    assert sampler.decoder_options(rj.AR) == ["gen_length", "temperature"]

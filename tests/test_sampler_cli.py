@@ -85,8 +85,8 @@ def test_sampler_dispatches_to_the_baselines(model, method, kwargs):
 
 
 def test_sampler_mdm_defaults_follow_gen_length(model):
-  sampler = Sampler(model, TOK, method="mdm", gen_length=16)
-  assert (sampler.decode_kwargs["block_length"], sampler.decode_kwargs["steps"]) == (16, 16)
+  sampler = Sampler(model, TOK, method=mdm.MDM(gen_length=16))
+  assert (sampler.method.block_length, sampler.method.steps) == (16, 16)
 
 
 def test_sampler_chat_template_changes_the_prompt(model):

@@ -1,10 +1,10 @@
 """The autoregressive baseline: plain next-token decoding with the KV cache, on ReFusion's backbone.
 
 One prompt prefill yields the first token, then one forward per further
-token. An `AR` `contract.Method`: batched and jitted end to end as one
-`lax.while_loop` over a `refusion_jax.decoding.batching.LoopState` (so
-`batch_size` gives continuous batching), run by
-`refusion_jax.decoding.driver.run_decoder`, whose `DecodeResult` records
+token. The `AR` value (its class a `contract.Method`): batched and jitted end
+to end as one `lax.while_loop` over a `refusion_jax.decoding.batching.LoopState`
+(so `batch_size` gives continuous batching), run by
+`refusion_jax.decoding.driver.decode`, whose `DecodeResult` records
 `PHASE_STEP` for every token.
 """
 
@@ -12,19 +12,22 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import ClassVar
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from refusion_jax.decoding.batching import DecodeOutputs, count_width, host_zeros, put_row
-from refusion_jax.decoding.checks import check_temperature, optional_eos_id
-from refusion_jax.decoding.contract import Method
-from refusion_jax.decoding.driver import Decoder, run_decoder
+from refusion_jax.data.special_tokens import SpecialTokens
+from refusion_jax.decoding.batching import count_width, host_zeros, put_row
+from refusion_jax.decoding.checks import check_count, check_temperature, optional_eos_id
+from refusion_jax.decoding.contract import DecodeOutputs, Decoder
+from refusion_jax.decoding.driver import decode
 from refusion_jax.decoding.prompts import prefill
 from refusion_jax.decoding.result import PHASE_STEP, DecodeResult
 from refusion_jax.decoding.scoring import pick_tokens
+from refusion_jax.deprecation import deprecated
 from refusion_jax.model import cache as kv_cache
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer
@@ -136,9 +139,42 @@ def start_rows(
   return host_zeros(_rows, config, batch, prompt_width + settings.gen_length), np.zeros((1, 2), np.int32)
 
 
-AR = Method("ar", start_rows, _admit, _step)
+@dataclasses.dataclass(frozen=True)
+class AR:
+  """The autoregressive baseline as a typed, hashable value: `rj.decode(model, ids, AR(gen_length=64))`.
+
+  The prompt prefill is one forward and yields the first token; each further token costs one forward of the
+  previous token. A row stops at its first EOS (the call's, else the config's; none if both are unset) or
+  after G tokens. Its `DecodeResult`: num_forwards = steps = answer tokens per prompt (prefill included),
+  commit_iteration[b, t] = t.
+
+  Attributes:
+    gen_length: G, the most tokens to generate per prompt.
+    temperature: 0 for greedy, else Gumbel-max sampling at that temperature.
+  """
+
+  name: ClassVar[str] = "ar"
+  width_names: ClassVar[tuple[str, ...]] = ("forward",)
+  start_rows: ClassVar = staticmethod(start_rows)
+  admit: ClassVar = staticmethod(_admit)
+  step: ClassVar = staticmethod(_step)
+
+  gen_length: int = 64
+  temperature: float = 0.0
+
+  def __post_init__(self) -> None:
+    check_count("gen_length", self.gen_length, 64)
+    check_temperature(self.temperature)
+
+  def decoder(self, config: ModelConfig, special: SpecialTokens, seed: int, *, pick_rows: bool) -> Decoder:
+    """The settings and knobs of one decode call (a `contract.Method`); every row is in every forward."""
+    del pick_rows
+    eos = optional_eos_id(special.eos, config)
+    knobs = ARKnobs(key=jax.random.key(seed), temperature=jnp.float32(self.temperature), eos_id=jnp.int32(eos))
+    return Decoder(self, ARSettings(self.gen_length, sample=self.temperature > 0), knobs, eos)
 
 
+@deprecated(old="refusion_jax.ar_generate", new="refusion_jax.decode(model, prompt_ids, refusion_jax.AR(...))")
 def ar_generate(
   model: Transformer,
   prompt_ids: Sequence[Sequence[int]],
@@ -152,29 +188,15 @@ def ar_generate(
   batch_size: int | None = None,
   chunk_iterations: int | None = None,
 ) -> DecodeResult:
-  """Batched autoregressive decoding with the KV cache.
-
-  The prompt prefill is one forward and yields the first token; each further
-  token costs one forward of the previous token. A row stops at its first EOS
-  or after G tokens.
-
-  Args:
-    prompt_ids: N prompts of integer token ids (any lengths).
-    gen_length: G, the most tokens to generate per prompt.
-    temperature: 0 for greedy, else Gumbel-max sampling at that temperature.
-    eos_id: stop token; defaults to the model config's, none if that is unset.
-    pad_id, mesh, batch_size, chunk_iterations: prompt padding, the device mesh, the rows kept busy
-      (continuous batching) and the iterations per loop call, as `refusion_jax.decoding.driver.run_decoder`
-      takes them (defaults: the config's pad id, one device, all N prompts as one batch, one call).
-
-  Returns:
-    A `DecodeResult` in input order: num_forwards = steps = answer tokens per
-    prompt (prefill included), commit_iteration[b, t] = t.
-  """
-  temperature = check_temperature(temperature)
-  eos = optional_eos_id(eos_id, model.config)
-  knobs = ARKnobs(key=jax.random.key(seed), temperature=jnp.float32(temperature), eos_id=jnp.int32(eos))
-  decoder = Decoder(AR, ARSettings(gen_length, sample=temperature > 0), knobs, eos)
-  return run_decoder(
-    model, prompt_ids, decoder, pad_id=pad_id, mesh=mesh, batch_size=batch_size, chunk_iterations=chunk_iterations
+  """The 0.2 call: `decode(model, prompt_ids, AR(gen_length=..., temperature=...), ...)`, the same tokens."""
+  return decode(
+    model,
+    prompt_ids,
+    AR(gen_length, temperature),
+    batch_size=batch_size,
+    mesh=mesh,
+    seed=seed,
+    eos_id=eos_id,
+    pad_id=pad_id,
+    chunk_iterations=chunk_iterations,
   )

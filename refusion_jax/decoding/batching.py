@@ -9,7 +9,7 @@ whose finished rows turn idle. Outputs are written by queue entry, and a
 row's decode never depends on the other rows (docs/method.md §3.3), so each
 prompt gets its B = 1 decode whatever row decodes it and whenever.
 
-The queue is not the list of prompts: the host feeds it (`run_decoder`). The
+The queue is not the list of prompts: the host feeds it (`engine.Engine`). The
 loop returns when a row turns idle with no prompt waiting while the host
 holds more (`LoopState.more`), after `max_iterations` iterations, or when all is
 done; the host then reads back the finished entries, refills them with the
@@ -23,22 +23,19 @@ batch-parallel axes.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from refusion_jax.decoding.contract import DecodeOutputs, Method, Settings
 from refusion_jax.decoding.mesh import constrain_rows
-from refusion_jax.decoding.result import PHASE_NONE
+from refusion_jax.deprecation import moved_names
 from refusion_jax.model.cache import KVCache
-
-if TYPE_CHECKING:
-  from refusion_jax.decoding.contract import Method, Settings
-  from refusion_jax.model.transformer import Transformer
+from refusion_jax.model.transformer import Transformer
 
 # The queue holds at least this many entries, and at least two per row: the host refills it about once
 # per Q - K prompts decoded, so a few rows do not hand back to the host after every prompt or two.
@@ -48,31 +45,6 @@ MIN_QUEUE_ENTRIES = 32
 def queue_entries(rows: int) -> int:
   """Q for K = `rows`: a multiple of K (so of a mesh's batch-parallel devices), at least 2K and MIN_QUEUE_ENTRIES."""
   return rows * max(2, -(-MIN_QUEUE_ENTRIES // rows))
-
-
-@flax.struct.dataclass
-class DecodeOutputs:
-  """What a decode loop writes, per queue entry (Q of them).
-
-  answer:           [Q, G] int32 ids by answer offset (anything where none was committed)
-  commit_iteration: [Q, G] int32 iteration (0-based) that committed each offset, -1 where none
-  commit_phase:     [Q, G] int32 PHASE_* of each offset, PHASE_NONE where none
-  num_forwards:     [Q] int32 forwards the prompt's row took part in (its prefill included)
-  steps:            [Q] int32 decode iterations of the prompt
-  """
-
-  answer: jax.Array
-  commit_iteration: jax.Array
-  commit_phase: jax.Array
-  num_forwards: jax.Array
-  steps: jax.Array
-
-  @classmethod
-  def empty(cls, entries: int, gen_length: int) -> DecodeOutputs:
-    """Nothing committed yet, as host arrays (starting a batch dispatches no device work), one per field."""
-    none = lambda: np.full((entries, gen_length), -1, np.int32)
-    zeros = lambda: np.zeros((entries,), np.int32)
-    return cls(none(), none(), np.full((entries, gen_length), PHASE_NONE, np.int32), zeros(), zeros())
 
 
 @flax.struct.dataclass
@@ -106,12 +78,12 @@ class LoopState:
   @classmethod
   def create(cls, rows: Any, widths: np.ndarray, prompt_width: int, gen_length: int) -> LoopState:
     """K idle rows (K = the rows' leading size) before an empty queue of `queue_entries(K)` entries."""
-    batch = jax.tree.leaves(rows)[-1].shape[0]
-    entries = queue_entries(batch)
+    count = jax.tree.leaves(rows)[-1].shape[0]
+    entries = queue_entries(count)
     return cls(
       rows=rows,
-      entry=np.zeros((batch,), np.int32),
-      busy=np.zeros((batch,), bool),
+      entry=np.zeros((count,), np.int32),
+      busy=np.zeros((count,), bool),
       queue_tokens=np.zeros((entries, prompt_width), np.int32),
       queue_lengths=np.ones((entries,), np.int32),
       queue_prompt=np.zeros((entries,), np.int32),
@@ -138,14 +110,14 @@ class LoopState:
 
 
 def run_rows(
-  batch: LoopState, max_iterations: jax.Array, method: Method, model: Transformer, knobs: Any, settings: Settings
+  state: LoopState, max_iterations: jax.Array, method: type[Method], model: Transformer, knobs: Any, settings: Settings
 ) -> LoopState:
   """Admit and step until nothing is left to do, the host must refill the queue, or `max_iterations` steps ran.
 
   `method`'s admit and step get `model`, the traced `knobs` and the static `settings` first
   (`contract.Admit`, `contract.Step`). Call under `jax.jit`.
   """
-  entries = batch.waiting.shape[0]
+  entries = state.waiting.shape[0]
 
   def can_admit(b: LoopState) -> jax.Array:
     return jnp.any(~b.busy) & jnp.any(b.waiting)
@@ -184,8 +156,8 @@ def run_rows(
     b, iteration = carry
     return b.replace(rows=constrain_rows(b.rows), out=constrain_rows(b.out)), iteration
 
-  batch, _ = jax.lax.while_loop(cond, lambda carry: pin(body(carry)), pin((batch, jnp.int32(0))))
-  return batch
+  state, _ = jax.lax.while_loop(cond, lambda carry: pin(body(carry)), pin((state, jnp.int32(0))))
+  return state
 
 
 def put_row(full: Any, row: jax.Array, one: Any) -> Any:
@@ -215,13 +187,4 @@ def host_zeros(build: Callable[..., Any], *args: Any) -> Any:
   return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), _shapes(build, *args))
 
 
-def __getattr__(name: str) -> Any:
-  if name == "Batch":
-    warnings.warn(
-      "refusion_jax.decoding.batching.Batch is renamed LoopState (the word Batch is the training batch elsewhere); "
-      "Batch will be removed.",
-      DeprecationWarning,
-      stacklevel=2,
-    )
-    return LoopState
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = moved_names(__name__, {"Batch": ("refusion_jax.decoding.batching.LoopState", lambda: LoopState)})

@@ -1,9 +1,9 @@
-"""Input checks every decoder runs before anything compiles, and the special ids they settle.
+"""Input checks a method value runs when it is built and every decode runs before anything compiles.
 
-Each check raises a `ValueError` that names the bad value and what to use
-instead: prompts that are empty, not integer ids, outside the vocabulary or
-too long for the model; thresholds, temperature, slot layout, row counts;
-special ids the model does not know.
+Each check raises a `ValueError` that names the bad field or value and what
+to use instead: prompts that are empty, not integer ids, outside the
+vocabulary or too long for the model; thresholds, temperature, counts, slot
+layout; special ids the model does not know.
 """
 
 from __future__ import annotations
@@ -69,16 +69,31 @@ def check_special_id(name: str, value: int | None, config: ModelConfig) -> int:
   return int(value)
 
 
+def _is_number(value: object) -> bool:
+  return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
 def check_threshold(name: str, value: float) -> float:
-  if not 0.0 < value <= 1.0:
-    raise ValueError(f"{name}={value} must lie in (0, 1].")
+  if not _is_number(value) or not 0.0 < value <= 1.0:
+    raise ValueError(f"{name}={value!r} must lie in (0, 1] (a number), e.g. {name}=0.9.")
   return float(value)
 
 
 def check_temperature(temperature: float) -> float:
-  if temperature < 0:
-    raise ValueError(f"temperature={temperature} must be >= 0 (0 means greedy).")
+  if not _is_number(temperature) or temperature < 0:
+    raise ValueError(f"temperature={temperature!r} must be >= 0 (a number; 0 means greedy), e.g. temperature=0.0.")
   return float(temperature)
+
+
+def check_count(name: str, value: int, example: int) -> None:
+  """A method's count (answer length, slot size, steps) must be a positive integer; `example` is one to use."""
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+    raise ValueError(f"{name}={value!r} must be a positive integer, e.g. {name}={example}.")
+
+
+def check_flag(name: str, value: bool) -> None:
+  if not isinstance(value, (bool, np.bool_)):
+    raise ValueError(f"{name}={value!r} must be True or False.")
 
 
 def check_positive(name: str, value: int | None, none_means: str) -> None:
@@ -119,40 +134,3 @@ def optional_eos_id(eos_id: int | None, config: ModelConfig) -> int:
   """The checked EOS id (given, else the config's), or `NO_TOKEN` when neither names one."""
   eos_id = decoder_special_tokens(config, eos_id=eos_id).eos
   return NO_TOKEN if eos_id is None else check_special_id("eos_id", eos_id, config)
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckedReFusionKnobs:
-  """ReFusion's checked scalar knobs (docs/method.md §2), shared by the jitted decoder and its reference."""
-
-  slot_threshold: float
-  token_threshold: float
-  temperature: float
-  mask_id: int
-  eos_id: int
-
-
-def check_refusion_knobs(
-  config: ModelConfig,
-  gen_length: int,
-  slot_size: int,
-  serial_blocks: int,
-  slot_threshold: float,
-  token_threshold: float,
-  temperature: float,
-  mask_id: int | None,
-  eos_id: int | None,
-) -> CheckedReFusionKnobs:
-  """Reject a bad slot layout or knob; the mask and EOS ids default to the config's.
-
-  The arguments are `generate`'s keyword arguments of the same names, in its order.
-  """
-  check_slot_layout(gen_length, slot_size, serial_blocks)
-  ids = decoder_special_tokens(config, mask_id=mask_id, eos_id=eos_id)
-  return CheckedReFusionKnobs(
-    slot_threshold=check_threshold("slot_threshold", slot_threshold),
-    token_threshold=check_threshold("token_threshold", token_threshold),
-    temperature=check_temperature(temperature),
-    mask_id=check_special_id("mask_id", ids.mask, config),
-    eos_id=check_special_id("eos_id", ids.eos, config),
-  )

@@ -1,12 +1,15 @@
 """The decoder contract: what a decoding method hands the one compiled loop (docs/architecture.md §4).
 
-A decoding method (ReFusion, AR, MDM) is a `Method`: how to start K idle
-rows, how to admit a queued prompt into one idle row, and how to step every
-row. The loop (`batching.run_rows`, jitted as `driver.decode_loop`) does the
-rest: which row takes which prompt, when to hand back to the host, where the
-outputs go. Each method names its parts alike: `XSettings` (static, hashable:
-what fixes the compiled program), `XKnobs` (traced: thresholds, PRNG key,
-ids), `start_rows`, `_admit`, `_step`, and the `Method` itself.
+A decoding method is a typed value (`refusion.ReFusion`, `ar.AR`, `mdm.MDM`):
+a frozen dataclass of the user's choices, checked when it is built, whose
+class is a `Method`: how to split itself into a `Decoder` (static settings
+and traced knobs), how to start K idle rows, how to admit a queued prompt
+into one idle row, and how to step every row. The loop
+(`batching.run_rows`, jitted as `driver.decode_loop`) does the rest: which
+row takes which prompt, when to hand back to the host, where the outputs go
+(`DecodeOutputs`). Each method names its parts alike: `XSettings` (static,
+hashable: what fixes the compiled program), `XKnobs` (traced: thresholds,
+PRNG key, ids), `start_rows`, `admit`, `step`.
 
 Shapes: K rows, Q queue entries (`batching.queue_entries(K)`), P the prompt
 bucket, G the answer length.
@@ -16,14 +19,41 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable
-from typing import Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
+import flax.struct
 import jax
 import numpy as np
 
-from refusion_jax.decoding.batching import DecodeOutputs
+from refusion_jax.data.special_tokens import SpecialTokens
+from refusion_jax.decoding.result import PHASE_NONE
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer
+
+
+@flax.struct.dataclass
+class DecodeOutputs:
+  """What a decode loop writes, per queue entry (Q of them): what `Admit` and `Step` write.
+
+  answer:           [Q, G] int32 ids by answer offset (anything where none was committed)
+  commit_iteration: [Q, G] int32 iteration (0-based) that committed each offset, -1 where none
+  commit_phase:     [Q, G] int32 PHASE_* of each offset, PHASE_NONE where none
+  num_forwards:     [Q] int32 forwards the prompt's row took part in (its prefill included)
+  steps:            [Q] int32 decode iterations of the prompt
+  """
+
+  answer: jax.Array
+  commit_iteration: jax.Array
+  commit_phase: jax.Array
+  num_forwards: jax.Array
+  steps: jax.Array
+
+  @classmethod
+  def empty(cls, entries: int, gen_length: int) -> DecodeOutputs:
+    """Nothing committed yet, as host arrays (starting a batch dispatches no device work), one per field."""
+    none = lambda: np.full((entries, gen_length), -1, np.int32)
+    zeros = lambda: np.zeros((entries,), np.int32)
+    return cls(none(), none(), np.full((entries, gen_length), PHASE_NONE, np.int32), zeros(), zeros())
 
 
 class Settings(Hashable, Protocol):
@@ -112,19 +142,48 @@ class Step(Protocol[KnobsT, SettingsT, RowsT]):
 
 
 @dataclasses.dataclass(frozen=True)
-class Method(Generic[SettingsT, KnobsT, RowsT]):
-  """A decoding method as the compiled loop runs it: the one contract every jitted decoder implements.
+class Decoder:
+  """A method value split for one decode call (`Method.decoder`): what the compiled loop runs.
 
   Attributes:
-    name: what `driver.compile_count` counts its loop's compilations under.
-    start_rows: the idle rows and width counters of a batch (`StartRows`).
-    admit: a prompt into an idle row (`Admit`).
-    step: one iteration of every row (`Step`).
-    width_names: the names of the width counters' rows ("forward" first).
+    method: the method value (its class is the `Method` the loop runs).
+    settings: what fixes the compiled program (static and hashable; has `gen_length`, G).
+    knobs: the traced knobs (a pytree of arrays: thresholds, PRNG key, ids).
+    eos_id: the checked stop id answers are cut after (`checks.NO_TOKEN`: none).
   """
 
-  name: str
-  start_rows: StartRows[SettingsT, RowsT]
-  admit: Admit[KnobsT, SettingsT, RowsT]
-  step: Step[KnobsT, SettingsT, RowsT]
-  width_names: tuple[str, ...] = ("forward",)
+  method: Method
+  settings: Settings
+  knobs: Any
+  eos_id: int
+
+
+class Method(Protocol):
+  """A decoding method: a frozen, hashable dataclass of the user's choices whose class runs in the compiled loop.
+
+  The class attributes are what the loop needs, static: its `name` (what `driver.compile_count` counts its
+  compilations under), `width_names` (the width counters' rows, "forward" first) and the three traced parts
+  `start_rows`, `admit`, `step` (static methods). The instance holds the user's choices (`gen_length`, G, and
+  the method's own) and splits them, once per decode call, into the loop's static settings and traced knobs.
+  """
+
+  name: ClassVar[str]
+  width_names: ClassVar[tuple[str, ...]]
+  start_rows: ClassVar[StartRows]
+  admit: ClassVar[Admit]
+  step: ClassVar[Step]
+
+  @property
+  def gen_length(self) -> int: ...
+
+  def decoder(self, config: ModelConfig, special: SpecialTokens, seed: int, *, pick_rows: bool) -> Decoder:
+    """This method for one decode call: checks that need the model (special ids in the vocabulary), then the
+    static settings and traced knobs.
+
+    Args:
+      special: the call's mask and EOS ids, as given or resolved (None where unknown).
+      seed: the PRNG seed of sampling.
+      pick_rows: whether a forward may run a subset of the rows (the driver's decision: not where rows are
+        split over devices); methods that never pick rows ignore it.
+    """
+    ...

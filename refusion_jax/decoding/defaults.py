@@ -1,46 +1,50 @@
-"""The decode knobs' defaults, in one place: the Sampler, the sample CLI and the bench read them here.
+"""Deprecated: the decode knobs' defaults live on the method classes now (`rj.ReFusion()`, `rj.AR()`, `rj.MDM()`).
 
-The paper's settings scaled to short CPU demos. MDM follows LLaDA's usual
-setting: one token per step (steps = G) in blocks of 32 (the whole answer
-when it is shorter).
+Every old name keeps working until `deprecation.REMOVED_IN`, with a warning that names its replacement.
 """
 
 from __future__ import annotations
 
-import warnings
+import dataclasses
+from typing import Any
 
-GEN_LENGTH = 64
-# ReFusion (docs/method.md §2): slot size S, serial blocks NB and the two thresholds.
-REFUSION_KNOBS = dict(slot_size=4, serial_blocks=1, slot_threshold=0.9, token_threshold=0.9)
-MDM_BLOCK_LENGTH = 32
-
-
-def mdm_block_length(gen_length: int) -> int:
-  """MDM tokens per block: 32, or the whole answer when G is shorter."""
-  return min(MDM_BLOCK_LENGTH, gen_length)
+from refusion_jax.decoding import mdm
+from refusion_jax.decoding.methods import method_value
+from refusion_jax.decoding.refusion import ReFusion
+from refusion_jax.deprecation import moved_names
 
 
-def mdm_steps(gen_length: int) -> int:
-  """MDM unmasking steps in all: one token per step."""
-  return gen_length
+def _refusion_knobs() -> dict[str, Any]:
+  method = ReFusion()
+  return {name: getattr(method, name) for name in ("slot_size", "serial_blocks", "slot_threshold", "token_threshold")}
 
 
-def method_defaults(method: str, gen_length: int = GEN_LENGTH) -> dict:
-  """Every knob a method's decoder needs that has a default, for an answer of `gen_length` tokens."""
-  if method == "refusion":
-    return dict(gen_length=gen_length, **REFUSION_KNOBS)
-  if method == "mdm":
-    return dict(gen_length=gen_length, block_length=mdm_block_length(gen_length), steps=mdm_steps(gen_length))
-  return dict(gen_length=gen_length)
+def _method_defaults(method: str, gen_length: int = ReFusion.gen_length) -> dict[str, Any]:
+  """The 0.2 `method_defaults`: a method's fields with a default, for an answer of `gen_length` tokens."""
+  value = dataclasses.asdict(method_value(method, dict(gen_length=gen_length)))
+  value.pop("temperature")
+  value.pop("fit_width", None)
+  return value
 
 
-def __getattr__(name: str):
-  if name == "REFUSION":
-    warnings.warn(
-      "refusion_jax.decoding.defaults.REFUSION is renamed REFUSION_KNOBS (refusion.REFUSION is the decoding "
-      "Method); REFUSION will be removed.",
-      DeprecationWarning,
-      stacklevel=2,
-    )
-    return REFUSION_KNOBS
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = moved_names(
+  __name__,
+  {
+    "GEN_LENGTH": (
+      "refusion_jax.ReFusion().gen_length (each method class holds its defaults)",
+      lambda: ReFusion().gen_length,
+    ),
+    "REFUSION_KNOBS": ("the fields of refusion_jax.ReFusion()", _refusion_knobs),
+    "REFUSION": ("the fields of refusion_jax.ReFusion()", _refusion_knobs),
+    "MDM_BLOCK_LENGTH": ("refusion_jax.decoding.mdm.MDM_BLOCK_LENGTH", lambda: mdm.MDM_BLOCK_LENGTH),
+    "mdm_block_length": (
+      "refusion_jax.MDM(gen_length=G).block_length",
+      lambda: lambda gen_length: min(mdm.MDM_BLOCK_LENGTH, gen_length),
+    ),
+    "mdm_steps": ("refusion_jax.MDM(gen_length=G).steps", lambda: lambda gen_length: gen_length),
+    "method_defaults": (
+      "dataclasses.asdict(refusion_jax.decoding.methods.method_value(name, ...))",
+      lambda: _method_defaults,
+    ),
+  },
+)

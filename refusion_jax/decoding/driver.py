@@ -1,185 +1,137 @@
-"""The host side of every jitted decoder: the one compiled loop, and the driver around it.
+"""The host side of every decoding method: the one compiled loop, the incremental `Engine` around it, `decode`.
 
-A decoding method (ReFusion, AR, MDM) is a `contract.Method`: how to start
-idle rows, how to admit a prompt into a row, how to step every row. `decode_loop` is the
-one jitted loop that runs any of them over a `batching.LoopState`, counted by
-`compile_count`; `run_decoder` is the one front end every `*_generate` ends
-in: check, pad into a prompt bucket, feed the queue from the host in chunks,
-read the answers back (docs/method.md §3.3, §3.4).
+A decoding method is a typed value (`rj.ReFusion`, `rj.AR`, `rj.MDM`) whose
+class is a `contract.Method`. `decode_loop` is the one jitted loop that runs
+any of them over a `batching.LoopState`, counted by `compile_count`. An
+`Engine` holds that loop compiled for (model, method, K rows, prompt bucket,
+mesh), with the parameters placed once, and lets the host feed it prompt by
+prompt; `decode` runs one to completion over a list of prompts
+(docs/method.md §3.3, §3.4).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from refusion_jax.decoding.batching import DecodeOutputs, LoopState, run_rows
+from refusion_jax.data.special_tokens import SpecialTokens
+from refusion_jax.decoding.batching import LoopState, run_rows
 from refusion_jax.decoding.checks import check_positive, check_prompts, check_special_id, decoder_special_tokens
 from refusion_jax.decoding.compilations import compilations, tagged
-from refusion_jax.decoding.contract import Method, Settings
+from refusion_jax.decoding.contract import DecodeOutputs, Decoder, Method, Settings
 from refusion_jax.decoding.mesh import loop_shardings
-from refusion_jax.decoding.prompts import pad_prompts
+from refusion_jax.decoding.prompts import bucket_length
 from refusion_jax.decoding.result import PHASE_NONE, DecodeResult
+from refusion_jax.deprecation import moved_names
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer, inference_view
 from refusion_jax.parallel.activations import activation_sharding, normalize_rules
+from refusion_jax.parallel.hosts import default_device, place, to_host
 from refusion_jax.parallel.sharding import LOGICAL_AXIS_RULES, Rules, batch_parallel_ways, state_shardings
 
 
 @dataclasses.dataclass(frozen=True)
-class Decoder:
-  """One decode call's method with its checked knobs.
-
-  Attributes:
-    method: the `Method`.
-    settings: what fixes the compiled program (static and hashable; has `gen_length`, G).
-    knobs: the traced knobs (a pytree of arrays: thresholds, PRNG key, ids).
-    eos_id: the checked stop id answers are cut after (`checks.NO_TOKEN`: none).
-  """
-
-  method: Method
-  settings: Settings
-  knobs: Any
-  eos_id: int
-
-
-def _decode_rows(
-  graphdef: nnx.GraphDef,
-  params: nnx.State,
-  batch: LoopState,
-  max_iterations: jax.Array,
-  knobs: Any,
-  program: tuple[Method, Settings],
-  placement: Placement | None,
-) -> LoopState:
-  """Run `program` = (method, settings) over `batch` (the body of every compiled decode loop); on a mesh
-  (`placement`) the forwards carry their activation constraints and the batch leaves with its shardings."""
-  method, settings = program
-  model = nnx.merge(graphdef, params)
-  if placement is None:
-    return run_rows(batch, max_iterations, method, model, knobs, settings)
-  with activation_sharding(placement.mesh, placement.rules):
-    batch = run_rows(batch, max_iterations, method, model, knobs, settings)
-  return jax.lax.with_sharding_constraint(batch, loop_shardings(batch, placement.mesh, placement.rules))
-
-
-# decode_loop(graphdef, params, batch, max_iterations, knobs, program=(method, settings), placement) -> the LoopState
-# after up to max_iterations iterations. Weights, the batch, the iteration count and the knobs are traced: only the
-# graph, the program, the placement, the shapes (rows, queue entries, prompt bucket) and the inputs' shardings
-# compile anew, so `Loop` hands every input over placed the same way on every call.
-decode_loop = jax.jit(_decode_rows, static_argnames=("graphdef", "program", "placement"))
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
+class LoopPlacement:
   """Where a decode loop runs: on `mesh`, split by the logical-axis `rules` (`refusion_jax.decoding.mesh`)."""
 
   mesh: jax.sharding.Mesh
   rules: Rules
 
 
+def _decode_rows(
+  graphdef: nnx.GraphDef,
+  params: nnx.State,
+  state: LoopState,
+  max_iterations: jax.Array,
+  knobs: Any,
+  program: tuple[type[Method], Settings],
+  placement: LoopPlacement | None,
+) -> LoopState:
+  """Run `program` = (method class, settings) over `state` (the body of every compiled decode loop); on a mesh
+  (`placement`) the forwards carry their activation constraints and the state leaves with its shardings."""
+  method, settings = program
+  model = nnx.merge(graphdef, params)
+  if placement is None:
+    return run_rows(state, max_iterations, method, model, knobs, settings)
+  with activation_sharding(placement.mesh, placement.rules):
+    state = run_rows(state, max_iterations, method, model, knobs, settings)
+  return jax.lax.with_sharding_constraint(state, loop_shardings(state, placement.mesh, placement.rules))
+
+
+# decode_loop(graphdef, params, state, max_iterations, knobs, program=(method class, settings), placement) -> the
+# LoopState after up to max_iterations iterations. Weights, the state, the iteration count and the knobs are traced:
+# only the graph, the program, the placement, the shapes (rows, queue entries, prompt bucket) and the inputs'
+# shardings compile anew, so `Loop` hands every input over placed the same way on every call.
+decode_loop = jax.jit(_decode_rows, static_argnames=("graphdef", "program", "placement"))
+
+_LOOP_TAG = "decode_loop"
+
+
 @dataclasses.dataclass(frozen=True)
 class Loop:
-  """`decode_loop` for one program and placement, as a function (params, batch, max_iterations, knobs) -> LoopState.
+  """`decode_loop` for one program and placement, as a function (params, state, max_iterations, knobs) -> LoopState.
 
-  Every call places every input explicitly first: on a mesh by the shardings of `refusion_jax.decoding.mesh`,
-  else on the default device. So the compiled program sees the same input shardings on the first call
-  (host arrays) and on a refill (the previous call's device arrays), and compiles once.
+  The inputs must reach the compiled program placed the same way on every call (on a mesh by the shardings of
+  `refusion_jax.decoding.mesh`, else on the default device), so that the first call (host arrays) and a refill
+  (the previous call's device arrays) compile once: their holder places the parameters, the knobs and the
+  iteration count once (`place_params`, `place_replicated`) and the state before every call (`place_state`,
+  which passes the leaves the previous call returned through untouched).
   """
 
   graphdef: nnx.GraphDef
-  program: tuple[Method, Settings]
-  placement: Placement | None = None
+  program: tuple[type[Method], Settings]
+  placement: LoopPlacement | None = None
 
-  def shardings(self, params: Any, batch: LoopState) -> tuple[Any, LoopState, Any, Any]:
-    """The shardings of (params, batch, max_iterations, knobs); `params` and `batch` may be abstract."""
+  def shardings(self, params: Any, state: LoopState) -> tuple[Any, LoopState, Any, Any]:
+    """The shardings of (params, state, max_iterations, knobs); `params` and `state` may be abstract."""
+    replicated = self._replicated()
     if self.placement is None:
-      device = jax.sharding.SingleDeviceSharding(_default_device())
-      return device, device, device, device
+      return replicated, replicated, replicated, replicated
     mesh, rules = self.placement.mesh, self.placement.rules
-    replicated = NamedSharding(mesh, PartitionSpec())
-    return state_shardings(params, mesh, rules), loop_shardings(batch, mesh, rules), replicated, replicated
+    return state_shardings(params, mesh, rules), loop_shardings(state, mesh, rules), replicated, replicated
 
-  def __call__(self, params: Any, batch: LoopState, max_iterations: Any, knobs: Any) -> LoopState:
-    placed = _place((params, batch, max_iterations, knobs), self.shardings(params, batch))
+  def _replicated(self) -> jax.sharding.Sharding:
+    if self.placement is None:
+      return jax.sharding.SingleDeviceSharding(default_device())
+    return NamedSharding(self.placement.mesh, PartitionSpec())
+
+  def place_params(self, params: nnx.State) -> nnx.State:
+    """The parameters on their shardings (by their logical axes on a mesh), once per holder."""
+    if self.placement is None:
+      return place(params, self._replicated())
+    return place(params, state_shardings(params, self.placement.mesh, self.placement.rules))
+
+  def place_replicated(self, tree: Any) -> Any:
+    """Knobs or an iteration count, replicated (on the default device without a mesh)."""
+    return place(tree, self._replicated())
+
+  def place_state(self, state: LoopState, shardings: LoopState | None = None) -> LoopState:
+    """`state` on its shardings (`shardings` when the caller kept them: the state's structure never changes)."""
+    if shardings is None:
+      shardings = self.shardings(None, state)[1] if self.placement else self._replicated()
+    return place(state, shardings)
+
+  def __call__(self, params: Any, state: LoopState, max_iterations: Any, knobs: Any) -> LoopState:
+    """One loop call on placed inputs."""
     name = self.program[0].name
-    with tagged(_LOOP_TAG, f"{_LOOP_TAG}/{name}"):  # the loop's compiles, not those of placing its inputs
-      return decode_loop(self.graphdef, *placed, program=self.program, placement=self.placement)
+    with tagged(_LOOP_TAG, f"{_LOOP_TAG}/{name}"):  # the loop's compiles
+      return decode_loop(
+        self.graphdef, params, state, max_iterations, knobs, program=self.program, placement=self.placement
+      )
 
-  def lower(self, params: Any, batch: LoopState, max_iterations: Any, knobs: Any) -> jax.stages.Lowered:
+  def lower(self, params: Any, state: LoopState, max_iterations: Any, knobs: Any) -> jax.stages.Lowered:
     """The loop lowered for abstract inputs (`jax.ShapeDtypeStruct`s carrying their shardings)."""
     return decode_loop.lower(
-      self.graphdef, params, batch, max_iterations, knobs, program=self.program, placement=self.placement
+      self.graphdef, params, state, max_iterations, knobs, program=self.program, placement=self.placement
     )
-
-
-def _place(values: Any, shardings: Any) -> Any:
-  """`values` on `shardings` (a prefix tree of them), every leaf placed the same way on every call.
-
-  Within one process `jax.device_put` does it all. On a mesh that spans processes, a value this process holds
-  whole (host arrays, knobs: the same in every process) is assembled shard by shard from it, and an array spread
-  over the processes in another layout (the training state, when a multi-process run evaluates) is resharded by
-  one compiled identity, whose collectives every backend has, where `device_put` would need cross-host
-  transfers that some backends lack.
-  """
-  flat_shardings = jax.tree.leaves(shardings)
-  subtrees = jax.tree.structure(shardings).flatten_up_to(values)
-  pairs = [(leaf, sharding) for subtree, sharding in zip(subtrees, flat_shardings) for leaf in jax.tree.leaves(subtree)]
-  placed, across = [], []
-  for i, (leaf, sharding) in enumerate(pairs):
-    if sharding.is_fully_addressable or (isinstance(leaf, jax.Array) and leaf.sharding == sharding):
-      placed.append(jax.device_put(leaf, sharding))
-    elif not isinstance(leaf, jax.Array) or leaf.is_fully_addressable:
-      placed.append(_assembled(leaf, sharding))
-    else:
-      placed.append(leaf)
-      across.append(i)
-  if across:
-    moved = jax.jit(_same, out_shardings=[pairs[i][1] for i in across])([pairs[i][0] for i in across])
-    for i, leaf in zip(across, moved):
-      placed[i] = leaf
-  return jax.tree.unflatten(jax.tree.structure(values), placed)
-
-
-def _assembled(leaf: Any, sharding: jax.sharding.Sharding) -> jax.Array:
-  """A value every process holds whole, as one array over `sharding`'s devices in all processes."""
-  if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-    data = _assembled(jax.random.key_data(leaf), sharding)
-    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(leaf))
-  whole = np.asarray(leaf)
-  return jax.make_array_from_callback(whole.shape, sharding, lambda index: whole[index])
-
-
-def _to_host(values: Any) -> Any:
-  """`values` as host arrays, whole in every process (rows split over processes are gathered)."""
-
-  def fetch(leaf: Any) -> Any:
-    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-      return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
-    return jax.device_get(leaf)
-
-  return jax.tree.map(fetch, values)
-
-
-def _same(leaves: list[jax.Array]) -> list[jax.Array]:
-  return leaves
-
-
-def _default_device() -> jax.Device:
-  """Where jitted work runs without a mesh: `jax.default_device` where set, else the first device."""
-  default = jax.config.jax_default_device
-  if isinstance(default, str):  # a platform name
-    return jax.devices(default)[0]
-  return default or jax.devices()[0]
 
 
 def compile_count(method: str | None = None) -> int:
@@ -188,169 +140,375 @@ def compile_count(method: str | None = None) -> int:
   return compilations(_LOOP_TAG if method is None else f"{_LOOP_TAG}/{method}")
 
 
-_LOOP_TAG = "decode_loop"
-
-
-def padded_rows(rows: int, mesh: jax.sharding.Mesh | None, rules=LOGICAL_AXIS_RULES) -> int:
+def padded_rows(rows: int, mesh: jax.sharding.Mesh | None, rules: Rules = LOGICAL_AXIS_RULES) -> int:
   """`rows` rounded up to a multiple of the mesh's batch-parallel ways (the extra rows stay idle)."""
   ways = 1 if mesh is None else batch_parallel_ways(mesh, rules)
   return -(-rows // ways) * ways
 
 
+def pick_rows_on(mesh: jax.sharding.Mesh | None, rules: Rules = LOGICAL_AXIS_RULES) -> bool:
+  """Whether a forward may take a subset of the rows on `mesh` (`Method.decoder`'s `pick_rows`): not where rows
+  are split over devices.
+
+  There a pick gathers rows across devices in every forward, which XLA's TPU compiler has aborted on (a
+  failed check in its all-gather / dynamic-slice cancellation; the version and command: results/README.md,
+  "Measurements the code relies on").
+  """
+  return mesh is None or batch_parallel_ways(mesh, rules) == 1
+
+
 def loop_for(
-  decoder: Decoder, graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh | None = None, rules=LOGICAL_AXIS_RULES
+  decoder: Decoder, graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh | None = None, rules: Rules = LOGICAL_AXIS_RULES
 ) -> Loop:
-  """`decoder`'s compiled loop, on `mesh` or the default device, as `run_decoder` runs it."""
-  placement = None if mesh is None else Placement(mesh, normalize_rules(rules))
-  return Loop(graphdef, (decoder.method, decoder.settings), placement)
+  """`decoder`'s compiled loop, on `mesh` or the default device, as an `Engine` runs it."""
+  placement = None if mesh is None else LoopPlacement(mesh, normalize_rules(rules))
+  return Loop(graphdef, (type(decoder.method), decoder.settings), placement)
 
 
-def start_batch(decoder: Decoder, config: ModelConfig, rows: int, prompt_width: int) -> LoopState:
+def start_state(decoder: Decoder, config: ModelConfig, rows: int, prompt_width: int) -> LoopState:
   """K = `rows` idle rows before an empty queue, for prompts padded to `prompt_width` (host arrays only)."""
   row_state, widths = decoder.method.start_rows(decoder.settings, config, rows, prompt_width)
   return LoopState.create(row_state, widths, prompt_width, decoder.settings.gen_length)
 
 
-class _Feed:
-  """The host's side of the queue: which prompt each entry holds, the next prompt, the outputs read back."""
-
-  def __init__(self, tokens: np.ndarray, lengths: np.ndarray, batch: LoopState):
-    self.tokens, self.lengths = tokens, lengths
-    self.queue_tokens = np.array(batch.queue_tokens)
-    self.queue_lengths = np.array(batch.queue_lengths)
-    self.queue_prompt = np.array(batch.queue_prompt)
-    self.held = np.full(self.queue_prompt.shape, -1)  # the prompt each entry holds, -1 where free
-    self.queued = 0  # prompts handed to the loop so far (in input order)
-    gen_length = batch.out.answer.shape[1]
-    self.results = DecodeOutputs.empty(len(tokens), gen_length)
-    self.left = len(tokens)  # prompts whose outputs are not read back yet
-
-  def refill(self, batch: LoopState, waiting: np.ndarray, out: DecodeOutputs) -> LoopState:
-    """`batch` with its free entries holding the next prompts (waiting, outputs reset)."""
-    free = np.flatnonzero(self.held < 0)[: len(self.tokens) - self.queued]
-    prompts = np.arange(self.queued, self.queued + len(free))
-    self.queued += len(free)
-    self.held[free] = prompts
-    self.queue_tokens[free], self.queue_lengths[free], self.queue_prompt[free] = (
-      self.tokens[prompts],
-      self.lengths[prompts],
-      prompts,
+def check_method(method: Any) -> None:
+  """Refuse what is not a method value (a method name, a class, a dict of knobs)."""
+  if isinstance(method, type) or not callable(getattr(method, "decoder", None)):
+    raise ValueError(
+      f"method={method!r} is not a decoding method value: pass one such as refusion_jax.ReFusion(gen_length=64), "
+      "refusion_jax.AR(gen_length=64) or refusion_jax.MDM(gen_length=64)."
     )
-    waiting = np.array(waiting)
-    waiting[free] = True
-    empty = DecodeOutputs.empty(1, out.answer.shape[1])
 
-    def reset(field: np.ndarray, blank: np.ndarray) -> np.ndarray:
-      field = np.array(field)
-      field[free] = blank
-      return field
 
+class Engine:
+  """One compiled decode loop for (model, method, K rows, prompt bucket P, mesh), fed prompt by prompt.
+
+  The parameters and the method's knobs are placed once, when the engine is built. The host holds a queue of
+  Q = `batching.queue_entries(K)` entries; each `advance` fills the free entries with submitted prompts (in
+  submission order), runs one loop call and reads back what finished. A server drives it like this:
+
+      engine = Engine(model, rj.ReFusion(gen_length=256), rows=8, prompt_width=128)
+      request = engine.submit(prompt_ids)         # -> a request number; queued on the host
+      while not engine.idle:
+        for done in engine.advance(iterations=4): # one loop call of at most 4 iterations
+          result = engine.pop([done])             # its DecodeResult (and forget it)
+        engine.partial(request)                   # the answer's committed prefix so far (streaming)
+      engine.cancel(request)                      # drop a request, queued or decoding
+
+  Request numbers restart at 0 whenever the engine is idle; a request's number is what its sampling noise folds
+  in (docs/method.md §3.3), so a run of N prompts from idle draws what `decode` draws for them. A row's decode never
+  depends on the other rows, so each request gets its B = 1 decode whenever it runs. The loop hands back to the
+  host when a row turns idle while submitted prompts wait on the host, after `iterations` iterations, or when
+  every entry is done; nothing compiles again for new prompts of the bucket.
+
+  Attributes:
+    loop_calls, host_seconds: the loop calls so far and the host's own time over them (all but the wait for
+      the device).
+    config: the model's config (of its inference view).
+    decoder: the method split for this engine (settings, knobs, the EOS id answers are cut after).
+    rows: K, the requested rows rounded up to the mesh's batch-parallel devices.
+    prompt_width: P, the prompt bucket: longer prompts are refused.
+  """
+
+  def __init__(
+    self,
+    model: Transformer,
+    method: Method,
+    *,
+    rows: int,
+    prompt_width: int,
+    mesh: jax.sharding.Mesh | None = None,
+    rules: Rules = LOGICAL_AXIS_RULES,
+    seed: int = 0,
+    mask_id: int | None = None,
+    eos_id: int | None = None,
+    pad_id: int | None = None,
+  ):
+    """
+    Args:
+      method: a method value (`rj.ReFusion(...)`, `rj.AR(...)`, `rj.MDM(...)`).
+      rows: K rows kept busy (continuous batching).
+      prompt_width: P, the prompt bucket (`prompts.bucket_length` of the longest prompt).
+      mesh: decode on this mesh (`refusion_jax.make_mesh`): rows split over its batch-parallel axes, parameters
+        and cache by their logical axes (`refusion_jax.decoding.mesh`); None: the default device.
+      seed: the PRNG seed of sampling.
+      mask_id, eos_id, pad_id: the special ids; None: the model config's (`checks.decoder_special_tokens`).
+    """
+    check_method(method)
+    check_positive("rows", rows, "one row per prompt")
+    check_positive("prompt_width", prompt_width, "the bucket of the longest prompt")
+    model = inference_view(model)  # every decoder runs without remat, on weights cast once (docs/method.md §5)
+    self.config = config = model.config
+    special = decoder_special_tokens(config, mask_id=mask_id, eos_id=eos_id, pad_id=pad_id)
+    self.decoder = method.decoder(config, special, seed, pick_rows=pick_rows_on(mesh, rules))
+    self.pad_id = check_special_id("pad_id", special.pad, config)
+    self.rows = padded_rows(rows, mesh, rules)
+    self.prompt_width = prompt_width
+    graphdef, params = nnx.split(model)
+    self._loop = loop_for(self.decoder, graphdef, mesh, rules)
+    self._state = start_state(self.decoder, config, self.rows, prompt_width)
+    self._state_shardings = self._loop.shardings(None, self._state)[1] if mesh is not None else None
+    self._params = self._loop.place_params(params)
+    self._knobs = self._loop.place_replicated(self.decoder.knobs)
+    self._chunks: dict[int | None, Any] = {}  # placed iteration counts by `advance`'s iterations
+    # The host's copy of the queue, and what the last loop call left in it (read back after every call).
+    state = self._state
+    self._tokens, self._lengths = np.array(state.queue_tokens), np.array(state.queue_lengths)
+    self._prompt, self._waiting = np.array(state.queue_prompt), np.array(state.waiting)
+    self._busy, self._entry = np.array(state.busy), np.array(state.entry)
+    self._out: DecodeOutputs = state.out
+    self._widths = np.array(state.widths)
+    self._held = np.full(self._waiting.shape, -1)  # the request each entry holds, -1 where free
+    self._pending: collections.deque[tuple[int, list[int]]] = collections.deque()
+    self._finished: dict[int, dict[str, Any]] = {}
+    self._next_request = 0
+    self.loop_calls, self.host_seconds = 0, 0.0  # the host's own work over the loop calls (`DecodeResult`)
+    # What the host changed since the last call and must send with the next: the queue, the rows' busy flags.
+    self._queue_changed, self._busy_changed = True, False
+
+  @property
+  def idle(self) -> bool:
+    """No request is queued or decoding (finished ones may wait to be popped)."""
+    return not self._pending and not np.any(self._held >= 0)
+
+  @property
+  def widths(self) -> dict[str, dict[int, int]]:
+    """Forwards by query width over the engine's life so far (`DecodeResult.widths`)."""
+    return _width_counts(self.decoder.method.width_names, self._widths)
+
+  def submit(self, prompt_ids: Sequence[int]) -> int:
+    """Queue one prompt of token ids (at most `prompt_width` of them); returns its request number."""
+    check_prompts([prompt_ids], self.config, self.decoder.settings.gen_length)
+    if len(prompt_ids) > self.prompt_width:
+      raise ValueError(
+        f"A prompt of {len(prompt_ids)} tokens does not fit this engine's prompt bucket of {self.prompt_width}; "
+        f"build an engine with prompt_width={bucket_length(len(prompt_ids))}."
+      )
+    if self.idle:
+      self._next_request = 0
+    request = self._next_request
+    self._next_request += 1
+    self._pending.append((request, [int(t) for t in prompt_ids]))
+    return request
+
+  def advance(self, iterations: int | None = None) -> list[int]:
+    """One loop call of at most `iterations` iterations (None: until a row needs a prompt the host holds, or all
+    is done); returns the requests that finished in it."""
+    if self.idle:
+      return []
+    start = time.perf_counter()
+    self._refill()
+    state = self._loop.place_state(self._state, self._state_shardings)
+    self._state = self._loop(self._params, state, self._iterations(iterations), self._knobs)
+    dispatched = time.perf_counter()
+    jax.block_until_ready(self._state)
+    waited = time.perf_counter() - dispatched
+    finished = self._collect()
+    self.loop_calls += 1
+    self.host_seconds += time.perf_counter() - start - waited
+    return finished
+
+  def partial(self, request: int) -> list[int]:
+    """The answer tokens of `request` committed so far, up to the first offset not yet committed (streaming)."""
+    if request in self._finished:
+      return list(self._finished[request]["tokens"])
+    entries = np.flatnonzero(self._held == request)
+    if not len(entries):
+      raise ValueError(f"Request {request} is neither decoding nor finished (cancelled, popped or never submitted).")
+    committed = np.asarray(self._out.commit_iteration[entries[0]]) >= 0
+    count = int(np.argmin(committed)) if not committed.all() else len(committed)
+    return _cut(np.asarray(self._out.answer[entries[0], :count]).tolist(), self.decoder.eos_id)
+
+  def cancel(self, request: int) -> None:
+    """Drop `request`: from the host's queue, or from its entry (and its row, which turns idle)."""
+    self._finished.pop(request, None)
+    pending = len(self._pending)
+    self._pending = collections.deque(item for item in self._pending if item[0] != request)
+    self._queue_changed |= len(self._pending) != pending
+    for entry in np.flatnonzero(self._held == request):
+      self._held[entry] = -1
+      self._queue_changed |= bool(self._waiting[entry])
+      self._waiting[entry] = False
+      rows = self._busy & (self._entry == entry)
+      self._busy_changed |= bool(rows.any())
+      self._busy[rows] = False
+
+  def pop(self, requests: Sequence[int]) -> DecodeResult:
+    """The `DecodeResult` of finished `requests`, in that order (their trace blanked past each answer); the
+    engine forgets them. `widths` are the engine's counts so far, `seconds` 0 (the caller times its calls)."""
+    missing = [r for r in requests if r not in self._finished]
+    if missing:
+      raise ValueError(f"Requests {missing} have not finished; advance the engine until advance() returns them.")
+    rows = [self._finished.pop(r) for r in requests]
+    field = lambda name: np.stack([row[name] for row in rows]) if rows else np.zeros((0,), np.int32)
+    return DecodeResult(
+      tokens=[list(row["tokens"]) for row in rows],
+      num_forwards=field("num_forwards"),
+      steps=field("steps"),
+      commit_iteration=field("commit_iteration"),
+      commit_phase=field("commit_phase"),
+      widths=self.widths,
+    )
+
+  def run(self, prompt_ids: Sequence[Sequence[int]], chunk_iterations: int | None = None) -> DecodeResult:
+    """Decode `prompt_ids` to the end from idle; the result in input order, `seconds` the wall-clock of it all."""
+    if not self.idle:
+      raise ValueError("The engine is decoding other requests; run() needs an idle engine.")
+    start = time.perf_counter()
+    before = self._widths.copy(), self.loop_calls, self.host_seconds
+    requests = [self.submit(p) for p in prompt_ids]
+    while not self.idle:
+      self.advance(chunk_iterations)
+    result = self.pop(requests)
+    result.widths = _width_counts(self.decoder.method.width_names, self._widths - before[0])
+    result.loop_calls, result.host_seconds = self.loop_calls - before[1], self.host_seconds - before[2]
+    result.seconds = time.perf_counter() - start
+    return result
+
+  def _iterations(self, iterations: int | None) -> Any:
+    """The placed iteration count of a loop call (placed once per distinct count)."""
+    if iterations not in self._chunks:
+      check_positive("iterations", iterations, "run the loop until the host must refill it")
+      self._chunks[iterations] = self._loop.place_replicated(np.int32(iterations or np.iinfo(np.int32).max))
+    return self._chunks[iterations]
+
+  def _refill(self) -> None:
+    """Hand the free entries the next submitted prompts; send only what the host changed."""
+    free = np.flatnonzero(self._held < 0)[: len(self._pending)]
+    if self._busy_changed:
+      self._state = self._state.replace(busy=self._busy.copy())
+      self._busy_changed = False
+    if not len(free) and not self._queue_changed:
+      return
+    out = jax.tree.map(np.array, self._out)
+    for entry in free:
+      request, prompt = self._pending.popleft()
+      self._held[entry] = request
+      self._tokens[entry] = self.pad_id
+      self._tokens[entry, : len(prompt)] = prompt
+      self._lengths[entry], self._prompt[entry], self._waiting[entry] = len(prompt), request, True
+      for field, blank in zip(jax.tree.leaves(out), jax.tree.leaves(DecodeOutputs.empty(1, out.answer.shape[1]))):
+        field[entry] = blank[0]
     # Copies: a CPU device may keep using the host buffer it was given, which the next refill writes.
-    return batch.replace(
-      queue_tokens=self.queue_tokens.copy(),
-      queue_lengths=self.queue_lengths.copy(),
-      queue_prompt=self.queue_prompt.copy(),
-      waiting=waiting,
-      more=np.bool_(self.queued < len(self.tokens)),
-      out=jax.tree.map(reset, out, empty),
+    self._state = self._state.replace(
+      queue_tokens=self._tokens.copy(),
+      queue_lengths=self._lengths.copy(),
+      queue_prompt=self._prompt.copy(),
+      waiting=self._waiting.copy(),
+      more=np.bool_(len(self._pending) > 0),
+      out=out,
+    )
+    self._queue_changed = False
+
+  def _collect(self) -> list[int]:
+    """Read back the loop's queue; the entries whose request finished are freed and their outputs kept."""
+    state = self._state
+    self._busy, self._entry, self._waiting, self._out, self._widths = to_host(
+      (state.busy, state.entry, state.waiting, state.out, state.widths)
+    )
+    self._busy, self._waiting = np.array(self._busy), np.array(self._waiting)
+    decoding = np.zeros(self._held.shape, bool)
+    decoding[self._entry[self._busy]] = True
+    done = np.flatnonzero((self._held >= 0) & ~self._waiting & ~decoding)
+    finished = []
+    for entry in done:
+      request = int(self._held[entry])
+      self._finished[request] = self._answer(entry)
+      self._held[entry] = -1
+      finished.append(request)
+    return finished
+
+  def _answer(self, entry: int) -> dict[str, Any]:
+    """Entry `entry`'s outputs, its answer cut after the first EOS and nothing counted as committed past it."""
+    out = self._out
+    tokens = _cut(out.answer[entry].tolist(), self.decoder.eos_id)
+    # Past the answer nothing counts as committed (a slot after the EOS may have been).
+    answered = np.arange(out.answer.shape[1]) < len(tokens)
+    return dict(
+      tokens=tokens,
+      num_forwards=np.array(out.num_forwards[entry]),
+      steps=np.array(out.steps[entry]),
+      commit_iteration=np.where(answered, out.commit_iteration[entry], -1),
+      commit_phase=np.where(answered, out.commit_phase[entry], PHASE_NONE),
     )
 
-  def collect(self, batch: LoopState) -> LoopState:
-    """Read back the entries whose prompt finished, then refill them (`batch` after a loop call)."""
-    busy, entry, waiting, out = _to_host((batch.busy, batch.entry, batch.waiting, batch.out))
-    decoding = np.zeros(self.held.shape, bool)
-    decoding[entry[busy]] = True
-    done = np.flatnonzero((self.held >= 0) & ~waiting & ~decoding)
-    for field, read in zip(jax.tree.leaves(self.results), jax.tree.leaves(out)):
-      field[self.held[done]] = read[done]
-    self.held[done] = -1
-    self.left -= len(done)
-    return self.refill(batch, waiting, out) if self.left else batch
+
+def _cut(answer: list[int], eos_id: int) -> list[int]:
+  """`answer` up to and including its first `eos_id`."""
+  return answer[: answer.index(eos_id) + 1] if eos_id in answer else answer
 
 
-def run_decoder(
+def _width_counts(names: Sequence[str], counts: np.ndarray) -> dict[str, dict[int, int]]:
+  return {name: {w: int(c) for w, c in enumerate(row) if c} for name, row in zip(names, counts)}
+
+
+def decode(
   model: Transformer,
   prompt_ids: Sequence[Sequence[int]],
-  decoder: Decoder,
+  method: Method,
   *,
-  pad_id: int | None,
-  mesh: jax.sharding.Mesh | None = None,
   batch_size: int | None = None,
+  mesh: jax.sharding.Mesh | None = None,
+  seed: int = 0,
+  mask_id: int | None = None,
+  eos_id: int | None = None,
+  pad_id: int | None = None,
   chunk_iterations: int | None = None,
 ) -> DecodeResult:
-  """The host side of every jitted decoder: check, pad, feed the rows, run the loop, read the answers back.
+  """Decode N prompts with a method value, in one compiled loop (docs/method.md §3).
 
-  The loop keeps K rows busy over a queue of `batching.queue_entries(K)`
-  entries that this side refills between calls, so the compiled program
-  depends on K, the prompt bucket and the settings, never on how many prompts
-  there are (docs/method.md §3.4).
+      rj.decode(model, [[1, 2, 3]], rj.ReFusion(gen_length=64, slot_size=4))
+      rj.decode(model, prompts, rj.AR(gen_length=32), batch_size=8)
+
+  The loop keeps K rows busy over a queue that the host refills between calls (an `Engine`), so the compiled
+  program depends on K, the prompt bucket and the method's settings, never on how many prompts there are.
 
   Args:
     prompt_ids: N prompts of integer token ids, any lengths (padded into one bucket).
-    pad_id: prompt padding id (never attended); None: the config's pad, else its EOS, else 0.
-    mesh: decode on this mesh (`refusion_jax.make_mesh`): rows split over its batch-parallel axes (their
-      count padded to a multiple of its batch-parallel devices; padded rows stay idle), parameters and
-      cache by their logical axes (`refusion_jax.decoding.mesh`); None: the default device.
-    batch_size: K rows kept busy (continuous batching: a finished row takes the
-      next prompt), one compiled program whatever N is; None: all N prompts as one batch (K = N).
-    chunk_iterations: run the compiled loop at most this many iterations per call (state in, state out),
-      as a server drives it, with the same results; None: each call runs until the queue needs refilling.
+    method: `rj.ReFusion(...)`, `rj.AR(...)` or `rj.MDM(...)`.
+    batch_size: K rows kept busy (continuous batching: a finished row takes the next prompt), one compiled
+      program whatever N is; None: all N prompts as one batch (K = N).
+    mesh: decode on this mesh (`refusion_jax.make_mesh`): rows split over its batch-parallel axes (their count
+      padded to a multiple of its batch-parallel devices; padded rows stay idle), parameters and cache by their
+      logical axes (`refusion_jax.decoding.mesh`); None: the default device.
+    seed: the PRNG seed of sampling (temperature > 0): prompt i draws from fold_in(key(seed), i), whatever the
+      batching.
+    mask_id, eos_id, pad_id: the special ids; None: the model config's (the `Sampler` passes its tokenizer's).
+      ReFusion needs a mask and an EOS id, MDM a mask id; pad_id falls back to the EOS, then 0 (never attended).
+    chunk_iterations: run the compiled loop at most this many iterations per call (state in, state out), as a
+      server drives it, with the same results; None: each call runs until the queue needs refilling.
 
   Returns:
-    A `DecodeResult` in input order whose trace is blanked past each answer;
-    seconds covers padding, the loop (and its compilation, when it happens)
-    and the read-back.
+    A `DecodeResult` in input order whose trace is blanked past each answer; seconds covers placing, padding,
+    the loop (and its compilation, when it happens) and the read-back.
   """
-  config = model.config
-  check_prompts(prompt_ids, config, decoder.settings.gen_length)
-  pad = check_special_id("pad_id", decoder_special_tokens(config, pad_id=pad_id).pad, config)
+  check_method(method)
+  check_prompts(prompt_ids, model.config, method.gen_length)
   check_positive("batch_size", batch_size, "all prompts as one batch")
   check_positive("chunk_iterations", chunk_iterations, "run the loop to the end in one call")
-  model = inference_view(model)  # every decoder runs without remat, on weights cast once (docs/method.md §5)
-  rows = padded_rows(batch_size or len(prompt_ids), mesh)
-  start = time.perf_counter()
-  tokens, lengths = pad_prompts(prompt_ids, pad)
-  batch = start_batch(decoder, config, rows, tokens.shape[1])
-  feed = _Feed(tokens, lengths, batch)
-  batch = feed.refill(batch, batch.waiting, batch.out)
-  graphdef, params = nnx.split(model)
-  loop = loop_for(decoder, graphdef, mesh)
-  iterations = np.int32(chunk_iterations or np.iinfo(np.int32).max)
-  while feed.left:
-    batch = feed.collect(loop(params, batch, iterations, decoder.knobs))
-  widths = _to_host(batch.widths)
-  seconds = time.perf_counter() - start
-  out = feed.results
-  answers = [row[: row.index(decoder.eos_id) + 1] if decoder.eos_id in row else row for row in out.answer.tolist()]
-  # Past each answer nothing counts as committed (a slot after the EOS may have been).
-  answered = np.arange(out.answer.shape[1])[None, :] < np.array([len(a) for a in answers])[:, None]
-  return DecodeResult(
-    tokens=answers,
-    num_forwards=out.num_forwards,
-    steps=out.steps,
-    commit_iteration=np.where(answered, out.commit_iteration, -1),
-    commit_phase=np.where(answered, out.commit_phase, PHASE_NONE),
-    seconds=seconds,
-    widths={
-      name: {w: int(c) for w, c in enumerate(counts) if c} for name, counts in zip(decoder.method.width_names, widths)
-    },
+  engine = Engine(
+    model,
+    method,
+    rows=batch_size or len(prompt_ids),
+    prompt_width=bucket_length(max(len(p) for p in prompt_ids)),
+    mesh=mesh,
+    seed=seed,
+    mask_id=mask_id,
+    eos_id=eos_id,
+    pad_id=pad_id,
   )
+  return engine.run(prompt_ids, chunk_iterations)
 
 
-def loop_for_mesh(
-  decoder: Decoder,
-  graphdef: nnx.GraphDef,
-  params: Any,
-  batch: LoopState,
-  mesh: jax.sharding.Mesh,
-  rules=LOGICAL_AXIS_RULES,
-) -> Loop:
-  """Deprecated: `loop_for(decoder, graphdef, mesh, rules)` (the loop no longer needs `params` or `batch`)."""
-  del params, batch
-  warnings.warn(
-    "refusion_jax.decoding.driver.loop_for_mesh is deprecated: use loop_for(decoder, graphdef, mesh, rules); "
-    "loop_for_mesh will be removed.",
-    DeprecationWarning,
-    stacklevel=2,
-  )
-  return loop_for(decoder, graphdef, mesh, rules)
+def special_ids(special: SpecialTokens) -> dict[str, int | None]:
+  """`decode`'s mask_id / eos_id / pad_id keywords from resolved special tokens."""
+  return dict(mask_id=special.mask, eos_id=special.eos, pad_id=special.pad)
+
+
+__getattr__ = moved_names(
+  __name__,
+  {
+    "Placement": ("refusion_jax.decoding.driver.LoopPlacement", lambda: LoopPlacement),
+    "start_batch": ("refusion_jax.decoding.driver.start_state", lambda: start_state),
+  },
+)

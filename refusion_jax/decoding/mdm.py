@@ -3,32 +3,37 @@
 No cache: every step is one bidirectional forward over prompt + answer. The
 answer is decoded in semi-autoregressive blocks, and per step the most
 confident masked tokens of the current block are unmasked (LLaDA's
-`generate.py`). An `MDM` `contract.Method`: batched and jitted end to end as one
-`lax.while_loop` over a `refusion_jax.decoding.batching.LoopState` (so
-`batch_size` gives continuous batching), run by
-`refusion_jax.decoding.driver.run_decoder`, whose `DecodeResult` records
+`generate.py`). The `MDM` value (its class a `contract.Method`): batched and
+jitted end to end as one `lax.while_loop` over a
+`refusion_jax.decoding.batching.LoopState` (so `batch_size` gives continuous
+batching), run by `refusion_jax.decoding.driver.decode`, whose `DecodeResult` records
 `PHASE_STEP` for every token.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Sequence
+from typing import ClassVar
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from refusion_jax.decoding.batching import DecodeOutputs, count_width, put_row
-from refusion_jax.decoding.checks import check_special_id, check_temperature, decoder_special_tokens, optional_eos_id
-from refusion_jax.decoding.contract import Method
-from refusion_jax.decoding.driver import Decoder, run_decoder
+from refusion_jax.data.special_tokens import SpecialTokens
+from refusion_jax.decoding.batching import count_width, put_row
+from refusion_jax.decoding.checks import check_count, check_special_id, check_temperature, optional_eos_id
+from refusion_jax.decoding.contract import DecodeOutputs, Decoder
+from refusion_jax.decoding.driver import decode
 from refusion_jax.decoding.result import PHASE_NONE, PHASE_STEP, DecodeResult
 from refusion_jax.decoding.scoring import pick_tokens
+from refusion_jax.deprecation import deprecated, moved_names
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer
+
+# MDM's blocks: this many tokens, or the whole answer when it is shorter (LLaDA's usual setting).
+MDM_BLOCK_LENGTH = 32
 
 
 def num_transfer_tokens(block_length: int, steps_per_block: int) -> np.ndarray:
@@ -108,7 +113,7 @@ class _RowState:
 def _admit(
   model: Transformer,
   knobs: MDMKnobs,
-  schedule: MDMSettings,
+  settings: MDMSettings,
   state: _RowState,
   out: DecodeOutputs,
   row: jax.Array,
@@ -119,7 +124,7 @@ def _admit(
 ) -> tuple[_RowState, DecodeOutputs]:
   """Put the prompt of `entry` into row `row` with a fully masked answer (a `contract.Admit`; no forward)."""
   del model, entry, prompt  # no prefill: the first step reads the prompt
-  G = schedule.gen_length
+  G = settings.gen_length
   fresh = _RowState(
     prompt=tokens[None],
     prompt_length=length[None],
@@ -132,7 +137,7 @@ def _admit(
 def _step(
   model: Transformer,
   knobs: MDMKnobs,
-  schedule: MDMSettings,
+  settings: MDMSettings,
   state: _RowState,
   out: DecodeOutputs,
   widths: jax.Array,
@@ -148,8 +153,8 @@ def _step(
   contiguous layout.
   """
   batch, width = state.prompt.shape
-  G, per_block = schedule.gen_length, schedule.steps_per_block
-  transfer_counts = jnp.asarray(num_transfer_tokens(schedule.block_length, per_block))
+  G, per_block = settings.gen_length, settings.steps_per_block
+  transfer_counts = jnp.asarray(num_transfer_tokens(settings.block_length, per_block))
   step = out.steps.at[entry].get(mode="fill", fill_value=0)
 
   columns = jnp.arange(width)[None, :]
@@ -159,8 +164,8 @@ def _step(
   key_valid = jnp.concatenate([columns < state.prompt_length[:, None], jnp.ones((batch, G), bool)], 1)
   mask = jnp.broadcast_to(key_valid[:, None, :], (batch, width + G, width + G))
   logits, _ = model(jnp.concatenate([state.prompt, state.answer], 1), positions, mask)
-  draft, confidence = pick_tokens(logits[:, width:], knobs.key, prompt, step, knobs.temperature, schedule.sample)
-  block_of = jnp.arange(G) // schedule.block_length
+  draft, confidence = pick_tokens(logits[:, width:], knobs.key, prompt, step, knobs.temperature, settings.sample)
+  block_of = jnp.arange(G) // settings.block_length
   candidate = (state.answer == knobs.mask_id) & (block_of[None, :] == (step // per_block)[:, None])
   confidence = jnp.where(candidate, confidence, -jnp.inf)
   # Rank by confidence (stable: ties go to the earlier position) and take the top k.
@@ -179,15 +184,15 @@ def _step(
   )
   widths = count_width(widths, width + G, jnp.ones((1,), jnp.int32))
   state = state.replace(answer=answer, committed_at=committed_at)
-  return state, out, widths, live & (step + 1 >= schedule.steps)
+  return state, out, widths, live & (step + 1 >= settings.steps)
 
 
 def start_rows(
-  schedule: MDMSettings, config: ModelConfig, batch: int, prompt_width: int
+  settings: MDMSettings, config: ModelConfig, batch: int, prompt_width: int
 ) -> tuple[_RowState, np.ndarray]:
   """Idle rows and a zero count of the [prompt | answer]-wide forwards (a `contract.StartRows`)."""
   del config  # no cache
-  G = schedule.gen_length
+  G = settings.gen_length
   state = _RowState(
     prompt=np.zeros((batch, prompt_width), np.int32),
     prompt_length=np.zeros((batch,), np.int32),
@@ -197,9 +202,58 @@ def start_rows(
   return state, np.zeros((1, prompt_width + G + 1), np.int32)
 
 
-MDM = Method("mdm", start_rows, _admit, _step)
+@dataclasses.dataclass(frozen=True)
+class MDM:
+  """The masked-diffusion baseline (LLaDA-style low-confidence remasking) as a typed, hashable value:
+  `rj.decode(model, ids, MDM(gen_length=64))`.
+
+  The answer starts as G mask tokens, split into G / block_length blocks decoded left to right with steps /
+  num_blocks steps each. Each step is one bidirectional forward over prompt + answer; of the current block's
+  masked positions, the `num_transfer_tokens` most confident predictions are unmasked. Every row runs all
+  `steps` forwards (as LLaDA does); the answer is cut after its first EOS. commit_iteration is the step that
+  unmasked each position.
+
+  Attributes:
+    gen_length: G, a multiple of block_length.
+    block_length: tokens per semi-autoregressive block; None: min(32, G) (LLaDA's usual setting).
+    steps: total forwards, a multiple of the number of blocks and at most G; None: G (one token per step).
+    temperature: 0 for greedy drafts, else Gumbel-max sampled drafts.
+  """
+
+  name: ClassVar[str] = "mdm"
+  width_names: ClassVar[tuple[str, ...]] = ("forward",)
+  start_rows: ClassVar = staticmethod(start_rows)
+  admit: ClassVar = staticmethod(_admit)
+  step: ClassVar = staticmethod(_step)
+
+  gen_length: int = 64
+  block_length: int | None = None
+  steps: int | None = None
+  temperature: float = 0.0
+
+  def __post_init__(self) -> None:
+    check_count("gen_length", self.gen_length, 64)
+    # Unset, the block and the steps follow G: the value says what it runs (and compares equal to it spelt out).
+    if self.block_length is None:
+      object.__setattr__(self, "block_length", min(MDM_BLOCK_LENGTH, self.gen_length))
+    if self.steps is None:
+      object.__setattr__(self, "steps", self.gen_length)
+    check_count("block_length", self.block_length, min(MDM_BLOCK_LENGTH, self.gen_length))
+    check_count("steps", self.steps, self.gen_length)
+    check_mdm_schedule(self.gen_length, self.block_length, self.steps)
+    check_temperature(self.temperature)
+
+  def decoder(self, config: ModelConfig, special: SpecialTokens, seed: int, *, pick_rows: bool) -> Decoder:
+    """The settings and knobs of one decode call (a `contract.Method`); the mask id must be known."""
+    del pick_rows
+    mask = check_special_id("mask_id", special.mask, config)
+    eos = optional_eos_id(special.eos, config)
+    knobs = MDMKnobs(key=jax.random.key(seed), temperature=jnp.float32(self.temperature), mask_id=jnp.int32(mask))
+    settings = MDMSettings(self.gen_length, self.block_length, self.steps, sample=self.temperature > 0)
+    return Decoder(self, settings, knobs, eos)
 
 
+@deprecated(old="refusion_jax.mdm_generate", new="refusion_jax.decode(model, prompt_ids, refusion_jax.MDM(...))")
 def mdm_generate(
   model: Transformer,
   prompt_ids: Sequence[Sequence[int]],
@@ -207,57 +261,28 @@ def mdm_generate(
   gen_length: int,
   block_length: int,
   steps: int,
+  temperature: float = 0.0,
+  seed: int = 0,
   mask_id: int | None = None,
   eos_id: int | None = None,
   pad_id: int | None = None,
-  temperature: float = 0.0,
-  seed: int = 0,
   mesh: jax.sharding.Mesh | None = None,
   batch_size: int | None = None,
   chunk_iterations: int | None = None,
 ) -> DecodeResult:
-  """Batched LLaDA-style masked diffusion decoding with low-confidence remasking.
-
-  The answer starts as G mask tokens, split into G / block_length blocks
-  decoded left to right with steps / num_blocks steps each. Each step is one
-  bidirectional forward over prompt + answer; of the current block's masked
-  positions, the `num_transfer_tokens` most confident predictions are
-  unmasked. Every row runs all `steps` forwards (as LLaDA does).
-
-  Args:
-    prompt_ids: N prompts of integer token ids.
-    gen_length: G, a multiple of block_length.
-    block_length: tokens per semi-autoregressive block.
-    steps: total forwards, a multiple of the number of blocks and at most G.
-    mask_id: defaults to the config's `mask_token_id`.
-    eos_id: the answer is cut after its first EOS; defaults to the config's.
-    temperature: 0 for greedy drafts, else Gumbel-max sampled drafts.
-    pad_id, mesh, batch_size, chunk_iterations: prompt padding, the device mesh, the rows kept busy
-      (continuous batching) and the iterations per loop call, as `refusion_jax.decoding.driver.run_decoder`
-      takes them (defaults: the config's pad id, one device, all N prompts as one batch, one call).
-
-  Returns:
-    A `DecodeResult` in input order; commit_iteration is the step that unmasked each position.
-  """
-  config = model.config
-  check_mdm_schedule(gen_length, block_length, steps)
-  temperature = check_temperature(temperature)
-  mask = check_special_id("mask_id", decoder_special_tokens(config, mask_id=mask_id).mask, config)
-  eos = optional_eos_id(eos_id, config)
-  knobs = MDMKnobs(key=jax.random.key(seed), temperature=jnp.float32(temperature), mask_id=jnp.int32(mask))
-  decoder = Decoder(MDM, MDMSettings(gen_length, block_length, steps, sample=temperature > 0), knobs, eos)
-  return run_decoder(
-    model, prompt_ids, decoder, pad_id=pad_id, mesh=mesh, batch_size=batch_size, chunk_iterations=chunk_iterations
+  """The 0.2 call: `decode(model, prompt_ids, MDM(gen_length=..., block_length=..., steps=...), ...)`."""
+  return decode(
+    model,
+    prompt_ids,
+    MDM(gen_length, block_length, steps, temperature),
+    batch_size=batch_size,
+    mesh=mesh,
+    seed=seed,
+    mask_id=mask_id,
+    eos_id=eos_id,
+    pad_id=pad_id,
+    chunk_iterations=chunk_iterations,
   )
 
 
-def __getattr__(name: str):
-  if name == "MDMSchedule":
-    warnings.warn(
-      "refusion_jax.decoding.mdm.MDMSchedule is renamed MDMSettings (as ReFusionSettings, ARSettings); "
-      "MDMSchedule will be removed.",
-      DeprecationWarning,
-      stacklevel=2,
-    )
-    return MDMSettings
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = moved_names(__name__, {"MDMSchedule": ("refusion_jax.decoding.mdm.MDMSettings", lambda: MDMSettings)})

@@ -1,11 +1,11 @@
 """Decoding on a device mesh: rows over the batch-parallel axes, parameters and cache by logical axes.
 
-`generate(..., mesh=mesh)` (and the baselines) run the one jitted decode loop
+`rj.decode(..., mesh=mesh)` runs the one jitted decode loop
 (`driver.decode_loop`) with every input placed by the shardings below and the
 loop's output pinned to them (docs/method.md §5):
 
 - decode rows are padded to a multiple of the batch-parallel devices
-  (`run_decoder`: padded rows stay idle), and they and the queue entries are
+  (`driver.Engine`: padded rows stay idle), and they and the queue entries are
   split over the mesh axes the `batch` rule names;
 - parameters are placed by their logical axes (`embed` over `fsdp`, heads /
   MLP / vocab over `tensor`, by `LOGICAL_AXIS_RULES`);
@@ -15,13 +15,12 @@ loop's output pinned to them (docs/method.md §5):
   (`constrain_cache`, `constrain_rows`), and the forward's activations to
   their `activation_*` axes, all through the same rules table. Between
   loop calls only the queue and the outputs travel to and from the host
-  (`run_decoder` refills the queue); the rows and their caches stay put.
+  (the `driver.Engine` refills the queue); the rows and their caches stay put.
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Any
 
 import jax
@@ -29,6 +28,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from refusion_jax.deprecation import moved_names
 from refusion_jax.model.cache import KVCache
 from refusion_jax.parallel.activations import constrain, normalize_rules
 from refusion_jax.parallel.sharding import (
@@ -96,13 +96,6 @@ def loop_shardings(batch: Any, mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES) ->
   return batch.shardings(functools.partial(row_shardings, mesh=mesh, rules=rules), NamedSharding(mesh, PartitionSpec()))
 
 
-def __getattr__(name: str) -> Any:
-  if name == "batch_shardings":
-    warnings.warn(
-      "refusion_jax.decoding.mesh.batch_shardings is renamed loop_shardings (parallel.sharding.batch_shardings "
-      "is the training batch's); batch_shardings will be removed.",
-      DeprecationWarning,
-      stacklevel=2,
-    )
-    return loop_shardings
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = moved_names(
+  __name__, {"batch_shardings": ("refusion_jax.decoding.mesh.loop_shardings", lambda: loop_shardings)}
+)

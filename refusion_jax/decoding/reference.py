@@ -24,7 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from refusion_jax.decoding.checks import check_prompts, check_refusion_knobs
+from refusion_jax.decoding.checks import (
+  check_prompts,
+  check_slot_layout,
+  check_special_id,
+  check_temperature,
+  check_threshold,
+)
 from refusion_jax.decoding.result import PHASE_INFILL, PHASE_NONE, PHASE_VERIFY, DecodeResult
 from refusion_jax.model.cache import KVCache
 from refusion_jax.model.transformer import Transformer, inference_view
@@ -124,7 +130,7 @@ def decode_reference(
   Temperature > 0 adds Gumbel noise to the plan logits only, drawn as
   `gumbel(fold_in(fold_in(key(seed), 0), plan_step), [block_length, vocab])`
   and read at the undecided slots' block offsets, which is the noise row 0 of
-  `refusion_jax.decoding.refusion.generate` uses. Infill drafts are always argmax.
+  `refusion_jax.decode(..., ReFusion(...))` uses. Infill drafts are always argmax.
 
   Args:
     prompt_ids: one prompt of token ids.
@@ -138,11 +144,11 @@ def decode_reference(
   model = inference_view(model)
   config = model.config
   check_prompts([prompt_ids], config, gen_length)
-  knobs = check_refusion_knobs(
-    config, gen_length, slot_size, serial_blocks, slot_threshold, token_threshold, temperature, mask_id, eos_id
-  )
-  slot_threshold, token_threshold = np.float32(knobs.slot_threshold), np.float32(knobs.token_threshold)
-  temperature, mask_id, eos_id = np.float32(knobs.temperature), knobs.mask_id, knobs.eos_id
+  check_slot_layout(gen_length, slot_size, serial_blocks)
+  slot_threshold = np.float32(check_threshold("slot_threshold", slot_threshold))
+  token_threshold = np.float32(check_threshold("token_threshold", token_threshold))
+  temperature = np.float32(check_temperature(temperature))
+  mask_id, eos_id = check_special_id("mask_id", mask_id, config), check_special_id("eos_id", eos_id, config)
   counts = collections.Counter()
   start_time = time.perf_counter()
 

@@ -25,27 +25,37 @@ after the row's cache entries in compact order, and a commit, always a prefix
 of the active tokens, makes that many of them valid
 (`refusion_jax.model.cache.stage` / `commit`).
 
-Rows advance independently. The decoder is the `REFUSION` `contract.Method`,
-run by `refusion_jax.decoding.driver.run_decoder`: with `batch_size`, a
-finished row takes the next queued prompt (`refusion_jax.decoding.batching`),
-continuous batching, each prompt decoded exactly as it would be alone.
+Rows advance independently. The method is the `ReFusion` value (its class a
+`contract.Method`), run by `refusion_jax.decoding.engine.decode`: with
+`batch_size`, a finished row takes the next queued prompt
+(`refusion_jax.decoding.batching`), continuous batching, each prompt decoded
+exactly as it would be alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Sequence
+from typing import ClassVar
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from refusion_jax.decoding.batching import DecodeOutputs, count_width, host_zeros, put_row
-from refusion_jax.decoding.checks import check_refusion_knobs
-from refusion_jax.decoding.contract import Method
-from refusion_jax.decoding.driver import Decoder, run_decoder
+from refusion_jax.data.special_tokens import SpecialTokens
+from refusion_jax.decoding import driver
+from refusion_jax.decoding.batching import count_width, host_zeros, put_row
+from refusion_jax.decoding.checks import (
+  check_count,
+  check_flag,
+  check_slot_layout,
+  check_special_id,
+  check_temperature,
+  check_threshold,
+)
+from refusion_jax.decoding.contract import DecodeOutputs, Decoder
+from refusion_jax.decoding.driver import decode
 from refusion_jax.decoding.prompts import prefill
 from refusion_jax.decoding.result import (
   PHASE_INFILL,
@@ -57,15 +67,15 @@ from refusion_jax.decoding.result import (
   STAGE_VERIFY,
   DecodeResult,
 )
-from refusion_jax.decoding.scheduler import BlockQuery, TokenScores, forward_shapes, scheduled_forward
+from refusion_jax.decoding.scheduler import BlockQuery, ForwardLayout, TokenScores, scheduled_forward
 from refusion_jax.decoding.scoring import row_gumbel_noise
+from refusion_jax.deprecation import deprecated, moved_names
 from refusion_jax.model import cache as kv_cache
 from refusion_jax.model.cache import KVCache
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer
-from refusion_jax.parallel.sharding import LOGICAL_AXIS_RULES, Rules, batch_parallel_ways
 
-__all__ = ["REFUSION", "ReFusionKnobs", "ReFusionSettings", "generate", "pick_rows_on", "start_rows"]
+__all__ = ["ReFusion", "ReFusionKnobs", "ReFusionSettings", "generate", "start_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +90,7 @@ class ReFusionSettings:
   # Forwards only as wide as the active slots (False: always the whole block, one compiled width).
   fit_width: bool = True
   # Narrow forwards of fewer rows than K (`scheduler.forward_shapes`); False where rows are split over devices
-  # (`pick_rows_on`).
+  # (the driver decides: `driver.pick_rows_on`).
   pick_rows: bool = True
 
   @property
@@ -92,13 +102,14 @@ class ReFusionSettings:
     return self.block_length // self.slot_size
 
   @property
+  def layout(self) -> ForwardLayout:
+    """What the scheduler fits forwards into."""
+    return ForwardLayout(self.slot_size, self.block_length, self.fit_width, self.pick_rows)
+
+  @property
   def widths(self) -> tuple[int, ...]:
     """The compiled query widths: S, 2S, 4S, ... below T, then T (only T without fit_width)."""
-    width, widths = self.slot_size, []
-    while self.fit_width and width < self.block_length:
-      widths.append(width)
-      width *= 2
-    return (*widths, self.block_length)
+    return self.layout.widths
 
 
 @flax.struct.dataclass
@@ -323,11 +334,10 @@ def _step(
   if settings.sample:
     noise = knobs.temperature * row_gumbel_noise(knobs.key, prompt, steps, (T, model.config.vocab_size))
   query = BlockQuery(tokens=tokens, positions=positions, sees=sees, active=active, noise=noise)
-  scores, cache, served, shape_index = scheduled_forward(model, state.cache, state.waited, query, live, settings)
+  scores, cache, served, width = scheduled_forward(model, state.cache, state.waited, query, live, settings.layout)
   waiting = live & ~served
   live = served  # this iteration, only the rows that ran advance
   state = state.replace(cache=cache, waited=jnp.where(waiting, state.waited + 1, 0))
-  width = jnp.asarray([w for _, w in forward_shapes(settings, live.shape[0])])[shape_index]
   stage_counts = jnp.sum(live[None] & (stage[None] == jnp.arange(len(STAGE_NAMES))[:, None]), axis=-1)
   widths = count_width(widths, width, jnp.concatenate([jnp.ones(1), stage_counts]))
 
@@ -399,20 +409,80 @@ def start_rows(
   return rows, np.zeros((1 + len(STAGE_NAMES), settings.block_length + 1), np.int32)
 
 
-def pick_rows_on(mesh: jax.sharding.Mesh | None, rules: Rules = LOGICAL_AXIS_RULES) -> bool:
-  """`ReFusionSettings.pick_rows` for `mesh`: whether forwards may take a subset of the rows, which they may
-  not where rows are split over devices.
+@dataclasses.dataclass(frozen=True)
+class ReFusion:
+  """ReFusion plan-and-infill decoding (docs/method.md §2) as a typed, hashable value: `rj.decode(model, ids,
+  ReFusion(...))`. Checked when built; the defaults are the paper's settings scaled to short CPU demos.
 
-  There a pick gathers rows across devices in every forward, which XLA's TPU compiler has aborted on (a
-  failed check in its all-gather / dynamic-slice cancellation; the version and command: results/README.md,
-  "Measurements the code relies on").
+  Temperature > 0 samples the plan step by Gumbel-max (prompt i, plan step s draws its noise from
+  fold_in(fold_in(key(seed), i), s), so results are reproducible per seed whatever the batching); slot
+  confidence stays the un-noised probability of the drafted first token. Infill drafts are always argmax.
+
+  Attributes:
+    gen_length: G, answer tokens, a multiple of slot_size × serial_blocks.
+    slot_size: S, tokens per slot.
+    serial_blocks: NB, blocks of G / NB tokens decoded left to right.
+    slot_threshold: a slot is chosen when its confidence is > this, in (0, 1].
+    token_threshold: a drafted token passes verification when its AR probability is > this, in (0, 1].
+    temperature: 0 for greedy plans, else Gumbel-max sampling at that temperature.
+    fit_width: run each forward only as wide as the rows' active slots (a few compiled widths); False:
+      always the whole block (one compiled width, which can pay off where a forward costs the same at any
+      small width).
+
+  A decode's `DecodeResult`: num_forwards counts the prompt prefill and every plan, verification, infill
+  draft and infill verify pass; steps counts plans; commit_iteration is the plan step whose cycle committed
+  each answer position and commit_phase PHASE_VERIFY or PHASE_INFILL; widths the forwards by query width,
+  overall and per stage.
   """
-  return mesh is None or batch_parallel_ways(mesh, rules) == 1
+
+  name: ClassVar[str] = "refusion"
+  width_names: ClassVar[tuple[str, ...]] = ("forward", *STAGE_NAMES)
+  start_rows: ClassVar = staticmethod(start_rows)
+  admit: ClassVar = staticmethod(_admit)
+  step: ClassVar = staticmethod(_step)
+
+  gen_length: int = 64
+  slot_size: int = 4
+  serial_blocks: int = 1
+  slot_threshold: float = 0.9
+  token_threshold: float = 0.9
+  temperature: float = 0.0
+  fit_width: bool = True
+
+  def __post_init__(self) -> None:
+    check_count("gen_length", self.gen_length, 64)
+    check_count("slot_size", self.slot_size, 4)
+    check_count("serial_blocks", self.serial_blocks, 1)
+    check_slot_layout(self.gen_length, self.slot_size, self.serial_blocks)
+    check_threshold("slot_threshold", self.slot_threshold)
+    check_threshold("token_threshold", self.token_threshold)
+    check_temperature(self.temperature)
+    check_flag("fit_width", self.fit_width)
+
+  def decoder(self, config: ModelConfig, special: SpecialTokens, seed: int, *, pick_rows: bool) -> Decoder:
+    """The settings and knobs of one decode call (a `contract.Method`); the mask and EOS ids must be known."""
+    mask_id = check_special_id("mask_id", special.mask, config)
+    eos_id = check_special_id("eos_id", special.eos, config)
+    knobs = ReFusionKnobs(
+      slot_threshold=jnp.float32(self.slot_threshold),
+      token_threshold=jnp.float32(self.token_threshold),
+      temperature=jnp.float32(self.temperature),
+      key=jax.random.key(seed),
+      mask_id=jnp.int32(mask_id),
+      eos_id=jnp.int32(eos_id),
+    )
+    settings = ReFusionSettings(
+      self.gen_length,
+      self.slot_size,
+      self.serial_blocks,
+      self.temperature > 0,
+      fit_width=self.fit_width,
+      pick_rows=pick_rows,
+    )
+    return Decoder(self, settings, knobs, eos_id)
 
 
-REFUSION = Method("refusion", start_rows, _admit, _step, ("forward", *STAGE_NAMES))
-
-
+@deprecated(old="refusion_jax.generate", new="refusion_jax.decode(model, prompt_ids, refusion_jax.ReFusion(...))")
 def generate(
   model: Transformer,
   prompt_ids: Sequence[Sequence[int]],
@@ -432,64 +502,27 @@ def generate(
   fit_width: bool = True,
   chunk_iterations: int | None = None,
 ) -> DecodeResult:
-  """Batched ReFusion plan-and-infill decoding (docs/method.md §2), one compiled loop.
-
-  Temperature > 0 samples the plan step by Gumbel-max (prompt i, plan step s
-  draws its noise from fold_in(fold_in(key(seed), i), s), so results are
-  reproducible per seed whatever the batching); slot confidence stays the
-  un-noised probability of the drafted first token. Infill drafts are always
-  argmax: docs/method.md §2 noises only the plan.
-
-  Args:
-    prompt_ids: N prompts of integer token ids, any lengths (padded into one bucket).
-    gen_length: G, a multiple of slot_size × serial_blocks.
-    slot_size: S, tokens per slot.
-    serial_blocks: NB, blocks of G / NB tokens decoded left to right.
-    slot_threshold: a slot is chosen when its confidence is > this.
-    token_threshold: a drafted token passes verification when its AR probability is > this.
-    mask_id, eos_id: default to the model config's.
-    fit_width: run each forward only as wide as the rows' active slots (a few
-      compiled widths); False: always the whole block (one compiled width,
-      which can pay off where a forward costs the same at any small width).
-    pad_id, mesh, batch_size, chunk_iterations: prompt padding, the device mesh, the rows kept busy
-      (continuous batching) and the iterations per loop call, as `refusion_jax.decoding.driver.run_decoder`
-      takes them (defaults: the config's pad id, one device, all N prompts as one batch, one call).
-
-  Returns:
-    A `DecodeResult` in input order. num_forwards counts the prompt prefill and
-    every plan, verification, infill draft and infill verify pass; steps counts
-    plans; commit_iteration is the plan step whose cycle committed each answer
-    position and commit_phase PHASE_VERIFY or PHASE_INFILL (-1 / PHASE_NONE
-    past the answer, also where a slot after the EOS was committed); widths
-    the forwards by query width, overall and per stage.
-  """
-  checked = check_refusion_knobs(
-    model.config, gen_length, slot_size, serial_blocks, slot_threshold, token_threshold, temperature, mask_id, eos_id
-  )
-  knobs = ReFusionKnobs(
-    slot_threshold=jnp.float32(checked.slot_threshold),
-    token_threshold=jnp.float32(checked.token_threshold),
-    temperature=jnp.float32(checked.temperature),
-    key=jax.random.key(seed),
-    mask_id=jnp.int32(checked.mask_id),
-    eos_id=jnp.int32(checked.eos_id),
-  )
-  settings = ReFusionSettings(
-    gen_length, slot_size, serial_blocks, checked.temperature > 0, fit_width=fit_width, pick_rows=pick_rows_on(mesh)
-  )
-  decoder = Decoder(REFUSION, settings, knobs, checked.eos_id)
-  return run_decoder(
-    model, prompt_ids, decoder, pad_id=pad_id, mesh=mesh, batch_size=batch_size, chunk_iterations=chunk_iterations
+  """The 0.2 call: `decode(model, prompt_ids, ReFusion(gen_length=..., ...), ...)`, the same tokens."""
+  method = ReFusion(gen_length, slot_size, serial_blocks, slot_threshold, token_threshold, temperature, fit_width)
+  return decode(
+    model,
+    prompt_ids,
+    method,
+    batch_size=batch_size,
+    mesh=mesh,
+    seed=seed,
+    mask_id=mask_id,
+    eos_id=eos_id,
+    pad_id=pad_id,
+    chunk_iterations=chunk_iterations,
   )
 
 
-def __getattr__(name: str):
-  if name == "picks_rows":
-    warnings.warn(
-      "refusion_jax.decoding.refusion.picks_rows is renamed pick_rows_on (it gives ReFusionSettings.pick_rows); "
-      "picks_rows will be removed.",
-      DeprecationWarning,
-      stacklevel=2,
-    )
-    return pick_rows_on
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = moved_names(
+  __name__,
+  {
+    "REFUSION": ("refusion_jax.decoding.refusion.ReFusion (the method's class runs in the loop)", lambda: ReFusion),
+    "pick_rows_on": ("refusion_jax.decoding.driver.pick_rows_on", lambda: driver.pick_rows_on),
+    "picks_rows": ("refusion_jax.decoding.driver.pick_rows_on", lambda: driver.pick_rows_on),
+  },
+)

@@ -39,6 +39,9 @@ class DecodeResult:
       answer position, -1 where nothing was committed.
     commit_phase: [B, G] how each position was committed (`PHASE_*`).
     seconds: wall-clock time of the call, compilation included when it happened.
+    loop_calls: calls of the compiled loop the host made (`chunk_iterations`, refills).
+    host_seconds: the host's own time over those calls: refilling the queue, placing inputs, dispatching
+      and reading back, not the wait for the device.
     widths: name -> {query width: count}. "forward" counts the batched loop
       forwards (prefills not included) by their query width (tokens per row);
       ReFusion adds one entry per stage (`STAGE_NAMES`) counting each row's
@@ -51,6 +54,8 @@ class DecodeResult:
   commit_iteration: np.ndarray
   commit_phase: np.ndarray
   seconds: float = 0.0
+  loop_calls: int = 0
+  host_seconds: float = 0.0
   widths: dict[str, dict[int, int]] = dataclasses.field(default_factory=dict)
 
   @property

@@ -1,42 +1,43 @@
-"""Text in, text out: a notebook-friendly front end over the three decoders.
+"""Text in, text out: a notebook-friendly front end over `decode`.
 
-    sampler = Sampler(model, "bytes")                 # ReFusion, default knobs
-    sampler("2 + 2 =")                                # -> str
-    sampler(["a", "b"])                               # -> list[str], one batch
-    texts, result = sampler.generate(["a", "b"])      # + the DecodeResult (trace, TPF)
-    Sampler(model, tok, method="ar", gen_length=32)   # the baselines, same interface
-    Sampler(model, tok, batch_size=8)(texts)          # many texts, 8 rows kept busy (continuous batching)
+    sampler = Sampler(model, "bytes")                       # ReFusion, its default settings
+    sampler("2 + 2 =")                                      # -> str
+    sampler(["a", "b"])                                     # -> list[str], one batch
+    texts, result = sampler.generate(["a", "b"])            # + the DecodeResult (trace, TPF)
+    Sampler(model, tok, method=rj.AR(gen_length=32))        # the baselines, same interface
+    Sampler(model, tok, method=rj.ReFusion(slot_size=8), batch_size=8)(texts)   # 8 rows kept busy
 
-Prompts are padded into the length buckets of `refusion_jax.decoding.prompts`,
-so calls with new prompts of a bucket reuse the compiled program: with
-`batch_size`, whatever the number of texts; without, for the same number.
+Prompts are padded into the length buckets of `refusion_jax.decoding.prompts`.
+The sampler keeps one `driver.Engine` per (rows, bucket): the parameters are
+placed once, and calls with new prompts of a bucket reuse the compiled
+program: with `batch_size`, whatever the number of texts; without, for the
+same number.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
 
 from refusion_jax.data.special_tokens import resolve_special_tokens
 from refusion_jax.data.tokenizer import Tokenizer, format_prompt, load_tokenizer
-from refusion_jax.decoding import defaults
-from refusion_jax.decoding.ar import ar_generate
-from refusion_jax.decoding.mdm import mdm_generate
-from refusion_jax.decoding.refusion import generate
+from refusion_jax.decoding import methods
+from refusion_jax.decoding.checks import check_positive, check_prompts
+from refusion_jax.decoding.contract import Method
+from refusion_jax.decoding.driver import Engine, check_method
+from refusion_jax.decoding.methods import method_class, method_value
+from refusion_jax.decoding.prompts import bucket_length
+from refusion_jax.decoding.refusion import ReFusion
 from refusion_jax.decoding.result import DecodeResult
+from refusion_jax.deprecation import moved_names, warn_deprecated
 from refusion_jax.model.transformer import Transformer, inference_view
-
-# The decoder of each method; its default knobs are `defaults.method_defaults(method, gen_length)`.
-METHODS: dict[str, Callable[..., DecodeResult]] = {"refusion": generate, "ar": ar_generate, "mdm": mdm_generate}
-
-
-def decoder_options(decoder: Callable) -> list[str]:
-  """The keyword-only arguments of a decoder (what `decode_kwargs` may set)."""
-  return [name for name, p in inspect.signature(decoder).parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
 
 
 class Sampler:
-  """Decode text prompts with ReFusion ("refusion") or a baseline ("ar", "mdm").
+  """Decode text prompts with a method value (`rj.ReFusion(...)`, `rj.AR(...)`, `rj.MDM(...)`).
 
   Special ids (mask, EOS, pad) default to the tokenizer's — the ids the model
   saw in training — then to the model config's; pass `mask_id=` etc. to
@@ -47,37 +48,46 @@ class Sampler:
     self,
     model: Transformer,
     tokenizer: Tokenizer | str,
-    method: str = "refusion",
+    method: Method | str | None = None,
+    *,
+    batch_size: int | None = None,
+    seed: int = 0,
     chat_template: bool = False,
-    **decode_kwargs,
+    mesh: jax.sharding.Mesh | None = None,
+    mask_id: int | None = None,
+    eos_id: int | None = None,
+    pad_id: int | None = None,
+    chunk_iterations: int | None = None,
+    **fields: Any,
   ):
     """
     Args:
       model: the backbone.
       tokenizer: a `Tokenizer`, or a name/path for `load_tokenizer` ("bytes", a HF directory).
-      method: "refusion", "ar" or "mdm".
+      method: the method value; None: `ReFusion()`. A name ("refusion", "ar", "mdm") with its fields as
+        keywords is the deprecated 0.2 spelling.
+      batch_size, seed, mesh, chunk_iterations: as `rj.decode` takes them.
       chat_template: wrap every prompt with the tokenizer's chat template first.
-      **decode_kwargs: keyword arguments of the method's decoder (e.g.
-        gen_length, slot_size, temperature, seed); unset ones take the
-        defaults of `refusion_jax.decoding.defaults` (MDM's block length and
-        steps follow gen_length).
+      mask_id, eos_id, pad_id: override the tokenizer's and the config's ids.
     """
-    if method not in METHODS:
-      raise ValueError(f"Unknown method {method!r}; choose one of {sorted(METHODS)}.")
-    self.decoder = METHODS[method]
-    options = decoder_options(self.decoder)
-    unknown = sorted(set(decode_kwargs) - set(options))
-    if unknown:
-      raise ValueError(f"method={method!r} takes no {', '.join(unknown)}; its options are {options}.")
+    method = ReFusion() if method is None else method
+    if isinstance(method, str) or fields:
+      method = _old_spelling(method, fields)
+    check_method(method)
+    check_positive("batch_size", batch_size, "all prompts of a call as one batch")
     self.model = inference_view(model)  # remat off and weights cast once, not per call
     self.method = method
     self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     self.chat_template = chat_template
-    special = resolve_special_tokens(tokenizer=self.tokenizer, config=model.config)
-    special = dict(mask_id=special.mask, eos_id=special.eos, pad_id=special.pad)
-    self.decode_kwargs = {k: v for k, v in special.items() if k in options and v is not None}
-    self.decode_kwargs.update(defaults.method_defaults(method, decode_kwargs.get("gen_length", defaults.GEN_LENGTH)))
-    self.decode_kwargs.update(decode_kwargs)
+    self.batch_size, self.chunk_iterations = batch_size, chunk_iterations
+    known = resolve_special_tokens(tokenizer=self.tokenizer, config=model.config)
+    self.special_ids = dict(
+      mask_id=known.mask if mask_id is None else mask_id,
+      eos_id=known.eos if eos_id is None else eos_id,
+      pad_id=known.pad if pad_id is None else pad_id,
+    )
+    self._engine_options = dict(mesh=mesh, seed=seed, **self.special_ids)
+    self._engines: dict[tuple[int, int], Engine] = {}
 
   def encode(self, text: str) -> list[int]:
     """Prompt ids of one text (after the chat template when it is on)."""
@@ -86,9 +96,18 @@ class Sampler:
       raise ValueError("The prompt is empty after tokenisation; give at least one character.")
     return ids
 
+  def engine(self, rows: int, prompt_width: int) -> Engine:
+    """The sampler's engine for K = `rows` rows and prompt bucket `prompt_width` (built on first use)."""
+    if (rows, prompt_width) not in self._engines:
+      engine = Engine(self.model, self.method, rows=rows, prompt_width=prompt_width, **self._engine_options)
+      self._engines[rows, prompt_width] = engine
+    return self._engines[rows, prompt_width]
+
   def decode_ids(self, prompt_ids: Sequence[Sequence[int]]) -> DecodeResult:
-    """Decode token-id prompts (one batch) with this sampler's method and knobs."""
-    return self.decoder(self.model, prompt_ids, **self.decode_kwargs)
+    """Decode token-id prompts (one batch) with this sampler's method, as `rj.decode` would."""
+    check_prompts(prompt_ids, self.model.config, self.method.gen_length)
+    engine = self.engine(self.batch_size or len(prompt_ids), bucket_length(max(len(p) for p in prompt_ids)))
+    return engine.run(prompt_ids, self.chunk_iterations)
 
   def generate(self, texts: Sequence[str]) -> tuple[list[str], DecodeResult]:
     """Decode a batch of text prompts; returns the answers' texts and the full result."""
@@ -100,3 +119,34 @@ class Sampler:
     if isinstance(texts, str):
       return self.generate([texts])[0][0]
     return self.generate(list(texts))[0]
+
+
+def _old_spelling(method: Method | str, fields: dict[str, Any]) -> Method:
+  """The method value of the 0.2 spelling `Sampler(model, tok, method="ar", gen_length=...)` (with a warning)."""
+  cls = method_class(method) if isinstance(method, str) else type(method)
+  unknown = sorted(set(fields) - set(_decoder_options(cls)))
+  if unknown:
+    raise ValueError(
+      f"method={cls.name!r} takes no {', '.join(unknown)}; its fields are {_decoder_options(cls)}, "
+      f"set on the value: method=refusion_jax.{cls.__name__}(...)."
+    )
+  warn_deprecated(
+    f"Sampler(model, tokenizer, method={cls.name!r}, <fields>=...)",
+    f"Sampler(model, tokenizer, method=refusion_jax.{cls.__name__}(<fields>=...))",
+    stacklevel=4,
+  )
+  return method_value(cls.name, fields) if isinstance(method, str) else dataclasses.replace(method, **fields)
+
+
+def _decoder_options(method: type[Method]) -> list[str]:
+  """The 0.2 `decoder_options`: what a method takes, its fields now."""
+  return [f.name for f in dataclasses.fields(method)]
+
+
+__getattr__ = moved_names(
+  __name__,
+  {
+    "METHODS": ("refusion_jax.decoding.methods.METHODS (name -> method class)", lambda: methods.METHODS),
+    "decoder_options": ("dataclasses.fields(refusion_jax.decoding.methods.METHODS[name])", lambda: _decoder_options),
+  },
+)

@@ -13,8 +13,8 @@ forwards.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import TYPE_CHECKING
 
 import flax.struct
 import jax
@@ -24,9 +24,6 @@ from refusion_jax.decoding.scoring import first_argmax, log_partition, token_pro
 from refusion_jax.model import cache as kv_cache
 from refusion_jax.model.transformer import Transformer
 
-if TYPE_CHECKING:
-  from refusion_jax.decoding.refusion import ReFusionSettings
-
 # Token budget of a width-fitted forward, in slots per row kept busy: each compiled (rows, width) shape
 # holds max(T, ROW_BUDGET_SLOTS × K × S) tokens (`forward_shapes`). How it was chosen, with the numbers
 # measured: README.md, "Benchmarks".
@@ -34,6 +31,33 @@ ROW_BUDGET_SLOTS = 2
 # What a forward costs regardless of its size, in tokens of forward width: the scheduler divides the work a
 # shape would serve by its tokens plus this (`scheduled_forward`). How it was fitted: README.md, "Benchmarks".
 FORWARD_OVERHEAD_TOKENS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardLayout:
+  """What the scheduler needs of a ReFusion decode (static, hashable): the block it fits forwards into.
+
+  Attributes:
+    slot_size: S, tokens per slot (the narrowest width).
+    block_length: T, tokens per serial block (the widest).
+    fit_width: forwards only as wide as the active slots (False: always the whole block, one compiled width).
+    pick_rows: narrow forwards may take fewer rows than K (False where rows are split over devices: the
+      driver decides, `engine.Engine`).
+  """
+
+  slot_size: int
+  block_length: int
+  fit_width: bool = True
+  pick_rows: bool = True
+
+  @property
+  def widths(self) -> tuple[int, ...]:
+    """The compiled query widths: S, 2S, 4S, ... below T, then T (only T without fit_width)."""
+    width, widths = self.slot_size, []
+    while self.fit_width and width < self.block_length:
+      widths.append(width)
+      width *= 2
+    return (*widths, self.block_length)
 
 
 @flax.struct.dataclass
@@ -74,7 +98,7 @@ def token_scores(logits: jax.Array, tokens: jax.Array, noise: jax.Array | None) 
   )
 
 
-def forward_shapes(settings: ReFusionSettings, rows: int) -> tuple[tuple[int, int], ...]:
+def forward_shapes(layout: ForwardLayout, rows: int) -> tuple[tuple[int, int], ...]:
   """(rows, width) of each compiled forward over K = `rows` resident rows.
 
   Widths S, 2S, 4S, ... T, each with as many rows as a budget of
@@ -83,12 +107,12 @@ def forward_shapes(settings: ReFusionSettings, rows: int) -> tuple[tuple[int, in
   many rows at once. Without fit_width: one shape, every row at the whole block. Without pick_rows: every
   width over all K rows.
   """
-  if not settings.fit_width:
-    return ((rows, settings.block_length),)
-  if not settings.pick_rows:
-    return tuple((rows, width) for width in settings.widths)
-  budget = max(settings.block_length, ROW_BUDGET_SLOTS * rows * settings.slot_size)
-  return tuple((min(rows, budget // width), width) for width in settings.widths)
+  if not layout.fit_width:
+    return ((rows, layout.block_length),)
+  if not layout.pick_rows:
+    return tuple((rows, width) for width in layout.widths)
+  budget = max(layout.block_length, ROW_BUDGET_SLOTS * rows * layout.slot_size)
+  return tuple((min(rows, budget // width), width) for width in layout.widths)
 
 
 def _take_rows(tree, rows: jax.Array | None, axis: int = 0):
@@ -235,7 +259,7 @@ def scheduled_forward(
   waited: jax.Array,
   query: BlockQuery,
   live: jax.Array,
-  settings: ReFusionSettings,
+  layout: ForwardLayout,
 ) -> tuple[TokenScores, kv_cache.KVCache, jax.Array, jax.Array]:
   """One forward of the rows and columns that fit the best compiled (rows, width) shape (`_choose_shape`).
 
@@ -254,13 +278,14 @@ def scheduled_forward(
     entries (`kv_cache.stage`), compact column j right after the row's last
     entry (junk past its active tokens: a commit keeps a prefix of the active
     tokens, which compact order keeps in block order, so nothing is moved
-    back); served [K] bool (the rows that ran) and the index of the shape that
-    ran (into `forward_shapes`).
+    back); served [K] bool (the rows that ran) and the query width that ran
+    [] int32.
   """
-  shapes = forward_shapes(settings, live.shape[0])
+  shapes = forward_shapes(layout, live.shape[0])
   shape_index, picks, served = _choose_shape(shapes, query, waited, live)
   order, back = _compact_order(query.active)
   tokens_out = max(rows * width for rows, width in shapes)
   branches = [functools.partial(_run_shape, model, i, width, tokens_out) for i, (_, width) in enumerate(shapes)]
   scores, staged = jax.lax.switch(shape_index, branches, query, order, back, picks, cache)
-  return scores, kv_cache.stage(cache, *staged), served[shape_index], shape_index
+  width = jnp.asarray([width for _, width in shapes], jnp.int32)[shape_index]
+  return scores, kv_cache.stage(cache, *staged), served[shape_index], width

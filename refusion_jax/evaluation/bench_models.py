@@ -22,32 +22,14 @@ from refusion_jax.checkpoints.load import load
 from refusion_jax.data import tasks
 from refusion_jax.data.special_tokens import SpecialTokens, resolve_special_tokens
 from refusion_jax.data.tokenizer import format_prompt
-from refusion_jax.decoding.checks import check_slot_layout
+from refusion_jax.decoding.refusion import ReFusion
+from refusion_jax.deprecation import moved_names
 from refusion_jax.model import config as config_lib
 from refusion_jax.model.transformer import Transformer, init_model
 
 PROMPT_LENGTHS = (8, 16)  # random prompts: lengths drawn in [8, 16], one bucket
 
 Result = TypeVar("Result")
-
-
-@dataclasses.dataclass(frozen=True)
-class ReFusionOptions:
-  """ReFusion's decoding knobs (docs/method.md §2) as a benchmark runs them."""
-
-  gen_length: int  # G, answer tokens at most
-  slot_size: int
-  serial_blocks: int
-  slot_threshold: float
-  token_threshold: float
-
-  def check(self) -> None:
-    """Raises ValueError when G is not a multiple of slot_size × serial_blocks."""
-    check_slot_layout(self.gen_length, self.slot_size, self.serial_blocks)
-
-  def knobs(self, mask_id: int) -> dict:
-    """The keyword arguments of `generate` (and of the eager reference) with this mask id."""
-    return dict(dataclasses.asdict(self), mask_id=mask_id)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,3 +132,8 @@ def measure(label: str, call: Callable[[], Result], repeats: int) -> tuple[Resul
     log(f"{label}: run {i + 1}/{repeats} {runs[-1]:.2f}s")
   median = statistics.median(runs)
   return result, max(first - median, 0.0), median
+
+
+__getattr__ = moved_names(
+  __name__, {"ReFusionOptions": ("refusion_jax.ReFusion (same fields, checked when built)", lambda: ReFusion)}
+)

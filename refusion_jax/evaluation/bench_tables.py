@@ -31,7 +31,7 @@ def _table(header: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
 
 def format_table(rows: Sequence[Measurement]) -> str:
   """The decode benchmark as a table, one line per measurement."""
-  header = ("model", "method", "batch", "fwd/row", "TPF", "tokens/s", "compile s", "run s", "KV cache")
+  header = ("model", "method", "batch", "fwd/row", "TPF", "tokens/s", "compile s", "run s", "host ms/call", "KV cache")
   lines = [
     (
       r.model,
@@ -42,6 +42,7 @@ def format_table(rows: Sequence[Measurement]) -> str:
       f"{r.tokens_per_s:.1f}",
       f"{r.compile_s:.2f}",
       f"{r.run_s:.3f}",
+      "-" if r.host_ms is None else f"{r.host_ms:.2f}",
       _bytes(r.kv_cache_bytes),
     )
     for r in rows

@@ -19,16 +19,15 @@ import jax
 import numpy as np
 from flax import nnx
 
-from refusion_jax.decoding import defaults
-from refusion_jax.decoding.ar import ar_generate
-from refusion_jax.decoding.mdm import check_mdm_schedule, mdm_generate
+from refusion_jax.decoding.ar import AR
+from refusion_jax.decoding.driver import decode
+from refusion_jax.decoding.mdm import MDM
 from refusion_jax.decoding.prompts import bucket_length
 from refusion_jax.decoding.reference import decode_reference
-from refusion_jax.decoding.refusion import generate
+from refusion_jax.decoding.refusion import ReFusion
 from refusion_jax.decoding.result import DecodeResult
 from refusion_jax.evaluation.bench_models import (
   BenchModel,
-  ReFusionOptions,
   TrainedSource,
   log,
   measure,
@@ -45,26 +44,25 @@ EAGER = "refusion eager ref."  # the eager reference's method name: batch 1 only
 class DecodeBenchOptions:
   """What the decode benchmark runs: the knobs of every method, the batch, the timing and the random models."""
 
-  refusion: ReFusionOptions
+  refusion: ReFusion
   batch: int = 16  # the large batch (batch 1 is always measured too)
   repeats: int = 3  # timed runs after the warm-up; the median is reported
-  mdm_block_length: int | None = None  # None: the default for gen_length
-  mdm_steps: int | None = None  # None: gen_length (one token per step)
+  mdm: MDM | None = None  # None: MDM's defaults for ReFusion's gen_length
   sizes: Sequence[str] = ("tiny", "small")  # random models' presets (without a trained source)
   sharpen: float = 128.0  # LM-head scale of the random models (1: plain init)
   seed: int = 0  # weights and prompts of the random models
 
-  def mdm_schedule(self) -> tuple[int, int]:
-    """(block length, steps) of MDM: the given ones, else the defaults for gen_length."""
-    mdm = defaults.method_defaults("mdm", self.refusion.gen_length)
-    return self.mdm_block_length or mdm["block_length"], self.mdm_steps or mdm["steps"]
+  @property
+  def methods(self) -> dict[str, ReFusion | AR | MDM]:
+    """The method value of each jitted method, all with ReFusion's answer length."""
+    gen_length = self.refusion.gen_length
+    return dict(refusion=self.refusion, ar=AR(gen_length), mdm=self.mdm or MDM(gen_length))
 
   def check(self) -> None:
-    """Reject bad knobs before anything is built or compiled."""
+    """Reject bad options before anything is built or compiled (the method values checked themselves)."""
     if self.batch < 1 or self.repeats < 1:
       raise ValueError(f"--batch ({self.batch}) and --repeats ({self.repeats}) must be at least 1.")
-    self.refusion.check()
-    check_mdm_schedule(self.refusion.gen_length, *self.mdm_schedule())
+    self.methods  # noqa: B018  (builds the default MDM value, which checks itself)
     unknown = [s for s in self.sizes if s not in config_lib.PRESETS]
     if unknown:
       raise ValueError(f"Unknown --sizes {unknown}; choose among {sorted(config_lib.PRESETS)}.")
@@ -82,24 +80,21 @@ class Measurement:
   tokens_per_s: float  # answer tokens of the batch ÷ median run time
   compile_s: float  # first call − median run
   run_s: float  # median run time
+  host_ms: float | None  # host milliseconds per loop call (`DecodeResult.host_seconds`); None: no loop
   kv_cache_bytes: int | None  # None: the method keeps no cache
   tokens: list[list[int]]
 
 
 def decoders(bench: BenchModel, options: DecodeBenchOptions) -> dict[str, Callable[[list[list[int]]], DecodeResult]]:
-  """Each method as a function of the prompts, with the run's knobs bound."""
-  ids = dict(eos_id=bench.eos_id, pad_id=bench.pad_id)
-  refusion = options.refusion.knobs(bench.mask_id)
-  gen_length = options.refusion.gen_length
-  block_length, steps = options.mdm_schedule()
-  return {
-    "refusion": lambda p: generate(bench.model, p, **refusion, **ids),
-    EAGER: lambda p: decode_reference(bench.model, p[0], **refusion, eos_id=bench.eos_id),
-    "ar": lambda p: ar_generate(bench.model, p, gen_length=gen_length, **ids),
-    "mdm": lambda p: mdm_generate(
-      bench.model, p, gen_length=gen_length, block_length=block_length, steps=steps, mask_id=bench.mask_id, **ids
-    ),
+  """Each method as a function of the prompts, with the run's method values and special ids bound."""
+  ids = dict(mask_id=bench.mask_id, eos_id=bench.eos_id, pad_id=bench.pad_id)
+  calls = {
+    name: functools.partial(decode, bench.model, method=method, **ids) for name, method in options.methods.items()
   }
+  fields = dataclasses.asdict(options.refusion)
+  del fields["fit_width"]  # the eager reference always runs the whole block
+  eager = lambda p: decode_reference(bench.model, p[0], **fields, mask_id=bench.mask_id, eos_id=bench.eos_id)
+  return {"refusion": calls["refusion"], EAGER: eager, "ar": calls["ar"], "mdm": calls["mdm"]}
 
 
 def bench_decode(bench: BenchModel, options: DecodeBenchOptions) -> list[Measurement]:
@@ -125,6 +120,7 @@ def bench_decode(bench: BenchModel, options: DecodeBenchOptions) -> list[Measure
           tokens_per_s=sum(len(t) for t in result.tokens) / run_s,
           compile_s=compile_s,
           run_s=run_s,
+          host_ms=1e3 * result.host_seconds / result.loop_calls if result.loop_calls else None,
           kv_cache_bytes=kv_cache_bytes(bench.model.config, batch, capacity) if method in cached else None,
           tokens=result.tokens,
         )

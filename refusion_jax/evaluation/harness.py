@@ -1,7 +1,7 @@
 """Our model as an lm-evaluation-harness `LM`: the paper's benchmark table, batched, on a sharded model.
 
 `ReFusionLM` answers lm-eval's `generate_until` requests with the package's
-decoders (`rj.generate` and the baselines, through `rj.Sampler`), and is
+decoders (`rj.ReFusion` and the baselines, through `rj.Sampler`), and is
 registered as `refusion_jax` by `refusion_jax.harness` (the command line) or
 `register()` (Python, then `lm_eval.simple_evaluate(model=ReFusionLM(...))`).
 
@@ -48,31 +48,24 @@ from tqdm import tqdm
 from refusion_jax.checkpoints.load import load
 from refusion_jax.data.chat import render_messages
 from refusion_jax.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
-from refusion_jax.decoding import defaults
+from refusion_jax.decoding import paper
+from refusion_jax.decoding.mdm import MDM_BLOCK_LENGTH
+from refusion_jax.decoding.methods import METHODS, method_value
+from refusion_jax.decoding.paper import PAPER_TASKS
 from refusion_jax.decoding.prompts import bucket_length
+from refusion_jax.decoding.refusion import ReFusion
 from refusion_jax.decoding.result import PHASE_VERIFY, DecodeResult
 from refusion_jax.decoding.sampler import Sampler
+from refusion_jax.deprecation import moved_names
 from refusion_jax.model.config import PRESETS
 from refusion_jax.model.transformer import Transformer
 from refusion_jax.parallel.sharding import MESH_AXES, make_mesh
 
-# The paper's settings per task (the official eval.sh): every task decodes G = 512 tokens, zero-shot, chat template.
-PAPER_TASKS: dict[str, dict[str, Any]] = {
-  "gsm8k_cot": dict(slot_size=32, serial_blocks=4, slot_threshold=0.9, token_threshold=0.4),
-  "minerva_math": dict(slot_size=32, serial_blocks=8, slot_threshold=0.8, token_threshold=0.6),
-  "humaneval_instruct_noprefix": dict(slot_size=32, serial_blocks=4, slot_threshold=0.9, token_threshold=0.4),
-  "mbpp": dict(slot_size=32, serial_blocks=4, slot_threshold=0.9, token_threshold=0.3),
-  "arc_challenge_chat": dict(slot_size=8, serial_blocks=64, slot_threshold=0.8, token_threshold=0.1),
-  "mmlu_pro": dict(slot_size=16, serial_blocks=4, slot_threshold=0.9, token_threshold=0.4),
-  "gpqa_main_generative_n_shot": dict(slot_size=8, serial_blocks=32, slot_threshold=0.8, token_threshold=0.2),
-}
-PAPER_GEN_LENGTH = 512
-
 # The official harness's code extraction: the body of the first ```python fenced block.
 PYTHON_FENCE = re.compile(r"```python\n(.*?)\n```", re.DOTALL)
 
-REFUSION_KNOBS = ("slot_size", "serial_blocks", "slot_threshold", "token_threshold")
-METHODS = ("refusion", "ar", "mdm")
+# ReFusion's fields a paper task sets, and the --model_args that set them.
+REFUSION_FIELDS = ("slot_size", "serial_blocks", "slot_threshold", "token_threshold")
 
 
 # What --model_args may set (the constructor's arguments a command line can spell).
@@ -112,7 +105,7 @@ def check_model_args(args: Mapping[str, Any]) -> None:
     )
   method, paper_task = args.get("method", "refusion"), args.get("paper_task")
   if method not in METHODS:
-    raise HarnessArgumentError(f"method={method!r}: choose one of {', '.join(METHODS)}.")
+    raise HarnessArgumentError(f"method={method!r}: choose one of {', '.join(METHODS)}.")  # the method classes
   if paper_task is not None and paper_task not in PAPER_TASKS:
     raise HarnessArgumentError(f"paper_task={paper_task!r} is not one of the paper's tasks: {', '.join(PAPER_TASKS)}.")
   if isinstance(args.get("mesh"), str):
@@ -158,7 +151,7 @@ def answer_grid(method: str, settings: Mapping[str, Any]) -> int:
   if method == "refusion":
     return settings["slot_size"] * settings["serial_blocks"]
   if method == "mdm":
-    return defaults.mdm_block_length(settings["gen_length"])
+    return min(MDM_BLOCK_LENGTH, settings["gen_length"])  # MDM's block when it follows G
   return 1
 
 
@@ -337,18 +330,19 @@ class ReFusionLM(LM):
 
   @staticmethod
   def _settings(method: str, paper_task: str | None, gen_length: int | None, knobs: dict) -> dict[str, Any]:
-    """The decode knobs: the method's defaults, then the paper task's, then the explicit ones."""
-    paper = dict(PAPER_TASKS.get(paper_task, {}), gen_length=PAPER_GEN_LENGTH) if paper_task else {}
-    length = _positive_int("gen_length", gen_length or paper.get("gen_length", defaults.GEN_LENGTH))
-    settings = defaults.method_defaults(method, length)
+    """The decode settings: the method's defaults, then the paper task's, then the explicit ones."""
+    task = dataclasses.asdict(PAPER_TASKS[paper_task]) if paper_task else {}
+    length = _positive_int("gen_length", gen_length or task.get("gen_length", METHODS[method]().gen_length))
+    settings = dict(gen_length=length)
     if method == "refusion":
-      settings.update({k: v for k, v in paper.items() if k in REFUSION_KNOBS})
+      default = ReFusion()
+      settings.update({k: task.get(k, getattr(default, k)) for k in REFUSION_FIELDS})
       settings.update({k: v for k, v in knobs.items() if v is not None})
       for name in ("slot_size", "serial_blocks"):
         settings[name] = _positive_int(name, settings[name])
       if knobs["serial_blocks"] is None and length % settings["slot_size"] == 0:
         settings["serial_blocks"] = fitted_serial_blocks(length // settings["slot_size"], settings["serial_blocks"])
-    return {k: v for k, v in settings.items() if k in ("gen_length", *REFUSION_KNOBS)}
+    return settings
 
   def _load(self, checkpoint: str, tokenizer: str | None, dtype: str | None) -> tuple[Transformer, Tokenizer]:
     try:
@@ -394,13 +388,12 @@ class ReFusionLM(LM):
   # --- decoding ------------------------------------------------------------------------------------------
 
   def sampler(self, gen_length: int) -> Sampler:
-    """The `rj.Sampler` that decodes answers of `gen_length` tokens with this model's settings."""
+    """The `rj.Sampler` that decodes answers of `gen_length` tokens with this model's settings (MDM's block and
+    steps follow G)."""
     if gen_length not in self._samplers:
-      knobs = dict(self.settings, gen_length=gen_length, temperature=self.temperature, seed=self.seed)
-      if self.method == "mdm":
-        knobs.update(defaults.method_defaults("mdm", gen_length))
+      method = method_value(self.method, dict(self.settings, gen_length=gen_length, temperature=self.temperature))
       self._samplers[gen_length] = Sampler(
-        self.model, self.tokenizer, method=self.method, batch_size=self.rows, mesh=self.mesh, **knobs
+        self.model, self.tokenizer, method, batch_size=self.rows, seed=self.seed, mesh=self.mesh
       )
     return self._samplers[gen_length]
 
@@ -502,3 +495,12 @@ def register() -> type[ReFusionLM]:
   from lm_eval.api.registry import register_model
 
   return register_model("refusion_jax")(ReFusionLM)  # registering the same class again is a no-op
+
+
+__getattr__ = moved_names(
+  __name__,
+  {
+    "PAPER_GEN_LENGTH": ("refusion_jax.decoding.paper.PAPER_GEN_LENGTH", lambda: paper.PAPER_GEN_LENGTH),
+    "REFUSION_KNOBS": ("refusion_jax.evaluation.harness.REFUSION_FIELDS", lambda: REFUSION_FIELDS),
+  },
+)

@@ -23,6 +23,7 @@ import tqdm
 from refusion_jax.data.tasks import is_correct
 from refusion_jax.data.tokenizer import Tokenizer
 from refusion_jax.decoding.compilations import compilations
+from refusion_jax.decoding.contract import Method
 from refusion_jax.decoding.result import DecodeResult
 from refusion_jax.decoding.sampler import Sampler
 from refusion_jax.model.transformer import Transformer
@@ -107,20 +108,21 @@ def run(
   tokenizer: Tokenizer,
   examples: Sequence[dict],
   *,
-  method: str,
-  knobs: dict,
+  method: Method,
   batch_size: int,
   chat_template: bool = False,
   repeats: int = 1,
+  seed: int = 0,
   progress: bool = True,
 ) -> EvalRun:
   """Decode every example ({query, response[, task]}) with `method` and check its answer.
 
   Args:
-    knobs: the decoder's keyword arguments (gen_length, slot_size, ...).
+    method: the method value (`rj.ReFusion(...)`, `rj.AR(...)`, `rj.MDM(...)`).
     batch_size: rows decoded at once (continuous batching over each call's prompts).
     chat_template: wrap queries in the tokenizer's chat template, as training did.
     repeats: time each batch this many times and keep the fastest (see `timed_decode`).
+    seed: the PRNG seed of sampling (a method with temperature > 0).
     progress: show a progress bar.
   """
   if not examples:
@@ -129,7 +131,7 @@ def run(
   timings = []
   bar = tqdm.tqdm(total=len(examples), unit="answer", disable=not progress, dynamic_ncols=True)
   done = correct = 0
-  sampler = Sampler(model, tokenizer, method=method, chat_template=chat_template, **dict(knobs, batch_size=batch_size))
+  sampler = Sampler(model, tokenizer, method, batch_size=batch_size, seed=seed, chat_template=chat_template)
   for rows in task_batches(examples, batch_size * PROMPTS_PER_ROW):
     prompts = [sampler.encode(examples[i]["query"]) for i in rows]
     call = functools.partial(sampler.decode_ids, prompts)

@@ -20,18 +20,17 @@ and in the model's dtype.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from refusion_jax.decoding.refusion import generate
+from refusion_jax.decoding.driver import decode
+from refusion_jax.decoding.refusion import ReFusion
 from refusion_jax.decoding.result import DecodeResult
 from refusion_jax.evaluation.bench_models import (
   BenchModel,
-  ReFusionOptions,
   TrainedSource,
   log,
   random_bench_model,
@@ -50,7 +49,7 @@ OFFICIAL = "official PyTorch"
 class ThroughputOptions:
   """What the throughput benchmark runs: the decoding knobs, the prompt counts, the modes' K and the model."""
 
-  refusion: ReFusionOptions
+  refusion: ReFusion
   prompts: Sequence[int] = (8, 64)  # prompt counts N
   batch_sizes: Sequence[int] = (1, 8, 16)  # K of the batched modes
   repeats: int = 3  # interleaved timed rounds after the warm-up; medians
@@ -64,7 +63,6 @@ class ThroughputOptions:
   def check(self) -> None:
     if self.repeats < 1 or min(self.prompts) < 1 or min(self.batch_sizes) < 1:
       raise ValueError("--repeats, --prompts and --batch_sizes must be at least 1.")
-    self.refusion.check()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,23 +94,27 @@ class ThroughputRow:
 
 def throughput_modes(bench: BenchModel, options: ThroughputOptions) -> list[Mode]:
   """Each mode: one call per prompt, per static batch, or one continuous call (and the official decoder)."""
-  knobs = options.refusion.knobs(bench.mask_id)
-  decode = functools.partial(generate, bench.model, **knobs, eos_id=bench.eos_id, pad_id=bench.pad_id)
+  ids = dict(mask_id=bench.mask_id, eos_id=bench.eos_id, pad_id=bench.pad_id)
+  method, full_width = options.refusion, dataclasses.replace(options.refusion, fit_width=False)
+  run = lambda prompts, method=method, **more: decode(bench.model, prompts, method, **ids, **more)
   modes = [
-    Mode("sequential", 1, lambda ps: [decode([p]) for p in ps]),
-    Mode("sequential, full width", 1, lambda ps: [decode([p], fit_width=False) for p in ps]),
+    Mode("sequential", 1, lambda ps: [run([p]) for p in ps]),
+    Mode("sequential, full width", 1, lambda ps: [run([p], full_width) for p in ps]),
   ]
   for k in options.batch_sizes:
     if k > 1:  # static batches of 1 are the sequential mode
-      modes.append(Mode(f"static {k}", k, lambda ps, k=k: [decode(ps[i : i + k]) for i in range(0, len(ps), k)]))
+      modes.append(Mode(f"static {k}", k, lambda ps, k=k: [run(ps[i : i + k]) for i in range(0, len(ps), k)]))
   for k in options.batch_sizes:
-    modes.append(Mode(f"continuous {k}", k, lambda ps, k=k: [decode(ps, batch_size=k)]))
+    modes.append(Mode(f"continuous {k}", k, lambda ps, k=k: [run(ps, batch_size=k)]))
   if options.official_repo:
     from refusion_jax.evaluation.official import OfficialDecoder  # imports torch: only when asked for
 
     official = OfficialDecoder(bench.model, options.official_repo)
     label = f"{OFFICIAL} {official.device.type} {bench.model.config.dtype}"
-    modes.append(Mode(label, 1, lambda ps: [official.decode(ps, **knobs, eos_id=bench.eos_id)], official=True))
+    fields = dataclasses.asdict(method)
+    del fields["temperature"], fields["fit_width"]  # the official decoder is greedy and runs whole blocks
+    decode_official = lambda ps: [official.decode(ps, **fields, mask_id=bench.mask_id, eos_id=bench.eos_id)]
+    modes.append(Mode(label, 1, decode_official, official=True))
   return modes
 
 

@@ -2,7 +2,7 @@
 topology (or the local devices), with per-device memory, FLOPs, and what to change when something does not fit.
 
 The numbers are `parallel/compiled.py`'s (`compile_report`): this module builds the two programs as
-`refusion_jax.train` and `generate(..., mesh=)` run them, from the config's shapes alone. Shapes come from
+`refusion_jax.train` and `rj.decode(..., mesh=)` run them, from the config's shapes alone. Shapes come from
 `config.model` (preset + overrides), not from `init_from`; special token ids the config leaves unset get
 placeholders (they do not change the compiled program). `python -m refusion_jax.aot` prints the reports.
 """
@@ -18,9 +18,10 @@ import ml_collections
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from refusion_jax.decoding.driver import Decoder, loop_for, padded_rows, start_batch
+from refusion_jax.decoding.checks import decoder_special_tokens
+from refusion_jax.decoding.driver import loop_for, padded_rows, pick_rows_on, start_state
 from refusion_jax.decoding.mesh import loop_shardings
-from refusion_jax.decoding.refusion import REFUSION, ReFusionKnobs, ReFusionSettings, pick_rows_on
+from refusion_jax.decoding.methods import config_method
 from refusion_jax.model import flops, lora
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import inference_config, init_model
@@ -107,10 +108,10 @@ def decode_report(
   prompt_length: int,
   mesh_shape: dict[str, int],
 ) -> compiled.Report:
-  """Compile the ReFusion decode loop as `generate(..., mesh=)` runs a batch of `batch` prompts on that mesh.
+  """Compile the ReFusion decode loop as `rj.decode(..., mesh=)` runs a batch of `batch` prompts on that mesh.
 
   The loop runs on the inference view of the model (no remat, weights in compute dtype), with its rows
-  padded to a multiple of the mesh's batch-parallel devices, as `generate` pads them: a batch smaller than
+  padded to a multiple of the mesh's batch-parallel devices, as `rj.decode` pads them: a batch smaller than
   the mesh fits it.
   """
   model_config = inference_config(model_config_of(config))
@@ -119,30 +120,21 @@ def decode_report(
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: init_model(model_config)))
   params = _abstract(abstract, sharding.state_shardings(abstract, mesh, rules))
   replicated = NamedSharding(mesh, PartitionSpec())
-  knobs = ReFusionKnobs(
-    slot_threshold=jnp.float32(0.9),
-    token_threshold=jnp.float32(0.9),
-    temperature=jnp.float32(0.0),
-    key=jax.random.key(0),
-    mask_id=jnp.int32(model_config.mask_token_id),
-    eos_id=jnp.int32(model_config.eos_token_id),
-  )
-  knobs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), knobs)
-  ev = config.eval
-  settings = ReFusionSettings(
-    ev.gen_length, ev.slot_size, ev.serial_blocks, sample=False, pick_rows=pick_rows_on(mesh, rules)
-  )
-  decoder = Decoder(REFUSION, settings, knobs, model_config.eos_token_id)
+  method = config_method("refusion", config.eval)  # the ReFusion value validation decodes with, greedy
+  special = decoder_special_tokens(model_config)
+  decoder = method.decoder(model_config, special, seed=0, pick_rows=pick_rows_on(mesh, rules))
+  knobs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), decoder.knobs)
   rows, ways = padded_rows(batch, mesh, rules), sharding.batch_parallel_ways(mesh, rules)
-  state = start_batch(decoder, model_config, rows, prompt_length)
+  state = start_state(decoder, model_config, rows, prompt_length)
   loop = loop_for(decoder, graphdef, mesh, rules)
   state = _abstract(state, loop_shardings(state, mesh, rules))
   max_iterations = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
 
   padding = f" as {rows} rows (a multiple of {ways} batch-parallel devices)" if rows != batch else ""
   name = (
-    f"decode (prefill + 1 loop iteration), batch {batch}{padding}, prompt {prompt_length} + {ev.gen_length} "
-    f"(S={ev.slot_size}, {ev.serial_blocks} blocks), {model_config.param_dtype} weights, mesh {mesh_text(mesh)}"
+    f"decode (prefill + 1 loop iteration), batch {batch}{padding}, prompt {prompt_length} + {method.gen_length} "
+    f"(S={method.slot_size}, {method.serial_blocks} blocks), {model_config.param_dtype} weights, "
+    f"mesh {mesh_text(mesh)}"
   )
   lower = lambda: loop.lower(params, state, max_iterations, knobs)
   report = compiled.compile_report(name, lower, (params, state, knobs), list(mesh.devices.flat), chip)

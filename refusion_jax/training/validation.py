@@ -2,13 +2,16 @@
 
 (The command-line evaluation of a finished checkpoint is `python -m refusion_jax.eval`, `refusion_jax.evaluation`.)
 
-Decoding uses the method that matches the objective (`sampler.METHODS`:
+Decoding uses the method that matches the objective (`methods.METHODS`:
 ReFusion's plan-and-infill, docs/method.md §2, for "refusion", the AR or MDM
-baseline decoder otherwise), with the knobs of `config.eval`.
+baseline otherwise), its fields set from `config.eval` (`methods.config_method`),
+through a `Sampler`: the tokenizer's special ids, then the config's, as every
+other caller resolves them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -19,10 +22,13 @@ from flax import nnx
 
 from refusion_jax.data import pipeline
 from refusion_jax.data.tasks import is_correct
-from refusion_jax.data.tokenizer import Tokenizer, format_prompt
-from refusion_jax.decoding.defaults import method_defaults
+from refusion_jax.data.tokenizer import Tokenizer
+from refusion_jax.decoding.contract import Method
+from refusion_jax.decoding.driver import decode
+from refusion_jax.decoding.methods import config_method
 from refusion_jax.decoding.result import DecodeResult
-from refusion_jax.decoding.sampler import METHODS
+from refusion_jax.decoding.sampler import Sampler
+from refusion_jax.deprecation import deprecated, moved_names
 from refusion_jax.model.transformer import Transformer
 from refusion_jax.training.state import Placement
 
@@ -34,37 +40,11 @@ REPRODUCIBILITY = (
   "tokens per forward may differ: another CPU or accelerator (or XLA version) sums in another floating-point order, "
   "and training amplifies that into another draw from the spread over seeds (the README gives the demo's)."
 )
-# Decoder keyword -> the `config.eval` field that sets it.
-EVAL_KNOBS = dict(
-  gen_length="gen_length",
-  slot_size="slot_size",
-  serial_blocks="serial_blocks",
-  slot_threshold="slot_threshold",
-  token_threshold="token_threshold",
-  block_length="mdm_block_length",
-  steps="mdm_steps",
-)
 
 
-def eval_knobs(method: str, eval_config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """The keyword arguments of `method`'s decoder: its defaults (`method_defaults`), set from `eval_config`."""
-  return {name: eval_config[EVAL_KNOBS[name]] for name in method_defaults(method, eval_config.gen_length)}
-
-
-def decode_answers(
-  model: Transformer,
-  prompts: list[list[int]],
-  config: ml_collections.ConfigDict,
-  batch_size: int | None = None,
-  mesh: jax.sharding.Mesh | None = None,
-) -> DecodeResult:
-  """Decode with the method matching `config.objective.kind` and the knobs of `config.eval`.
-
-  batch_size: rows kept busy by continuous batching over all `prompts`; None decodes them as one batch.
-  mesh: decode on this mesh (the training mesh during a run, where the parameters already are); None: one device.
-  """
-  kind = config.objective.kind
-  return METHODS[kind](model, prompts, **eval_knobs(kind, config.eval), batch_size=batch_size, mesh=mesh)
+def eval_method(config: ml_collections.ConfigDict) -> Method:
+  """The method value validation decodes with: the objective's method, its fields from `config.eval`."""
+  return config_method(config.objective.kind, config.eval)
 
 
 def evaluate_decoding(
@@ -85,11 +65,19 @@ def evaluate_decoding(
   """
   count = min(config.eval.num_examples, len(records))
   examples = [pipeline.decode_record(records[i]) for i in range(count)]
-  prompts = [tokenizer.encode(format_prompt(tokenizer, ex["query"], config.data.chat_template)) for ex in examples]
+  # eval.batch_size rows kept busy over every prompt (continuous batching), not batches waiting for their slowest row.
+  sampler = Sampler(
+    model,
+    tokenizer,
+    eval_method(config),
+    batch_size=config.eval.batch_size,
+    chat_template=config.data.chat_template,
+    mesh=mesh,
+  )
+  prompts = [sampler.encode(ex["query"]) for ex in examples]
   samples = []
   if examples:
-    # eval.batch_size rows kept busy over every prompt (continuous batching), not batches waiting for their slowest row.
-    result = decode_answers(model, prompts, config, batch_size=config.eval.batch_size, mesh=mesh)
+    result = sampler.decode_ids(prompts)
     answer_tokens, forwards = sum(len(t) for t in result.tokens), int(np.sum(result.num_forwards))
     for ex, tokens in zip(examples, result.tokens):
       answer = tokenizer.decode(tokens)
@@ -163,3 +151,47 @@ def format_report(step: int, metrics: Mapping[str, float], samples: Sequence[Map
       REPRODUCIBILITY,
     ]
   )
+
+
+@deprecated(
+  old="refusion_jax.training.validation.decode_answers",
+  new="refusion_jax.decode(model, prompts, validation.eval_method(config), batch_size=..., mesh=...)",
+)
+def decode_answers(
+  model: Transformer,
+  prompts: list[list[int]],
+  config: ml_collections.ConfigDict,
+  batch_size: int | None = None,
+  mesh: jax.sharding.Mesh | None = None,
+) -> DecodeResult:
+  """The 0.2 call: the objective's method with `config.eval`'s fields, the model config's special ids."""
+  return decode(model, prompts, eval_method(config), batch_size=batch_size, mesh=mesh)
+
+
+def _eval_knobs(method: str, eval_config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The 0.2 `eval_knobs`: the method's fields from `eval_config` but its temperature and fit_width."""
+  fields = dataclasses.asdict(config_method(method, eval_config))
+  return {name: value for name, value in fields.items() if name not in ("temperature", "fit_width")}
+
+
+__getattr__ = moved_names(
+  __name__,
+  {
+    "eval_knobs": (
+      "dataclasses.asdict(refusion_jax.decoding.methods.config_method(kind, config.eval))",
+      lambda: _eval_knobs,
+    ),
+    "EVAL_KNOBS": (
+      "refusion_jax.decoding.methods.config_method (a field's config key is <method>_<field>, else <field>)",
+      lambda: dict(
+        gen_length="gen_length",
+        slot_size="slot_size",
+        serial_blocks="serial_blocks",
+        slot_threshold="slot_threshold",
+        token_threshold="token_threshold",
+        block_length="mdm_block_length",
+        steps="mdm_steps",
+      ),
+    ),
+  },
+)
