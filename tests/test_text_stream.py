@@ -106,3 +106,22 @@ def test_bad_stop_strings_say_what_to_send(stops, message):
     check_stop_strings(stops)
   assert check_stop_strings("one") == ("one",)
   assert check_stop_strings(None) == ()
+
+
+def test_sampler_stream_joins_into_the_samplers_answer():
+  import refusion_jax as rj
+
+  model, tokenizer = rj.load("tiny", format="preset", tokenizer="bytes")
+  seed = int(np.random.default_rng().integers(1 << 20))
+  for temperature in (0.0, 0.9):
+    sampler = rj.Sampler(model, tokenizer, rj.ReFusion(gen_length=32, slot_size=4, temperature=temperature), seed=seed)
+    answer = sampler("stream me")
+    pieces = list(sampler.stream("stream me"))
+    assert "".join(pieces) == answer, (seed, temperature, pieces)
+    stop = answer[3:5] or "zz"
+    expected = answer[: answer.find(stop)] if stop in answer else answer
+    assert "".join(sampler.stream("stream me", stop=stop)) == expected, (seed, temperature, stop)
+  early = sampler.stream("stream me")
+  next(early, None)
+  early.close()  # a caller that stops early leaves the engine idle for the next call
+  assert sampler.engine(1, 16).idle
