@@ -16,8 +16,8 @@ unmerged against merged; `serve`: the OpenAI-compatible server under concurrent 
 `refusion_jax.evaluation.throughput`, `lora` runs `refusion_jax.evaluation.lora_cost`, `serve` runs
 `refusion_jax.evaluation.serve_bench` (what each measures is said there); the random models of `decode` and
 `throughput` are sharpened (`evaluation.bench_models`: --sharpen scales the LM head, EOS is never predicted)
-so that slots pass verification as a trained
-model's do. Pass --hf_checkpoint / --checkpoint to measure trained weights.
+so that slots pass verification as a trained model's do. Pass --hf_checkpoint / --checkpoint to measure
+trained weights.
 """
 
 from __future__ import annotations

@@ -220,6 +220,8 @@ class ServingEngine:
   def _boundary(self, arrived: list[Job]) -> None:
     """Between two loop calls: admit `arrived`, drop cancelled requests, run one call, deliver text."""
     for job in arrived:
+      if job.cancelled:  # its client left before it reached the engine
+        continue
       try:
         job.request = self.engine.submit(job.prompt_ids, temperature=job.temperature, seed=job.seed)
       except ValueError as error:  # what the decoder refuses that the app's checks let through
