@@ -209,7 +209,6 @@ def create_app(
   engine.metrics = metrics
   state = ServerState(engine, tokenizer, model_name, metrics)
   app = fastapi.FastAPI(title="refusion_jax", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-  app.state.server = state
 
   @app.exception_handler(APIError)
   async def api_error(request: fastapi.Request, error: APIError) -> JSONResponse:
@@ -244,8 +243,8 @@ def create_app(
     )
     return JSONResponse(schemas.ModelList(data=[card]).model_dump())
 
-  async def serve(request: fastapi.Request, kind: str) -> Any:
-    chat = kind == "chat"
+  async def serve(request: fastapi.Request, chat: bool) -> Any:
+    """A completion (`chat` False) or chat completion request, from its body to its response."""
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     request.state.request_id = request_id
     raw = await _read_body(request, max_body_bytes)
@@ -268,11 +267,11 @@ def create_app(
 
   @app.post("/v1/completions")
   async def completions(request: fastapi.Request) -> Any:
-    return await serve(request, "completion")
+    return await serve(request, chat=False)
 
   @app.post("/v1/chat/completions")
   async def chat_completions(request: fastapi.Request) -> Any:
-    return await serve(request, "chat")
+    return await serve(request, chat=True)
 
   return _Guard(app, api_key, max_body_bytes, metrics)
 
