@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
   )
   server.add_argument("--max_queue", type=int, default=64, help="requests held beyond the K rows before 429s.")
   server.add_argument(
-    "--chunk_iterations", type=int, default=4, help="loop iterations per call: how often new requests join."
+    "--chunk_iterations", type=int, default=8, help="loop iterations per call: how often new requests join."
   )
   server.add_argument("--mesh", help="decode on a mesh of this host's chips, e.g. data:-1 or tensor:4.")
   server.add_argument("--host", default="127.0.0.1", help="the address to bind (0.0.0.0: every interface).")

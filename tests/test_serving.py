@@ -16,6 +16,7 @@ import pytest
 from helpers.server import start
 
 import refusion_jax as rj
+from refusion_jax.decoding.batching import queue_entries
 from refusion_jax.decoding.driver import Engine
 from refusion_jax.decoding.refusion import ReFusion
 from refusion_jax.decoding.sampler import Sampler
@@ -288,7 +289,7 @@ def serving(model):
   backbone, tokenizer = model
   special = Sampler(backbone, tokenizer, METHOD).special_ids
   engine = Engine(backbone, METHOD, rows=2, prompt_width=16, sampling=True, **special)
-  serving = ServingEngine(engine, tokenizer, max_queue=4, chunk_iterations=1)
+  serving = ServingEngine(engine, tokenizer, max_queue=64, chunk_iterations=1)
   serving.start()
   yield serving
   serving.stop(30)
@@ -313,6 +314,22 @@ def test_a_request_whose_delivery_fails_ends_alone(serving, model):
     texts.append(update.text)
     finished = update.finish_reason
   assert "".join(texts) == _expected(model, "second")
+
+
+def test_more_requests_than_queue_entries_wait_on_the_host_and_all_finish(serving, model):
+  entries = queue_entries(serving.engine.rows)
+  prompts = [f"request {i}" for i in range(entries + 6)]
+  updates = {prompt: queue.Queue() for prompt in prompts}
+  for prompt in prompts:
+    serving.submit(_job(serving, prompt, updates[prompt].put))
+  for prompt in prompts:
+    texts, finished = [], None
+    while finished is None:
+      update = updates[prompt].get(timeout=300)
+      assert update.error is None, update.error
+      texts.append(update.text)
+      finished = update.finish_reason
+    assert "".join(texts) == _expected(model, prompt), prompt
 
 
 def test_a_cancelled_request_frees_its_row_at_the_next_boundary(serving):

@@ -338,24 +338,32 @@ class Engine:
     return finished
 
   def partial(self, request: int) -> list[int]:
-    """The answer tokens of `request` committed so far, up to the first offset not yet committed (streaming)."""
+    """The answer tokens of `request` committed so far, up to the first offset not yet committed (streaming);
+    none while it waits on the host for a free queue entry."""
     if request in self._finished:
       return list(self._finished[request]["tokens"])
-    entries = np.flatnonzero(self._held == request)
+    entries = self._entries_of(request)
     if not len(entries):
-      raise ValueError(f"Request {request} is neither decoding nor finished (cancelled, popped or never submitted).")
+      return []
     committed = np.asarray(self._out.commit_iteration[entries[0]]) >= 0
     count = int(np.argmin(committed)) if not committed.all() else len(committed)
     return _cut(np.asarray(self._out.answer[entries[0], :count]).tolist(), self.decoder.eos_id)
 
   def forwards(self, request: int) -> int:
-    """Forwards the row of `request` (decoding or finished) took part in so far, its prefill included."""
+    """Forwards the row of `request` took part in so far, its prefill included (0 while it waits on the host)."""
     if request in self._finished:
       return int(self._finished[request]["num_forwards"])
+    entries = self._entries_of(request)
+    return int(self._out.num_forwards[entries[0]]) if len(entries) else 0
+
+  def _entries_of(self, request: int) -> np.ndarray:
+    """The queue entry holding `request` ([] while it waits on the host)."""
     entries = np.flatnonzero(self._held == request)
-    if not len(entries):
-      raise ValueError(f"Request {request} is neither decoding nor finished (cancelled, popped or never submitted).")
-    return int(self._out.num_forwards[entries[0]])
+    if not len(entries) and all(item[0] != request for item in self._pending):
+      raise ValueError(
+        f"Request {request} is neither queued, decoding nor finished (cancelled, popped or never submitted)."
+      )
+    return entries
 
   def cancel(self, request: int) -> None:
     """Drop `request`: from the host's queue, or from its entry (and its row, which turns idle)."""

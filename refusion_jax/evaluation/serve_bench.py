@@ -42,7 +42,7 @@ class ServeBenchOptions:
   clients: int = 16
   rows: int = 8
   max_prompt_tokens: int = 64
-  chunk_iterations: int = 4
+  chunk_iterations: int = 8
   seed: int = 0
 
 
