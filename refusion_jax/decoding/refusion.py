@@ -68,7 +68,7 @@ from refusion_jax.decoding.result import (
   DecodeResult,
 )
 from refusion_jax.decoding.scheduler import BlockQuery, ForwardLayout, TokenScores, scheduled_forward
-from refusion_jax.decoding.scoring import row_gumbel_noise
+from refusion_jax.decoding.scoring import sampling_noise
 from refusion_jax.deprecation import deprecated, moved_names
 from refusion_jax.model import cache as kv_cache
 from refusion_jax.model.cache import KVCache
@@ -330,7 +330,7 @@ def _step(
   active = _per_token(jnp.where((stage == STAGE_PLAN)[:, None], state.undecided, state.chosen) & live[:, None], S)
   noise = None
   if settings.sample:
-    noise = sampling.temperature[:, None, None] * row_gumbel_noise(sampling.key, steps, (T, model.config.vocab_size))
+    noise = sampling_noise(sampling.key, sampling.temperature, steps, (T, model.config.vocab_size))
   query = BlockQuery(tokens=tokens, positions=positions, sees=sees, active=active, noise=noise)
   scores, cache, served, width = scheduled_forward(model, state.cache, state.waited, query, live, settings.layout)
   waiting = live & ~served

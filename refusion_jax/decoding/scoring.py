@@ -61,6 +61,18 @@ def row_gumbel_noise(keys: jax.Array, steps: jax.Array, shape: tuple[int, ...]) 
   return jax.vmap(lambda k: jax.random.gumbel(k, shape, jnp.float32))(keys)
 
 
+def sampling_noise(keys: jax.Array, temperatures: jax.Array, steps: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """temperature_b * `row_gumbel_noise` [B, *shape], drawn only when some row samples: rows at temperature 0
+  add exact zeros, and a call where every row is greedy (a server's greedy requests) skips the draw.
+
+  Args:
+    keys, temperatures, steps: [B] each row's prompt's noise key and temperature, and its step.
+  """
+  draw = lambda: temperatures.reshape(-1, *(1,) * len(shape)) * row_gumbel_noise(keys, steps, shape)
+  zeros = lambda: jnp.zeros((temperatures.shape[0], *shape), jnp.float32)
+  return jax.lax.cond(jnp.any(temperatures > 0), draw, zeros)
+
+
 def pick_tokens(
   logits: jax.Array, keys: jax.Array, temperatures: jax.Array, steps: jax.Array, sample: bool
 ) -> tuple[jax.Array, jax.Array]:
@@ -83,6 +95,6 @@ def pick_tokens(
   """
   scores = logits
   if sample:
-    scores = logits + temperatures[:, None, None] * row_gumbel_noise(keys, steps, logits.shape[1:])
+    scores = logits + sampling_noise(keys, temperatures, steps, logits.shape[1:])
   tokens = first_argmax(scores)
   return tokens, token_probs(logits, log_partition(logits), tokens)
