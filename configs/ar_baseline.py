@@ -3,7 +3,7 @@
     python -m refusion_jax.train --config configs/ar_baseline.py --workdir /tmp/refusion_ar
 
 Identical to configs/demo.py except the objective; evaluation decodes with
-`refusion_jax.decoding.ar.ar_generate` (one token per forward). `:smoke` works as
+`refusion_jax.AR` (one token per forward). `:smoke` works as
 for the demo.
 """
 

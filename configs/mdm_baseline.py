@@ -4,7 +4,7 @@
 
 Identical to configs/demo.py except the objective (bidirectional attention,
 tokens masked independently, CE / p); evaluation decodes with
-`refusion_jax.decoding.mdm.mdm_generate` (low-confidence remasking, `eval.mdm_steps`
+`refusion_jax.MDM` (low-confidence remasking, `eval.mdm_steps`
 forwards over blocks of `eval.mdm_block_length`). `:smoke` works as for the demo.
 """
 

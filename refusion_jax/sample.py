@@ -48,15 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
   )
   prompts.add_argument("--chat_template", action="store_true", help="wrap text prompts with the chat template.")
 
-  knobs = parser.add_argument_group("decoding (a method's fields: unset ones take the method's defaults)")
-  add_method_flags(knobs)
-  knobs.add_argument(
+  decoding = parser.add_argument_group("decoding (a method's fields: unset ones take the method's defaults)")
+  add_method_flags(decoding)
+  decoding.add_argument(
     "--batch_size", type=int, help="rows decoded at once, a finished row taking the next prompt (default: all)."
   )
-  knobs.add_argument("--seed", type=int, default=0)
-  knobs.add_argument("--mask_id", type=int, help="default: the tokenizer's, else the model config's.")
-  knobs.add_argument("--eos_id", type=int, help="default: the tokenizer's, else the model config's.")
-  knobs.add_argument("--pad_id", type=int, help="default: the tokenizer's, else the model config's.")
+  decoding.add_argument("--seed", type=int, default=0)
+  decoding.add_argument("--mask_id", type=int, help="default: the tokenizer's, else the model config's.")
+  decoding.add_argument("--eos_id", type=int, help="default: the tokenizer's, else the model config's.")
+  decoding.add_argument("--pad_id", type=int, help="default: the tokenizer's, else the model config's.")
 
   output = parser.add_argument_group("output")
   output.add_argument("--json", action="store_true", help="print one JSON object per prompt.")

@@ -152,3 +152,25 @@ def test_the_old_decode_defaults_warn_and_equal_the_method_classes_defaults():
     )
   with pytest.warns(DeprecationWarning, match="dataclasses.fields"):
     assert sampler.decoder_options(rj.AR) == ["gen_length", "temperature"]
+
+
+def test_the_renamed_evaluation_names_warn_and_work():
+  import ml_collections
+
+  from refusion_jax import eval as eval_cli
+  from refusion_jax.evaluation import bench_models, harness
+  from refusion_jax.training import validation
+
+  section = ml_collections.ConfigDict(dict(gen_length=16, slot_size=8, mdm_block_length=8, mdm_steps=8))
+  with pytest.warns(DeprecationWarning, match="config_method"):
+    assert validation.eval_knobs("mdm", section) == dict(gen_length=16, block_length=8, steps=8)
+  with pytest.warns(DeprecationWarning, match="config_method"):
+    assert validation.EVAL_KNOBS["steps"] == "mdm_steps"
+  with pytest.warns(DeprecationWarning, match="harness.REFUSION_FIELDS"):
+    assert harness.REFUSION_KNOBS == harness.REFUSION_FIELDS
+  with pytest.warns(DeprecationWarning, match="paper.PAPER_GEN_LENGTH"):
+    assert harness.PAPER_GEN_LENGTH == 512
+  with pytest.warns(DeprecationWarning, match=r"refusion_jax.ReFusion \(same fields"):
+    assert bench_models.ReFusionOptions(32, 8, 2, 0.9, 0.5) == rj.ReFusion(32, 8, 2, 0.9, 0.5)
+  with pytest.warns(DeprecationWarning, match="evaluation.sweep.default_label"):
+    assert eval_cli.default_label("mdm", dict(gen_length=16, steps=8)) == "mdm B16 8 steps"

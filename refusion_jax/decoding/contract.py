@@ -181,7 +181,11 @@ class Method(Protocol):
   The class attributes are what the loop needs, static: its `name` (what `driver.compile_count` counts its
   compilations under), `width_names` (the width counters' rows, "forward" first) and the three traced parts
   `start_rows`, `admit`, `step` (static methods). The instance holds the user's choices (`gen_length`, G, and
-  the method's own) and splits them, once per decode call, into the loop's static settings and traced knobs.
+  the method's own) and `decoder` splits them, once per decode call, into the loop's static settings and traced
+  knobs: checks that need the model (special ids inside the vocabulary) happen there. `special` holds the call's
+  mask and EOS ids as given or resolved (None where unknown), `seed` the PRNG seed of sampling, and `pick_rows`
+  whether a forward may run a subset of the rows (the driver's decision: not where rows are split over
+  devices); methods that never pick rows ignore it.
   """
 
   name: ClassVar[str]

@@ -22,7 +22,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from refusion_jax.data.special_tokens import SpecialTokens
 from refusion_jax.decoding.batching import LoopState, run_rows
 from refusion_jax.decoding.checks import (
   check_positive,
@@ -102,7 +101,13 @@ class Loop:
     if self.placement is None:
       return replicated, replicated, replicated, replicated
     mesh, rules = self.placement.mesh, self.placement.rules
-    return state_shardings(params, mesh, rules), loop_shardings(state, mesh, rules), replicated, replicated
+    return state_shardings(params, mesh, rules), self.state_shardings(state), replicated, replicated
+
+  def state_shardings(self, state: LoopState) -> Any:
+    """The shardings of the loop's state (a prefix of it: one sharding without a mesh)."""
+    if self.placement is None:
+      return self._replicated()
+    return loop_shardings(state, self.placement.mesh, self.placement.rules)
 
   def _replicated(self) -> jax.sharding.Sharding:
     if self.placement is None:
@@ -119,11 +124,9 @@ class Loop:
     """Knobs or an iteration count, replicated (on the default device without a mesh)."""
     return place(tree, self._replicated())
 
-  def place_state(self, state: LoopState, shardings: LoopState | None = None) -> LoopState:
-    """`state` on its shardings (`shardings` when the caller kept them: the state's structure never changes)."""
-    if shardings is None:
-      shardings = self.shardings(None, state)[1] if self.placement else self._replicated()
-    return place(state, shardings)
+  def place_state(self, state: LoopState, shardings: Any = None) -> LoopState:
+    """`state` on its shardings (`shardings`: `state_shardings(state)` kept by the caller)."""
+    return place(state, self.state_shardings(state) if shardings is None else shardings)
 
   def __call__(self, params: Any, state: LoopState, max_iterations: Any, knobs: Any) -> LoopState:
     """One loop call on placed inputs."""
@@ -201,17 +204,17 @@ class Engine:
         engine.partial(request)                   # the answer's committed prefix so far (streaming)
       engine.cancel(request)                      # drop a request, queued or decoding
 
-  Request numbers restart at 0 whenever the engine is idle; a request's number is what its sampling noise folds
-  in (docs/method.md §3.3), so a run of N prompts from idle draws what `decode` draws for them. A request may
-  bring its own temperature and seed (`submit`; a server's requests do): they ride in its queue entry, so
-  requests of any temperatures and seeds share the rows of one compiled program. A row's decode never
-  depends on the other rows, so each request gets its B = 1 decode whenever it runs. The loop hands back to the
-  host when a row turns idle while submitted prompts wait on the host, after `iterations` iterations, or when
-  every entry is done; nothing compiles again for new prompts of the bucket.
+  Request numbers restart at 0 whenever the engine is idle with no result left to pop; a request's number is what its
+  sampling noise folds in (docs/method.md §3.3), so a run of N prompts from idle draws what `decode` draws for them. A
+  row's decode never depends on the other rows, so each request gets its B = 1 decode whenever it runs. A request may
+  bring its own temperature and seed (`submit`; a server's requests do): they ride in its queue entry, so requests of
+  any temperatures and seeds share the rows of one compiled program. The loop hands back to the host when a row turns
+  idle while submitted prompts wait on the host, after `iterations` iterations, or when every entry is done; nothing
+  compiles again for new prompts of the bucket.
 
   Attributes:
-    loop_calls, host_seconds: the loop calls so far and the host's own time over them (all but the wait for
-      the device).
+    loop_calls, host_seconds: the loop calls so far and the host's work around them (refilling the queue,
+      placing the state, reading back), the calls themselves not included.
     config: the model's config (of its inference view).
     decoder: the method split for this engine (settings, knobs, the EOS id answers are cut after).
     rows: K, the requested rows rounded up to the mesh's batch-parallel devices.
@@ -259,13 +262,14 @@ class Engine:
     self.prompt_width = prompt_width
     graphdef, params = nnx.split(model)
     self._loop = loop_for(self.decoder, graphdef, mesh, rules)
-    self._state = start_state(self.decoder, config, self.rows, prompt_width)
-    self._state_shardings = self._loop.shardings(None, self._state)[1] if mesh is not None else None
+    host_state = start_state(self.decoder, config, self.rows, prompt_width)
+    self._state_shardings = self._loop.state_shardings(host_state)  # the state's structure never changes
+    self._state = _placed_start(self._loop, host_state, self._state_shardings, config, prompt_width)
     self._params = self._loop.place_params(params)
     self._knobs = self._loop.place_replicated(self.decoder.knobs)
     self._chunks: dict[int | None, Any] = {}  # placed iteration counts by `advance`'s iterations
     # The host's copy of the queue, and what the last loop call left in it (read back after every call).
-    state = self._state
+    state = host_state
     self._tokens, self._lengths = np.array(state.queue_tokens), np.array(state.queue_lengths)
     self._prompt, self._waiting = np.array(state.queue_prompt), np.array(state.waiting)
     self._key, self._temperature = np.array(state.queue_key), np.array(state.queue_temperature)
@@ -305,7 +309,7 @@ class Engine:
         f"A prompt of {len(prompt_ids)} tokens does not fit this engine's prompt bucket of {self.prompt_width}; "
         f"build an engine with prompt_width={bucket_length(len(prompt_ids))}."
       )
-    if self.idle:
+    if self.idle and not self._finished:
       self._next_request = 0
     temperature = self.decoder.method.temperature if temperature is None else temperature
     check_temperature(temperature)
@@ -328,13 +332,13 @@ class Engine:
     start = time.perf_counter()
     self._refill()
     state = self._loop.place_state(self._state, self._state_shardings)
+    placed = time.perf_counter()
     self._state = self._loop(self._params, state, self._iterations(iterations), self._knobs)
-    dispatched = time.perf_counter()
     jax.block_until_ready(self._state)
-    waited = time.perf_counter() - dispatched
+    ran = time.perf_counter()
     finished = self._collect()
     self.loop_calls += 1
-    self.host_seconds += time.perf_counter() - start - waited
+    self.host_seconds += (placed - start) + (time.perf_counter() - ran)
     return finished
 
   def partial(self, request: int) -> list[int]:
@@ -482,6 +486,20 @@ class Engine:
     )
 
 
+# Idle start states already on their devices, by everything that fixes them: arrays are immutable and the loop
+# donates none, so every engine of a program starts from the same ones (a decode call places only its queue).
+_STARTS: dict[tuple, LoopState] = {}
+
+
+def _placed_start(loop: Loop, state: LoopState, shardings: Any, config: ModelConfig, prompt_width: int) -> LoopState:
+  key = (loop.program, loop.placement, config, jax.tree.structure(state), prompt_width, state.entry.shape)
+  if key not in _STARTS:
+    if len(_STARTS) >= 64:
+      _STARTS.pop(next(iter(_STARTS)))
+    _STARTS[key] = loop.place_state(state, shardings)
+  return _STARTS[key]
+
+
 def _cut(answer: list[int], eos_id: int) -> list[int]:
   """`answer` up to and including its first `eos_id`."""
   return answer[: answer.index(eos_id) + 1] if eos_id in answer else answer
@@ -549,15 +567,19 @@ def decode(
   return engine.run(prompt_ids, chunk_iterations)
 
 
-def special_ids(special: SpecialTokens) -> dict[str, int | None]:
-  """`decode`'s mask_id / eos_id / pad_id keywords from resolved special tokens."""
-  return dict(mask_id=special.mask, eos_id=special.eos, pad_id=special.pad)
-
-
 __getattr__ = moved_names(
   __name__,
   {
     "Placement": ("refusion_jax.decoding.driver.LoopPlacement", lambda: LoopPlacement),
     "start_batch": ("refusion_jax.decoding.driver.start_state", lambda: start_state),
+    "loop_for_mesh": ("refusion_jax.decoding.driver.loop_for(decoder, graphdef, mesh, rules)", lambda: _loop_for_mesh),
   },
 )
+
+
+def _loop_for_mesh(
+  decoder: Decoder, graphdef: nnx.GraphDef, params: Any, state: LoopState, mesh: jax.sharding.Mesh, rules=None
+) -> Loop:
+  """The 0.2 `loop_for_mesh`: `loop_for` (the loop no longer needs `params` or the state)."""
+  del params, state
+  return loop_for(decoder, graphdef, mesh, LOGICAL_AXIS_RULES if rules is None else rules)

@@ -40,8 +40,8 @@ class DecodeResult:
     commit_phase: [B, G] how each position was committed (`PHASE_*`).
     seconds: wall-clock time of the call, compilation included when it happened.
     loop_calls: calls of the compiled loop the host made (`chunk_iterations`, refills).
-    host_seconds: the host's own time over those calls: refilling the queue, placing inputs, dispatching
-      and reading back, not the wait for the device.
+    host_seconds: the host's work around those calls (refilling the queue, placing the loop's state, reading
+      back), the calls themselves not included.
     widths: name -> {query width: count}. "forward" counts the batched loop
       forwards (prefills not included) by their query width (tokens per row);
       ReFusion adds one entry per stage (`STAGE_NAMES`) counting each row's

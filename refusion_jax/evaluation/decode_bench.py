@@ -42,7 +42,7 @@ EAGER = "refusion eager ref."  # the eager reference's method name: batch 1 only
 
 @dataclasses.dataclass(frozen=True)
 class DecodeBenchOptions:
-  """What the decode benchmark runs: the knobs of every method, the batch, the timing and the random models."""
+  """What the decode benchmark runs: the method values, the batch, the timing and the random models."""
 
   refusion: ReFusion
   batch: int = 16  # the large batch (batch 1 is always measured too)

@@ -269,9 +269,9 @@ class ReFusionLM(LM):
       tokenizer: "bytes", a tokenizer directory (replacing the checkpoint's own), or a `Tokenizer`.
       dtype: compute dtype to load the model in (e.g. "bfloat16").
       method: "refusion", or the baselines "ar" and "mdm".
-      paper_task: take the paper's settings for this task (`PAPER_TASKS`, G = 512); explicit knobs override.
+      paper_task: take the paper's settings for this task (`PAPER_TASKS`, G = 512); explicit fields override.
       gen_length: the longest answer G; a task's `max_gen_toks` shortens it, rounded up to the slot grid.
-      slot_size, serial_blocks, slot_threshold, token_threshold: ReFusion's knobs (docs/method.md §2).
+      slot_size, serial_blocks, slot_threshold, token_threshold: ReFusion's fields (docs/method.md §2).
       temperature, seed: sampling of the plan step (0: greedy).
       batch_size: rows kept busy by continuous batching (default: lm-eval's --batch_size, 1 if unset).
       mesh: "axis:size" pairs joined by "+" (e.g. "data:-1", "fsdp:4+tensor:2") or a `Mesh`: the model is
@@ -285,16 +285,16 @@ class ReFusionLM(LM):
     super().__init__()
     del max_batch_size, device
     check_model_args(dict(method=method, paper_task=paper_task))
-    knobs = dict(slot_size=slot_size, serial_blocks=serial_blocks)
-    knobs.update(slot_threshold=slot_threshold, token_threshold=token_threshold)
-    if method != "refusion" and any(v is not None for v in knobs.values()):
+    fields = dict(slot_size=slot_size, serial_blocks=serial_blocks)
+    fields.update(slot_threshold=slot_threshold, token_threshold=token_threshold)
+    if method != "refusion" and any(v is not None for v in fields.values()):
       raise HarnessArgumentError(
-        f"{', '.join(k for k, v in knobs.items() if v is not None)} apply to method=refusion only."
+        f"{', '.join(k for k, v in fields.items() if v is not None)} apply to method=refusion only."
       )
     if (model is None) == (checkpoint is None):
       raise HarnessArgumentError("Give exactly one of checkpoint=PATH (any format rj.load reads) and model=.")
     self.method = method
-    self.settings = self._settings(method, paper_task, gen_length, knobs)
+    self.settings = self._settings(method, paper_task, gen_length, fields)
     self.grid = answer_grid(method, self.settings)
     if self.settings["gen_length"] % self.grid:
       raise HarnessArgumentError(
@@ -329,7 +329,7 @@ class ReFusionLM(LM):
     return cls(**arg_dict, **extra)
 
   @staticmethod
-  def _settings(method: str, paper_task: str | None, gen_length: int | None, knobs: dict) -> dict[str, Any]:
+  def _settings(method: str, paper_task: str | None, gen_length: int | None, fields: dict) -> dict[str, Any]:
     """The decode settings: the method's defaults, then the paper task's, then the explicit ones."""
     task = dataclasses.asdict(PAPER_TASKS[paper_task]) if paper_task else {}
     length = _positive_int("gen_length", gen_length or task.get("gen_length", METHODS[method]().gen_length))
@@ -337,10 +337,10 @@ class ReFusionLM(LM):
     if method == "refusion":
       default = ReFusion()
       settings.update({k: task.get(k, getattr(default, k)) for k in REFUSION_FIELDS})
-      settings.update({k: v for k, v in knobs.items() if v is not None})
+      settings.update({k: v for k, v in fields.items() if v is not None})
       for name in ("slot_size", "serial_blocks"):
         settings[name] = _positive_int(name, settings[name])
-      if knobs["serial_blocks"] is None and length % settings["slot_size"] == 0:
+      if fields["serial_blocks"] is None and length % settings["slot_size"] == 0:
         settings["serial_blocks"] = fitted_serial_blocks(length // settings["slot_size"], settings["serial_blocks"])
     return settings
 

@@ -20,29 +20,18 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tqdm
 
-from refusion_jax.data.tasks import is_correct
 from refusion_jax.data.tokenizer import Tokenizer
 from refusion_jax.decoding.compilations import compilations
 from refusion_jax.decoding.contract import Method
+from refusion_jax.decoding.methods import method_value
 from refusion_jax.decoding.result import DecodeResult
 from refusion_jax.decoding.sampler import Sampler
+from refusion_jax.deprecation import warn_deprecated
 from refusion_jax.model.transformer import Transformer
+from refusion_jax.training.validation import Answer, check_answers
 
 # A decode call's prompts per row kept busy: enough to keep the rows full between calls.
 PROMPTS_PER_ROW = 4
-
-
-@dataclasses.dataclass
-class Answer:
-  """One decoded example: what was asked, what came back, whether it is right and what it cost."""
-
-  task: str
-  query: str
-  reference: str
-  answer: str
-  correct: bool
-  num_tokens: int  # answer tokens, EOS included
-  num_forwards: int  # forwards this row took part in
 
 
 @dataclasses.dataclass
@@ -108,8 +97,9 @@ def run(
   tokenizer: Tokenizer,
   examples: Sequence[dict],
   *,
-  method: Method,
+  method: Method | str,
   batch_size: int,
+  knobs: dict | None = None,
   chat_template: bool = False,
   repeats: int = 1,
   seed: int = 0,
@@ -118,13 +108,20 @@ def run(
   """Decode every example ({query, response[, task]}) with `method` and check its answer.
 
   Args:
-    method: the method value (`rj.ReFusion(...)`, `rj.AR(...)`, `rj.MDM(...)`).
+    method: the method value (`rj.ReFusion(...)`, `rj.AR(...)`, `rj.MDM(...)`); a name with its fields as
+      `knobs` is the deprecated 0.2 spelling.
     batch_size: rows decoded at once (continuous batching over each call's prompts).
     chat_template: wrap queries in the tokenizer's chat template, as training did.
     repeats: time each batch this many times and keep the fastest (see `timed_decode`).
     seed: the PRNG seed of sampling (a method with temperature > 0).
     progress: show a progress bar.
   """
+  if isinstance(method, str):
+    warn_deprecated(
+      "refusion_jax.evaluation.runner.run(method=name, knobs=...)", "run(method=refusion_jax.ReFusion(...))"
+    )
+    seed = (knobs or {}).get("seed", seed)
+    method = method_value(method, knobs or {})
   if not examples:
     raise ValueError("The test set is empty; give a split with examples or a JSON file with records.")
   answers: list[Answer | None] = [None] * len(examples)
@@ -146,19 +143,9 @@ def run(
         compile_seconds=compile_seconds,
       )
     )
-    for row, index in enumerate(rows):
-      example = examples[index]
-      text = tokenizer.decode(result.tokens[row])
-      answers[index] = Answer(
-        task=example.get("task", ""),
-        query=example["query"],
-        reference=example["response"],
-        answer=text,
-        correct=is_correct(example, text),
-        num_tokens=len(result.tokens[row]),
-        num_forwards=int(result.num_forwards[row]),
-      )
-      correct += answers[index].correct
+    for index, answer in zip(rows, check_answers([examples[i] for i in rows], tokenizer, result)):
+      answers[index] = answer
+      correct += answer.correct
     done += len(rows)
     bar.update(len(rows))
     bar.set_postfix(accuracy=f"{correct / done:.3f}", refresh=False)

@@ -26,17 +26,22 @@ def place(values: Any, shardings: Any) -> Any:
   flat_shardings = jax.tree.leaves(shardings)
   subtrees = jax.tree.structure(shardings).flatten_up_to(values)
   pairs = [(leaf, sharding) for subtree, sharding in zip(subtrees, flat_shardings) for leaf in jax.tree.leaves(subtree)]
-  placed, across = [], []
+  placed, put, across = [], [], []
   for i, (leaf, sharding) in enumerate(pairs):
     if isinstance(leaf, jax.Array) and leaf.sharding == sharding:
       placed.append(leaf)
-    elif sharding.is_fully_addressable:
-      placed.append(jax.device_put(leaf, sharding))
+      continue
+    placed.append(None)
+    if sharding.is_fully_addressable:
+      put.append(i)
     elif not isinstance(leaf, jax.Array) or leaf.is_fully_addressable:
-      placed.append(assembled(leaf, sharding))
+      placed[i] = assembled(leaf, sharding)
     else:
-      placed.append(leaf)
       across.append(i)
+  if put:  # one batched transfer, not one dispatch per leaf
+    moved = jax.device_put([pairs[i][0] for i in put], [pairs[i][1] for i in put])
+    for i, leaf in zip(put, moved):
+      placed[i] = leaf
   if across:
     moved = jax.jit(_same, out_shardings=[pairs[i][1] for i in across])([pairs[i][0] for i in across])
     for i, leaf in zip(across, moved):
@@ -61,6 +66,8 @@ def to_host(values: Any) -> Any:
       return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
     return jax.device_get(leaf)
 
+  if all(not isinstance(leaf, jax.Array) or leaf.is_fully_addressable for leaf in jax.tree.leaves(values)):
+    return jax.device_get(values)  # one batched read
   return jax.tree.map(fetch, values)
 
 

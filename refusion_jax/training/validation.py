@@ -47,6 +47,40 @@ def eval_method(config: ml_collections.ConfigDict) -> Method:
   return config_method(config.objective.kind, config.eval)
 
 
+@dataclasses.dataclass
+class Answer:
+  """One decoded example: what was asked, what came back, whether it is right and what it cost."""
+
+  task: str
+  query: str
+  reference: str
+  answer: str
+  correct: bool
+  num_tokens: int  # answer tokens, EOS included
+  num_forwards: int  # forwards this row took part in
+
+
+def check_answers(examples: Sequence[Mapping[str, Any]], tokenizer: Tokenizer, result: DecodeResult) -> list[Answer]:
+  """The one scorer of a test split (validation and `python -m refusion_jax.eval`): each example's
+  ({query, response[, task]}) decoded answer, judged as the training evaluation does (`tasks.is_correct`:
+  built-in tasks by re-solving the query, other records by exact match after whitespace normalisation)."""
+  answers = []
+  for row, example in enumerate(examples):
+    text = tokenizer.decode(result.tokens[row])
+    answers.append(
+      Answer(
+        task=example.get("task", ""),
+        query=example["query"],
+        reference=example["response"],
+        answer=text,
+        correct=is_correct(example, text),
+        num_tokens=len(result.tokens[row]),
+        num_forwards=int(result.num_forwards[row]),
+      )
+    )
+  return answers
+
+
 def evaluate_decoding(
   model: Transformer,
   records: Sequence[Mapping[str, Any]],
@@ -74,19 +108,14 @@ def evaluate_decoding(
     chat_template=config.data.chat_template,
     mesh=mesh,
   )
-  prompts = [sampler.encode(ex["query"]) for ex in examples]
-  samples = []
+  answers = []
   if examples:
-    result = sampler.decode_ids(prompts)
-    answer_tokens, forwards = sum(len(t) for t in result.tokens), int(np.sum(result.num_forwards))
-    for ex, tokens in zip(examples, result.tokens):
-      answer = tokenizer.decode(tokens)
-      correct = is_correct(ex, answer)
-      samples.append(
-        dict(task=ex.get("task", ""), query=ex["query"], answer=answer, reference=ex["response"], correct=correct)
-      )
-  else:
-    answer_tokens = forwards = 0
+    result = sampler.decode_ids([sampler.encode(ex["query"]) for ex in examples])
+    answers = check_answers(examples, tokenizer, result)
+  samples = [
+    dict(task=a.task, query=a.query, answer=a.answer, reference=a.reference, correct=a.correct) for a in answers
+  ]
+  answer_tokens, forwards = sum(a.num_tokens for a in answers), sum(a.num_forwards for a in answers)
   metrics = dict(
     exact_match=float(np.mean([s["correct"] for s in samples])) if samples else 0.0,
     tpf=answer_tokens / max(forwards, 1),
