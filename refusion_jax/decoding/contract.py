@@ -180,12 +180,14 @@ class Method(Protocol):
 
   The class attributes are what the loop needs, static: its `name` (what `driver.compile_count` counts its
   compilations under), `width_names` (the width counters' rows, "forward" first) and the three traced parts
-  `start_rows`, `admit`, `step` (static methods). The instance holds the user's choices (`gen_length`, G, and
-  the method's own) and `decoder` splits them, once per decode call, into the loop's static settings and traced
-  knobs: checks that need the model (special ids inside the vocabulary) happen there. `special` holds the call's
-  mask and EOS ids as given or resolved (None where unknown), `seed` the PRNG seed of sampling, and `pick_rows`
-  whether a forward may run a subset of the rows (the driver's decision: not where rows are split over
-  devices); methods that never pick rows ignore it.
+  `start_rows`, `admit`, `step` (static methods). The instance holds the user's choices (`gen_length`, G,
+  `temperature`, the requests' unless they bring their own, and the method's own) and `decoder` splits them,
+  once per decode call, into the loop's static settings and traced knobs: checks that need the model (special
+  ids inside the vocabulary) happen there. `special` holds the call's mask and EOS ids as given or resolved
+  (None where unknown); `pick_rows` whether a forward may run a subset of the rows (the driver's decision: not
+  where rows are split over devices; methods that never pick rows ignore it) and `sample` whether the program
+  draws sampling noise (the driver's decision: the method's temperature is above 0, or requests bring their own
+  temperatures). Each prompt's noise key and temperature are in the loop's queue (`Sampling`), not the knobs.
   """
 
   name: ClassVar[str]
@@ -200,15 +202,4 @@ class Method(Protocol):
   @property
   def temperature(self) -> float: ...
 
-  def decoder(self, config: ModelConfig, special: SpecialTokens, *, pick_rows: bool, sample: bool) -> Decoder:
-    """This method for one decode call: checks that need the model (special ids in the vocabulary), then the
-    static settings and traced knobs.
-
-    Args:
-      special: the call's mask and EOS ids, as given or resolved (None where unknown).
-      sample: whether the program draws sampling noise (the driver's decision: the method's temperature > 0, or
-        prompts that bring their own temperatures); each prompt's key and temperature are in the queue.
-      pick_rows: whether a forward may run a subset of the rows (the driver's decision: not where rows are
-        split over devices); methods that never pick rows ignore it.
-    """
-    ...
+  def decoder(self, config: ModelConfig, special: SpecialTokens, *, pick_rows: bool, sample: bool) -> Decoder: ...

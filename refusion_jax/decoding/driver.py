@@ -365,7 +365,7 @@ class Engine:
     entries = np.flatnonzero(self._held == request)
     if not len(entries) and all(item[0] != request for item in self._pending):
       raise ValueError(
-        f"Request {request} is neither queued, decoding nor finished (cancelled, popped or never submitted)."
+        f"Request {request} is neither decoding nor finished, nor queued (cancelled, popped or never submitted)."
       )
     return entries
 
