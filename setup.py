@@ -73,7 +73,14 @@ setup(
       "ipykernel>=6.29",
       # .ci/run checks formatting and lint with the repo's ruff.toml
       "ruff>=0.17,<0.18",
+      # tests/test_serving.py runs the server (the serve extra's packages) and talks to it as OpenAI's own client
+      "fastapi>=0.165,<1",
+      "uvicorn>=0.55,<1",
+      "openai>=3.63,<4",
+      "httpx>=0.29,<1",
     ],
+    # The OpenAI-compatible HTTP server (python -m refusion_jax.serve, docs/serving.md).
+    "serve": ["fastapi>=0.165,<1", "uvicorn>=0.55,<1"],
     # The paper's benchmark table through lm-evaluation-harness (python -m refusion_jax.harness): the lm-eval
     # the harness tests run against (~750 MB with datasets, pyarrow, scikit-learn; no torch). eval-math adds
     # what minerva_math imports (sympy, math_verify, antlr4).

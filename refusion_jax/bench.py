@@ -1,6 +1,6 @@
 """Benchmarks. `decode`: ReFusion against its eager reference and the AR / MDM baselines;
 `throughput`: many prompts one by one, in static batches and by continuous batching; `lora`: LoRA adapters
-unmerged against merged.
+unmerged against merged; `serve`: the OpenAI-compatible server under concurrent clients against the Sampler.
 
     python -m refusion_jax.bench decode                       # tiny + small, sharpened random weights
     python -m refusion_jax.bench decode --sizes tiny --batch 4 --gen_length 32 --repeats 1
@@ -10,13 +10,14 @@ unmerged against merged.
     python -m refusion_jax.bench throughput --checkpoint WORKDIR --task_prompts sort,lookup,code \
         --gen_length 48 --slot_size 8 --serial_blocks 1                      # a trained demo checkpoint
     python -m refusion_jax.bench lora                         # LoRA decode cost (results/lora.md)
+    python -m refusion_jax.bench serve --random_init tiny --prompts 64 --clients 16 --rows 8   # the HTTP server
 
 `decode` runs `refusion_jax.evaluation.decode_bench`, `throughput` runs
-`refusion_jax.evaluation.throughput`, `lora` runs `refusion_jax.evaluation.lora_cost` (what each measures is
-said there); the
-random models are sharpened (`evaluation.bench_models`: --sharpen scales the
-LM head, EOS is never predicted) so that slots pass verification as a trained
-model's do. Pass --hf_checkpoint / --checkpoint to measure trained weights.
+`refusion_jax.evaluation.throughput`, `lora` runs `refusion_jax.evaluation.lora_cost`, `serve` runs
+`refusion_jax.evaluation.serve_bench` (what each measures is said there); the random models of `decode` and
+`throughput` are sharpened (`evaluation.bench_models`: --sharpen scales the LM head, EOS is never predicted)
+so that slots pass verification as a trained model's do. Pass --hf_checkpoint / --checkpoint to measure
+trained weights.
 """
 
 from __future__ import annotations
@@ -29,14 +30,16 @@ from collections.abc import Sequence
 
 import jax
 
+from refusion_jax.checkpoints.load import load
 from refusion_jax.cli import UsageError, add_model_flags, has_model, model_request, run_argparse
 from refusion_jax.decoding.mdm import MDM
-from refusion_jax.decoding.methods import method_value
+from refusion_jax.decoding.methods import add_method_flags, field_names, flag_values, method_value
 from refusion_jax.decoding.refusion import ReFusion
 from refusion_jax.evaluation.bench_models import TrainedSource
-from refusion_jax.evaluation.bench_tables import format_table, format_throughput, summary
+from refusion_jax.evaluation.bench_tables import format_serve, format_table, format_throughput, summary
 from refusion_jax.evaluation.decode_bench import DecodeBenchOptions, run_decode_bench
 from refusion_jax.evaluation.lora_cost import LoraCostOptions, run_lora_cost
+from refusion_jax.evaluation.serve_bench import ServeBenchOptions, run_serve_bench
 from refusion_jax.evaluation.throughput import ThroughputOptions, run_throughput_bench
 from refusion_jax.model import config as config_lib
 
@@ -92,6 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
   )
   for field in dataclasses.fields(LoraCostOptions):
     lora.add_argument(f"--{field.name}", type=type(field.default), default=field.default)
+
+  s = commands.add_parser(
+    "serve",
+    help="the OpenAI server under concurrent clients vs the Sampler one by one and with K rows.",
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  for name, field in ((f.name, f) for f in dataclasses.fields(ServeBenchOptions)):
+    s.add_argument(f"--{name}", type=int, default=field.default, help="see refusion_jax.evaluation.serve_bench.")
+  add_model_flags(s)
+  add_method_flags(s.add_argument_group("decoding"))
   return parser
 
 
@@ -140,6 +153,16 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
   if args.command == "lora":
     options = LoraCostOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(LoraCostOptions)})
     print(run_lora_cost(options).format())
+    return
+  if args.command == "serve":
+    model, tokenizer = load(**model_request(args))
+    method = method_value(args.method, flag_values(args, field_names(args.method)))
+    options = ServeBenchOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServeBenchOptions)})
+    report = format_serve(run_serve_bench(model, tokenizer, method, options))
+    print(report)
+    print(
+      f"backend: {jax.default_backend()} ({jax.device_count()} device(s)); reproduce with: {reproduce_command(argv)}"
+    )
     return
   trained = _trained_source(args)
   if args.command == "throughput":

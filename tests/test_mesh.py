@@ -91,3 +91,39 @@ def test_sharded_decoding_matches_single_device():
   assert shard == [layers, batch // 4, capacity, kv_heads // 2, head_dim]
   (batch, capacity), shard = report["cache_valid"]
   assert shard == [batch // 4, capacity]
+
+
+# Runs in a subprocess (8 fake devices): requests with their own temperatures and seeds, sharing an engine's rows
+# split over the data axis, get the tokens they get alone on one device.
+_PER_REQUEST_SAMPLING = textwrap.dedent("""
+    import json, os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax
+    jax.config.update("jax_platforms", "cpu")
+    import numpy as np
+    import refusion_jax as rj
+    from refusion_jax.decoding.driver import Engine, decode
+    from refusion_jax.model.config import tiny
+    from refusion_jax.model.transformer import init_model
+
+    seed = int(sys.argv[1])
+    model = init_model(tiny(vocab_size=260, mask_token_id=259, pad_token_id=256, eos_token_id=258), seed=seed)
+    rng = np.random.default_rng(seed)
+    method = rj.ReFusion(gen_length=16, slot_size=4, slot_threshold=0.5, token_threshold=0.3)
+    requests = [(rng.integers(0, 256, rng.integers(2, 12)).tolist(), float(t), int(rng.integers(1 << 20)))
+                for t in (0.0, 0.7, 1.3, 0.0, 0.9)]
+    engine = Engine(model, method, rows=4, prompt_width=16, mesh=rj.make_mesh({"data": 4, "fsdp": 2}), sampling=True)
+    numbers = [engine.submit(p, temperature=t, seed=s) for p, t, s in requests]
+    while not engine.idle:
+      engine.advance(3)
+    sharded = engine.pop(numbers).tokens
+    alone = [decode(model, [p], rj.ReFusion(**{**method.__dict__, "temperature": t}), seed=s).tokens[0]
+             for p, t, s in requests]
+    print(json.dumps(dict(sharded=sharded, alone=alone)))
+""")
+
+
+def test_requests_with_their_own_sampling_on_a_mesh_match_one_device():
+  seed = int(np.random.default_rng().integers(1 << 16))
+  out = run_json(_PER_REQUEST_SAMPLING, str(seed))
+  assert out["sharded"] == out["alone"], f"seed {seed}"

@@ -14,10 +14,10 @@ from flax import nnx
 
 import refusion_jax as rj
 
-LIBRARY_PACKAGES = ("model", "checkpoints", "decoding", "training", "evaluation", "data", "parallel")
+LIBRARY_PACKAGES = ("model", "checkpoints", "decoding", "training", "evaluation", "serving", "data", "parallel")
 
 
-ENTRY_POINTS = ("train", "sample", "bench", "train_bench", "eval", "aot", "convert", "harness")
+ENTRY_POINTS = ("train", "sample", "bench", "train_bench", "eval", "aot", "convert", "harness", "serve")
 
 
 @pytest.mark.parametrize("name", rj.__all__)
@@ -60,8 +60,9 @@ def test_internals_are_not_exported():
       getattr(rj, internal)
 
 
-# Which packages each library package may import: entry points -> training/decoding -> checkpoints/data ->
-# model/parallel, never back up. `deprecation.py` (old names forwarded with a warning) sits below them all.
+# Which packages each library package may import: entry points -> evaluation -> serving -> training/decoding ->
+# checkpoints/data -> model/parallel, never back up. `deprecation.py` (old names forwarded with a warning) sits
+# below them all.
 BELOW_EVERY_PACKAGE = {"deprecation"}
 ALLOWED_IMPORTS = {
   "model": {"model", "parallel"},
@@ -70,7 +71,8 @@ ALLOWED_IMPORTS = {
   "checkpoints": {"checkpoints", "data", "model", "parallel"},
   "decoding": {"decoding", "data", "model", "parallel"},
   "training": {"training", "decoding", "checkpoints", "data", "model", "parallel"},
-  "evaluation": {"evaluation", "training", "decoding", "checkpoints", "data", "model", "parallel"},
+  "serving": {"serving", "decoding", "data", "model", "parallel"},
+  "evaluation": {"evaluation", "serving", "training", "decoding", "checkpoints", "data", "model", "parallel"},
 }
 
 

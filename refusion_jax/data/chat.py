@@ -1,5 +1,6 @@
 """Whole chats rendered by a Hugging Face Jinja chat template, as transformers' `apply_chat_template` renders
-them, without transformers: what the lm-eval harness shows the model (`refusion_jax.evaluation.harness`).
+them, without transformers: what the lm-eval harness (`refusion_jax.evaluation.harness`) and the server's
+chat endpoint (`refusion_jax.serving`) show the model.
 
 `Tokenizer.apply_chat_template` wraps one query, the way training data were
 formatted; a benchmark's prompt may hold a system message, few-shot turns and
@@ -14,6 +15,8 @@ from __future__ import annotations
 import datetime
 import json
 from collections.abc import Mapping, Sequence
+
+from refusion_jax.data.tokenizer import HFTokenizer, Tokenizer
 
 # transformers' marker for continuing the final message: appended to it, the rendered chat is cut where it is.
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
@@ -65,3 +68,22 @@ def render_chat(
   at = text.rindex(_CONTINUE_TAG.strip())
   # A template that strips the message also strips the tag's space; then trailing spaces go as well.
   return text[:at] if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
+
+
+def render_messages(
+  tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+) -> str:
+  """The chat as the checkpoint's template renders it (`render_chat`, thinking on), the tokenizer's special
+  tokens spelled as the template expects; without `add_generation_prompt` the final (assistant) message is
+  continued.
+
+  A tokenizer without a Jinja template (the byte tokenizer) wraps each user turn with its own
+  `apply_chat_template` and appends every other message's content.
+  """
+  template = getattr(tokenizer, "chat_template", None)
+  if template:
+    names = {}
+    if isinstance(tokenizer, HFTokenizer):
+      names = dict(bos_token=tokenizer.token_text(tokenizer.bos_id), eos_token=tokenizer.token_text(tokenizer.eos_id))
+    return render_chat(template, messages, add_generation_prompt, **names)
+  return "".join(tokenizer.apply_chat_template(m["content"]) if m["role"] == "user" else m["content"] for m in messages)

@@ -22,7 +22,7 @@ import numpy as np
 from refusion_jax.data.special_tokens import SpecialTokens
 from refusion_jax.decoding.batching import count_width, host_zeros, put_row
 from refusion_jax.decoding.checks import check_count, check_temperature, optional_eos_id
-from refusion_jax.decoding.contract import DecodeOutputs, Decoder
+from refusion_jax.decoding.contract import DecodeOutputs, Decoder, Sampling
 from refusion_jax.decoding.driver import decode
 from refusion_jax.decoding.prompts import prefill
 from refusion_jax.decoding.result import PHASE_STEP, DecodeResult
@@ -43,10 +43,8 @@ class ARSettings:
 
 @flax.struct.dataclass
 class ARKnobs:
-  """Scalars that change nothing in the compiled program (traced): Gumbel-max temperature and key, the stop id."""
+  """Scalars that change nothing in the compiled program (traced): the stop id."""
 
-  key: jax.Array
-  temperature: jax.Array
   eos_id: jax.Array
 
 
@@ -86,14 +84,16 @@ def _admit(
   out: DecodeOutputs,
   row: jax.Array,
   entry: jax.Array,
-  prompt: jax.Array,
+  sampling: Sampling,
   tokens: jax.Array,
   length: jax.Array,
 ) -> tuple[_RowState, DecodeOutputs]:
   """Prefill the prompt of `entry` into row `row`; the prefill yields the first token (a `contract.Admit`)."""
   logits, one = prefill(model, tokens[None], length[None], state.cache.capacity)
   last = jax.lax.dynamic_slice_in_dim(logits, length - 1, 1, axis=1)
-  first, _ = pick_tokens(last, knobs.key, prompt[None], jnp.zeros((1,), jnp.int32), knobs.temperature, settings.sample)
+  first, _ = pick_tokens(
+    last, sampling.key[None], sampling.temperature[None], jnp.zeros((1,), jnp.int32), settings.sample
+  )
   first = first[:, 0]
   done = (first == knobs.eos_id) | (settings.gen_length == 1)
   state = put_row(state, row, _RowState(cache=one, prompt_length=length[None], token=first, done=done))
@@ -109,7 +109,7 @@ def _step(
   widths: jax.Array,
   live: jax.Array,
   entry: jax.Array,
-  prompt: jax.Array,
+  sampling: Sampling,
 ) -> tuple[_RowState, DecodeOutputs, jax.Array, jax.Array]:
   """Feed each unfinished row its last token (a `contract.Step`); a row with its answer finishes without one."""
   working = live & ~state.done
@@ -118,7 +118,7 @@ def _step(
   mask = kv_cache.block_mask(state.cache, jnp.ones((live.shape[0], 1, 1), bool))
   logits, kv = model(state.token[:, None], positions, mask, state.cache)
   cache = kv_cache.append(state.cache, kv, positions, working[:, None])
-  token, _ = pick_tokens(logits, knobs.key, prompt, step, knobs.temperature, settings.sample)
+  token, _ = pick_tokens(logits, sampling.key, sampling.temperature, step, settings.sample)
   token = token[:, 0]
   out = _record(out, jnp.where(working, entry, out.steps.shape[0]), step, token)
   done = state.done | (working & ((token == knobs.eos_id) | (step + 1 >= settings.gen_length)))
@@ -166,12 +166,11 @@ class AR:
     check_count("gen_length", self.gen_length, 64)
     check_temperature(self.temperature)
 
-  def decoder(self, config: ModelConfig, special: SpecialTokens, seed: int, *, pick_rows: bool) -> Decoder:
+  def decoder(self, config: ModelConfig, special: SpecialTokens, *, pick_rows: bool, sample: bool) -> Decoder:
     """The settings and knobs of one decode call (a `contract.Method`); every row is in every forward."""
     del pick_rows
     eos = optional_eos_id(special.eos, config)
-    knobs = ARKnobs(key=jax.random.key(seed), temperature=np.float32(self.temperature), eos_id=np.int32(eos))
-    return Decoder(self, ARSettings(self.gen_length, sample=self.temperature > 0), knobs, eos)
+    return Decoder(self, ARSettings(self.gen_length, sample=sample), ARKnobs(eos_id=np.int32(eos)), eos)
 
 
 @deprecated(old="refusion_jax.ar_generate", new="refusion_jax.decode(model, prompt_ids, refusion_jax.AR(...))")

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from refusion_jax.decoding.contract import DecodeOutputs, Method, Settings
+from refusion_jax.decoding.contract import DecodeOutputs, Method, Sampling, Settings
 from refusion_jax.decoding.mesh import constrain_rows
 from refusion_jax.deprecation import moved_names
 from refusion_jax.model.cache import KVCache
@@ -47,6 +47,11 @@ def queue_entries(rows: int) -> int:
   return rows * max(2, -(-MIN_QUEUE_ENTRIES // rows))
 
 
+def _key_data_shape() -> tuple[int, ...]:
+  """The shape of one PRNG key's raw data (`jax.random.key_data`) under the default implementation."""
+  return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
+
+
 @flax.struct.dataclass
 class LoopState:
   """The state a decode loop carries, and returns after each call.
@@ -56,7 +61,9 @@ class LoopState:
   busy:          [K] bool the row is decoding
   queue_tokens:  [Q, P] int32 right-padded prompts (P = the prompt bucket)
   queue_lengths: [Q] int32 their true lengths
-  queue_prompt:  [Q] int32 each entry's prompt: its index in the call's input (order of admission, noise key)
+  queue_prompt:  [Q] int32 each entry's prompt: its number in the engine's input (order of admission)
+  queue_key:     [Q, key data] uint32 each entry's noise key (`contract.Sampling.key`, as `jax.random.key_data`)
+  queue_temperature: [Q] float32 each entry's temperature (`contract.Sampling.temperature`)
   waiting:       [Q] bool the entry holds a prompt not yet admitted
   more:          bool the host holds prompts not yet queued: a row left idle hands back to the host
   out:           `DecodeOutputs` of every entry
@@ -70,6 +77,8 @@ class LoopState:
   queue_tokens: jax.Array
   queue_lengths: jax.Array
   queue_prompt: jax.Array
+  queue_key: jax.Array
+  queue_temperature: jax.Array
   waiting: jax.Array
   more: jax.Array
   out: DecodeOutputs
@@ -87,6 +96,8 @@ class LoopState:
       queue_tokens=np.zeros((entries, prompt_width), np.int32),
       queue_lengths=np.ones((entries,), np.int32),
       queue_prompt=np.zeros((entries,), np.int32),
+      queue_key=np.zeros((entries, *_key_data_shape()), np.uint32),
+      queue_temperature=np.zeros((entries,), np.float32),
       waiting=np.zeros((entries,), bool),
       more=np.bool_(False),
       out=DecodeOutputs.empty(entries, gen_length),
@@ -102,6 +113,8 @@ class LoopState:
       queue_tokens=rows(self.queue_tokens),
       queue_lengths=rows(self.queue_lengths),
       queue_prompt=rows(self.queue_prompt),
+      queue_key=rows(self.queue_key),
+      queue_temperature=rows(self.queue_temperature),
       waiting=rows(self.waiting),
       more=replicated,
       out=rows(self.out),
@@ -122,13 +135,24 @@ def run_rows(
   def can_admit(b: LoopState) -> jax.Array:
     return jnp.any(~b.busy) & jnp.any(b.waiting)
 
+  def sampling(b: LoopState, entry: jax.Array) -> Sampling:
+    return Sampling(key=jax.random.wrap_key_data(b.queue_key[entry]), temperature=b.queue_temperature[entry])
+
   def admit_next(b: LoopState) -> LoopState:
     # The first idle row takes the waiting prompt that comes first in the input.
     row = jnp.argmin(b.busy)
     entry = jnp.argmin(jnp.where(b.waiting, b.queue_prompt, jnp.iinfo(jnp.int32).max))
-    prompt = b.queue_prompt[entry]
     rows, out = method.admit(
-      model, knobs, settings, b.rows, b.out, row, entry, prompt, b.queue_tokens[entry], b.queue_lengths[entry]
+      model,
+      knobs,
+      settings,
+      b.rows,
+      b.out,
+      row,
+      entry,
+      sampling(b, entry),
+      b.queue_tokens[entry],
+      b.queue_lengths[entry],
     )
     return b.replace(
       rows=rows,
@@ -142,8 +166,9 @@ def run_rows(
     b, iteration = carry
     b = jax.lax.while_loop(can_admit, admit_next, b)
     entry = jnp.where(b.busy, b.entry, entries)
-    prompt = b.queue_prompt[b.entry]
-    rows, out, widths, finished = method.step(model, knobs, settings, b.rows, b.out, b.widths, b.busy, entry, prompt)
+    rows, out, widths, finished = method.step(
+      model, knobs, settings, b.rows, b.out, b.widths, b.busy, entry, sampling(b, b.entry)
+    )
     return b.replace(rows=rows, out=out, widths=widths, busy=b.busy & ~finished), iteration + 1
 
   def cond(carry: tuple[LoopState, jax.Array]) -> jax.Array:

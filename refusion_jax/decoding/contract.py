@@ -9,7 +9,8 @@ into one idle row, and how to step every row. The loop
 row takes which prompt, when to hand back to the host, where the outputs go
 (`DecodeOutputs`). Each method names its parts alike: `XSettings` (static,
 hashable: what fixes the compiled program), `XKnobs` (traced: thresholds,
-PRNG key, ids), `start_rows`, `admit`, `step`.
+ids), `start_rows`, `admit`, `step`; each prompt's `Sampling` (noise key,
+temperature) rides in the loop's queue beside it.
 
 Shapes: K rows, Q queue entries (`batching.queue_entries(K)`), P the prompt
 bucket, G the answer length.
@@ -57,10 +58,26 @@ class DecodeOutputs:
 
 
 class Settings(Hashable, Protocol):
-  """A method's static settings: a frozen dataclass (a static jit argument), with the answer length."""
+  """A method's static settings: a frozen dataclass (a static jit argument), with the answer length and whether
+  the program draws sampling noise."""
 
   @property
   def gen_length(self) -> int: ...
+
+  @property
+  def sample(self) -> bool: ...
+
+
+@flax.struct.dataclass
+class Sampling:
+  """How prompts sample (traced), per queue entry of the loop state: [] in `Admit`, each row's [K] in `Step`.
+
+  key:         typed PRNG key: fold_in(key(seed), the prompt's index); its step s draws from fold_in(key, s)
+  temperature: float32 Gumbel-max temperature; 0 adds no noise: greedy, bit for bit, where the program samples
+  """
+
+  key: jax.Array
+  temperature: jax.Array
 
 
 # The per-row state: a pytree whose leaves lead with the row axis K (a `KVCache` in it holds K on axis 1).
@@ -93,7 +110,7 @@ class Admit(Protocol[KnobsT, SettingsT, RowsT]):
     out: DecodeOutputs,
     row: jax.Array,
     entry: jax.Array,
-    prompt: jax.Array,
+    sampling: Sampling,
     tokens: jax.Array,
     length: jax.Array,
   ) -> tuple[RowsT, DecodeOutputs]:
@@ -102,7 +119,7 @@ class Admit(Protocol[KnobsT, SettingsT, RowsT]):
     Args:
       row: [] int32 the idle row that takes the prompt.
       entry: [] int32 the prompt's queue entry: its outputs go to `out` there.
-      prompt: [] int32 the prompt's index in the call's input (what noise keys fold in).
+      sampling: the prompt's `Sampling` (scalars).
       tokens: [P] int32 the right-padded prompt.
       length: [] int32 its true length.
 
@@ -124,7 +141,7 @@ class Step(Protocol[KnobsT, SettingsT, RowsT]):
     widths: jax.Array,
     live: jax.Array,
     entry: jax.Array,
-    prompt: jax.Array,
+    sampling: Sampling,
   ) -> tuple[RowsT, DecodeOutputs, jax.Array, jax.Array]:
     """One decode iteration of every row (traced inside the loop).
 
@@ -132,7 +149,7 @@ class Step(Protocol[KnobsT, SettingsT, RowsT]):
       widths: [len(width_names), largest width + 1] int32 forwards counted by query width.
       live: [K] bool the rows decoding a prompt.
       entry: [K] int32 each row's queue entry, Q on idle rows (so their writes to `out` drop).
-      prompt: [K] int32 each row's prompt index in the call's input.
+      sampling: each row's prompt's `Sampling` ([K]; anything on idle rows).
 
     Returns:
       (rows, out, widths with this iteration's forwards counted, finished [K] bool: live rows whose
@@ -148,7 +165,7 @@ class Decoder:
   Attributes:
     method: the method value (its class is the `Method` the loop runs).
     settings: what fixes the compiled program (static and hashable; has `gen_length`, G).
-    knobs: the traced knobs (a pytree of arrays: thresholds, PRNG key, ids).
+    knobs: the traced knobs (a pytree of arrays: thresholds, ids).
     eos_id: the checked stop id answers are cut after (`checks.NO_TOKEN`: none).
   """
 
@@ -163,12 +180,14 @@ class Method(Protocol):
 
   The class attributes are what the loop needs, static: its `name` (what `driver.compile_count` counts its
   compilations under), `width_names` (the width counters' rows, "forward" first) and the three traced parts
-  `start_rows`, `admit`, `step` (static methods). The instance holds the user's choices (`gen_length`, G, and
-  the method's own) and `decoder` splits them, once per decode call, into the loop's static settings and traced
-  knobs: checks that need the model (special ids inside the vocabulary) happen there. `special` holds the call's
-  mask and EOS ids as given or resolved (None where unknown), `seed` the PRNG seed of sampling, and `pick_rows`
-  whether a forward may run a subset of the rows (the driver's decision: not where rows are split over
-  devices); methods that never pick rows ignore it.
+  `start_rows`, `admit`, `step` (static methods). The instance holds the user's choices (`gen_length`, G,
+  `temperature`, the requests' unless they bring their own, and the method's own) and `decoder` splits them,
+  once per decode call, into the loop's static settings and traced knobs: checks that need the model (special
+  ids inside the vocabulary) happen there. `special` holds the call's mask and EOS ids as given or resolved
+  (None where unknown); `pick_rows` whether a forward may run a subset of the rows (the driver's decision: not
+  where rows are split over devices; methods that never pick rows ignore it) and `sample` whether the program
+  draws sampling noise (the driver's decision: the method's temperature is above 0, or requests bring their own
+  temperatures). Each prompt's noise key and temperature are in the loop's queue (`Sampling`), not the knobs.
   """
 
   name: ClassVar[str]
@@ -180,4 +199,7 @@ class Method(Protocol):
   @property
   def gen_length(self) -> int: ...
 
-  def decoder(self, config: ModelConfig, special: SpecialTokens, seed: int, *, pick_rows: bool) -> Decoder: ...
+  @property
+  def temperature(self) -> float: ...
+
+  def decoder(self, config: ModelConfig, special: SpecialTokens, *, pick_rows: bool, sample: bool) -> Decoder: ...

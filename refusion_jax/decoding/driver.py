@@ -24,7 +24,13 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from refusion_jax.decoding.batching import LoopState, run_rows
-from refusion_jax.decoding.checks import check_positive, check_prompts, check_special_id, decoder_special_tokens
+from refusion_jax.decoding.checks import (
+  check_positive,
+  check_prompts,
+  check_special_id,
+  check_temperature,
+  decoder_special_tokens,
+)
 from refusion_jax.decoding.compilations import compilations, tagged
 from refusion_jax.decoding.contract import DecodeOutputs, Decoder, Method, Settings
 from refusion_jax.decoding.mesh import loop_shardings
@@ -199,11 +205,13 @@ class Engine:
         engine.partial(request)                   # the answer's committed prefix so far (streaming)
       engine.cancel(request)                      # drop a request, queued or decoding
 
-  Request numbers restart at 0 whenever the engine is idle with no result left to pop; a request's number is
-  what its sampling noise folds in (docs/method.md §3.3), so a run of N prompts from idle draws what `decode`
-  draws for them. A row's decode never depends on the other rows, so each request gets its B = 1 decode whenever
-  it runs. The loop hands back to the host when a row turns idle while submitted prompts wait on the host, after
-  `iterations` iterations, or when every entry is done; nothing compiles again for new prompts of the bucket.
+  Request numbers restart at 0 whenever the engine is idle with no result left to pop; a request's number is what its
+  sampling noise folds in (docs/method.md §3.3), so a run of N prompts from idle draws what `decode` draws for them. A
+  row's decode never depends on the other rows, so each request gets its B = 1 decode whenever it runs. A request may
+  bring its own temperature and seed (`submit`; a server's requests do): they ride in its queue entry, so requests of
+  any temperatures and seeds share the rows of one compiled program. The loop hands back to the host when a row turns
+  idle while submitted prompts wait on the host, after `iterations` iterations, or when every entry is done; nothing
+  compiles again for new prompts of the bucket.
 
   Attributes:
     loop_calls, host_seconds: the loop calls so far and the host's work around them (refilling the queue,
@@ -227,6 +235,7 @@ class Engine:
     mask_id: int | None = None,
     eos_id: int | None = None,
     pad_id: int | None = None,
+    sampling: bool = False,
   ):
     """
     Args:
@@ -235,8 +244,10 @@ class Engine:
       prompt_width: P, the prompt bucket (`prompts.bucket_length` of the longest prompt).
       mesh: decode on this mesh (`refusion_jax.make_mesh`): rows split over its batch-parallel axes, parameters
         and cache by their logical axes (`refusion_jax.decoding.mesh`); None: the default device.
-      seed: the PRNG seed of sampling.
+      seed: the PRNG seed of sampling: request i draws from fold_in(key(seed), i), unless it brings its own seed.
       mask_id, eos_id, pad_id: the special ids; None: the model config's (`checks.decoder_special_tokens`).
+      sampling: compile the sampling noise in even where the method's temperature is 0, so that requests may
+        bring their own temperatures (`submit`); a request at temperature 0 stays greedy, bit for bit.
     """
     check_method(method)
     check_positive("rows", rows, "one row per prompt")
@@ -244,11 +255,13 @@ class Engine:
     model = inference_view(model)  # every decoder runs without remat, on weights cast once (docs/method.md §5)
     self.config = config = model.config
     special = decoder_special_tokens(config, mask_id=mask_id, eos_id=eos_id, pad_id=pad_id)
-    self.decoder = method.decoder(config, special, seed, pick_rows=pick_rows_on(mesh, rules))
+    sample = method.temperature > 0 or sampling
+    self.decoder = method.decoder(config, special, pick_rows=pick_rows_on(mesh, rules), sample=sample)
+    self.seed = seed
     self.pad_id = check_special_id("pad_id", special.pad, config)
     self.rows = padded_rows(rows, mesh, rules)
     self.prompt_width = prompt_width
-    placed = _placed_program(model, self.decoder, mesh, rules, (method, seed, special))
+    placed = _placed_program(model, self.decoder, mesh, rules, (method, special, sample))
     self._loop, self._params, self._knobs = placed.loop, placed.params, placed.knobs
     self._chunks = placed.chunks  # placed iteration counts by `advance`'s iterations
     host_state = start_state(self.decoder, config, self.rows, prompt_width)
@@ -258,11 +271,13 @@ class Engine:
     state = host_state
     self._tokens, self._lengths = np.array(state.queue_tokens), np.array(state.queue_lengths)
     self._prompt, self._waiting = np.array(state.queue_prompt), np.array(state.waiting)
+    self._key, self._temperature = np.array(state.queue_key), np.array(state.queue_temperature)
     self._busy, self._entry = np.array(state.busy), np.array(state.entry)
     self._out: DecodeOutputs = state.out
     self._widths = np.array(state.widths)
     self._held = np.full(self._waiting.shape, -1)  # the request each entry holds, -1 where free
-    self._pending: collections.deque[tuple[int, list[int]]] = collections.deque()
+    # (request, prompt ids, its noise key data, its temperature), in submission order.
+    self._pending: collections.deque[tuple[int, list[int], np.ndarray, float]] = collections.deque()
     self._finished: dict[int, dict[str, Any]] = {}
     self._next_request = 0
     self.loop_calls, self.host_seconds = 0, 0.0  # the host's own work over the loop calls (`DecodeResult`)
@@ -279,8 +294,14 @@ class Engine:
     """Forwards by query width over the engine's life so far (`DecodeResult.widths`)."""
     return _width_counts(self.decoder.method.width_names, self._widths)
 
-  def submit(self, prompt_ids: Sequence[int]) -> int:
-    """Queue one prompt of token ids (at most `prompt_width` of them); returns its request number."""
+  def submit(self, prompt_ids: Sequence[int], *, temperature: float | None = None, seed: int | None = None) -> int:
+    """Queue one prompt of token ids (at most `prompt_width` of them); returns its request number.
+
+    Args:
+      temperature: this request's (None: the method's); above 0 needs an engine that samples (`sampling`).
+      seed: this request's noise is then that of prompt 0 of a decode with this seed, what `decode(model,
+        [prompt_ids], method, seed=seed)` draws (None: the engine's seed, folding in the request number).
+    """
     check_prompts([prompt_ids], self.config, self.decoder.settings.gen_length)
     if len(prompt_ids) > self.prompt_width:
       raise ValueError(
@@ -289,9 +310,17 @@ class Engine:
       )
     if self.idle and not self._finished:
       self._next_request = 0
+    temperature = self.decoder.method.temperature if temperature is None else temperature
+    check_temperature(temperature)
+    if temperature > 0 and not self.decoder.settings.sample:
+      raise ValueError(
+        f"temperature={temperature} needs an engine that samples: build it with sampling=True (or a method "
+        "whose temperature is above 0)."
+      )
     request = self._next_request
     self._next_request += 1
-    self._pending.append((request, [int(t) for t in prompt_ids]))
+    key = jax.random.fold_in(jax.random.key(self.seed if seed is None else seed), request if seed is None else 0)
+    self._pending.append((request, [int(t) for t in prompt_ids], np.asarray(jax.random.key_data(key)), temperature))
     return request
 
   def advance(self, iterations: int | None = None) -> list[int]:
@@ -312,17 +341,32 @@ class Engine:
     return finished
 
   def partial(self, request: int) -> list[int]:
-    """The answer tokens of `request` committed so far, up to the first offset not yet committed (streaming)."""
+    """The answer tokens of `request` committed so far, up to the first offset not yet committed (streaming);
+    none while it waits on the host for a free queue entry."""
     if request in self._finished:
       return list(self._finished[request]["tokens"])
-    if any(queued == request for queued, _ in self._pending):
-      return []
-    entries = np.flatnonzero(self._held == request)
+    entries = self._entries_of(request)
     if not len(entries):
-      raise ValueError(f"Request {request} is neither decoding nor finished (cancelled, popped or never submitted).")
+      return []
     committed = np.asarray(self._out.commit_iteration[entries[0]]) >= 0
     count = int(np.argmin(committed)) if not committed.all() else len(committed)
     return _cut(np.asarray(self._out.answer[entries[0], :count]).tolist(), self.decoder.eos_id)
+
+  def forwards(self, request: int) -> int:
+    """Forwards the row of `request` took part in so far, its prefill included (0 while it waits on the host)."""
+    if request in self._finished:
+      return int(self._finished[request]["num_forwards"])
+    entries = self._entries_of(request)
+    return int(self._out.num_forwards[entries[0]]) if len(entries) else 0
+
+  def _entries_of(self, request: int) -> np.ndarray:
+    """The queue entry holding `request` ([] while it waits on the host)."""
+    entries = np.flatnonzero(self._held == request)
+    if not len(entries) and all(item[0] != request for item in self._pending):
+      raise ValueError(
+        f"Request {request} is neither decoding nor finished, nor queued (cancelled, popped or never submitted)."
+      )
+    return entries
 
   def cancel(self, request: int) -> None:
     """Drop `request`: from the host's queue, or from its entry (and its row, which turns idle)."""
@@ -387,8 +431,9 @@ class Engine:
       return
     out = jax.tree.map(np.array, self._out)
     for entry in free:
-      request, prompt = self._pending.popleft()
+      request, prompt, key, temperature = self._pending.popleft()
       self._held[entry] = request
+      self._key[entry], self._temperature[entry] = key, temperature
       self._tokens[entry] = self.pad_id
       self._tokens[entry, : len(prompt)] = prompt
       self._lengths[entry], self._prompt[entry], self._waiting[entry] = len(prompt), request, True
@@ -399,6 +444,8 @@ class Engine:
       queue_tokens=self._tokens.copy(),
       queue_lengths=self._lengths.copy(),
       queue_prompt=self._prompt.copy(),
+      queue_key=self._key.copy(),
+      queue_temperature=self._temperature.copy(),
       waiting=self._waiting.copy(),
       more=np.bool_(len(self._pending) > 0),
       out=out,
@@ -475,7 +522,7 @@ def _placed_program(
   model: Transformer, decoder: Decoder, mesh: jax.sharding.Mesh | None, rules: Rules, key: tuple
 ) -> _PlacedProgram:
   """The loop of `decoder` for `model` on `mesh`, with its parameters and knobs placed (`key`: what fixes the
-  knobs besides the placement: the method value, the seed, the special ids)."""
+  knobs and the program besides the placement: the method value, the special ids, whether it samples)."""
   graphdef, params = nnx.split(model)
   leaves = jax.tree.leaves(params)
   key = (key, mesh, None if mesh is None else normalize_rules(rules))

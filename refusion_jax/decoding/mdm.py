@@ -24,7 +24,7 @@ import numpy as np
 from refusion_jax.data.special_tokens import SpecialTokens
 from refusion_jax.decoding.batching import count_width, put_row
 from refusion_jax.decoding.checks import check_count, check_special_id, check_temperature, optional_eos_id
-from refusion_jax.decoding.contract import DecodeOutputs, Decoder
+from refusion_jax.decoding.contract import DecodeOutputs, Decoder, Sampling
 from refusion_jax.decoding.driver import decode
 from refusion_jax.decoding.result import PHASE_NONE, PHASE_STEP, DecodeResult
 from refusion_jax.decoding.scoring import pick_tokens
@@ -87,10 +87,8 @@ class MDMSettings:
 
 @flax.struct.dataclass
 class MDMKnobs:
-  """Scalars that change nothing in the compiled program (traced): Gumbel-max temperature and key, the mask id."""
+  """Scalars that change nothing in the compiled program (traced): the mask id."""
 
-  key: jax.Array
-  temperature: jax.Array
   mask_id: jax.Array
 
 
@@ -118,12 +116,12 @@ def _admit(
   out: DecodeOutputs,
   row: jax.Array,
   entry: jax.Array,
-  prompt: jax.Array,
+  sampling: Sampling,
   tokens: jax.Array,
   length: jax.Array,
 ) -> tuple[_RowState, DecodeOutputs]:
   """Put the prompt of `entry` into row `row` with a fully masked answer (a `contract.Admit`; no forward)."""
-  del model, entry, prompt  # no prefill: the first step reads the prompt
+  del model, entry, sampling  # no prefill: the first step reads the prompt
   G = settings.gen_length
   fresh = _RowState(
     prompt=tokens[None],
@@ -143,7 +141,7 @@ def _step(
   widths: jax.Array,
   live: jax.Array,
   entry: jax.Array,
-  prompt: jax.Array,
+  sampling: Sampling,
 ) -> tuple[_RowState, DecodeOutputs, jax.Array, jax.Array]:
   """One unmasking step of every row: a bidirectional forward over [prompt bucket | answer] (a `contract.Step`).
 
@@ -164,7 +162,7 @@ def _step(
   key_valid = jnp.concatenate([columns < state.prompt_length[:, None], jnp.ones((batch, G), bool)], 1)
   mask = jnp.broadcast_to(key_valid[:, None, :], (batch, width + G, width + G))
   logits, _ = model(jnp.concatenate([state.prompt, state.answer], 1), positions, mask)
-  draft, confidence = pick_tokens(logits[:, width:], knobs.key, prompt, step, knobs.temperature, settings.sample)
+  draft, confidence = pick_tokens(logits[:, width:], sampling.key, sampling.temperature, step, settings.sample)
   block_of = jnp.arange(G) // settings.block_length
   candidate = (state.answer == knobs.mask_id) & (block_of[None, :] == (step // per_block)[:, None])
   confidence = jnp.where(candidate, confidence, -jnp.inf)
@@ -243,13 +241,13 @@ class MDM:
     check_mdm_schedule(self.gen_length, self.block_length, self.steps)
     check_temperature(self.temperature)
 
-  def decoder(self, config: ModelConfig, special: SpecialTokens, seed: int, *, pick_rows: bool) -> Decoder:
+  def decoder(self, config: ModelConfig, special: SpecialTokens, *, pick_rows: bool, sample: bool) -> Decoder:
     """The settings and knobs of one decode call (a `contract.Method`); the mask id must be known."""
     del pick_rows
     mask = check_special_id("mask_id", special.mask, config)
     eos = optional_eos_id(special.eos, config)
-    knobs = MDMKnobs(key=jax.random.key(seed), temperature=np.float32(self.temperature), mask_id=np.int32(mask))
-    settings = MDMSettings(self.gen_length, self.block_length, self.steps, sample=self.temperature > 0)
+    knobs = MDMKnobs(mask_id=np.int32(mask))
+    settings = MDMSettings(self.gen_length, self.block_length, self.steps, sample=sample)
     return Decoder(self, settings, knobs, eos)
 
 

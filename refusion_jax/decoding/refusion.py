@@ -54,7 +54,7 @@ from refusion_jax.decoding.checks import (
   check_temperature,
   check_threshold,
 )
-from refusion_jax.decoding.contract import DecodeOutputs, Decoder
+from refusion_jax.decoding.contract import DecodeOutputs, Decoder, Sampling
 from refusion_jax.decoding.driver import decode
 from refusion_jax.decoding.prompts import prefill
 from refusion_jax.decoding.result import (
@@ -68,7 +68,7 @@ from refusion_jax.decoding.result import (
   DecodeResult,
 )
 from refusion_jax.decoding.scheduler import BlockQuery, ForwardLayout, TokenScores, scheduled_forward
-from refusion_jax.decoding.scoring import row_gumbel_noise
+from refusion_jax.decoding.scoring import sampling_noise
 from refusion_jax.deprecation import deprecated, moved_names
 from refusion_jax.model import cache as kv_cache
 from refusion_jax.model.cache import KVCache
@@ -118,8 +118,6 @@ class ReFusionKnobs:
 
   slot_threshold: jax.Array  # float32
   token_threshold: jax.Array  # float32
-  temperature: jax.Array  # float32
-  key: jax.Array  # typed PRNG key of the plan noise
   mask_id: jax.Array  # int32
   eos_id: jax.Array  # int32
 
@@ -321,7 +319,7 @@ def _step(
   widths: jax.Array,
   live: jax.Array,
   entry: jax.Array,
-  prompt: jax.Array,
+  sampling: Sampling,
 ) -> tuple[_RowState, DecodeOutputs, jax.Array, jax.Array]:
   """One forward for all rows, then each live row advances by its stage (a `contract.Step`)."""
   S, T = settings.slot_size, settings.block_length
@@ -332,7 +330,7 @@ def _step(
   active = _per_token(jnp.where((stage == STAGE_PLAN)[:, None], state.undecided, state.chosen) & live[:, None], S)
   noise = None
   if settings.sample:
-    noise = knobs.temperature * row_gumbel_noise(knobs.key, prompt, steps, (T, model.config.vocab_size))
+    noise = sampling_noise(sampling.key, sampling.temperature, steps, (T, model.config.vocab_size))
   query = BlockQuery(tokens=tokens, positions=positions, sees=sees, active=active, noise=noise)
   scores, cache, served, width = scheduled_forward(model, state.cache, state.waited, query, live, settings.layout)
   waiting = live & ~served
@@ -384,12 +382,12 @@ def _admit(
   out: DecodeOutputs,
   row: jax.Array,
   entry: jax.Array,
-  prompt: jax.Array,
+  sampling: Sampling,
   tokens: jax.Array,
   length: jax.Array,
 ) -> tuple[_RowState, DecodeOutputs]:
   """Prefill the prompt of `entry` ([P] tokens, true length) into row `row` and reset its state (a `contract.Admit`)."""
-  del knobs, prompt  # the prefill draws nothing
+  del knobs, sampling  # the prefill draws nothing
   _, one = prefill(model, tokens[None], length[None], state.cache.capacity)
   state = put_row(state, row, _fresh_rows(settings, 1).replace(cache=one, prompt_length=length[None]))
   # The prompt prefill is a forward too; counting it keeps TPF comparable
@@ -459,15 +457,13 @@ class ReFusion:
     check_temperature(self.temperature)
     check_flag("fit_width", self.fit_width)
 
-  def decoder(self, config: ModelConfig, special: SpecialTokens, seed: int, *, pick_rows: bool) -> Decoder:
+  def decoder(self, config: ModelConfig, special: SpecialTokens, *, pick_rows: bool, sample: bool) -> Decoder:
     """The settings and knobs of one decode call (a `contract.Method`); the mask and EOS ids must be known."""
     mask_id = check_special_id("mask_id", special.mask, config)
     eos_id = check_special_id("eos_id", special.eos, config)
     knobs = ReFusionKnobs(
       slot_threshold=np.float32(self.slot_threshold),
       token_threshold=np.float32(self.token_threshold),
-      temperature=np.float32(self.temperature),
-      key=jax.random.key(seed),
       mask_id=np.int32(mask_id),
       eos_id=np.int32(eos_id),
     )
@@ -475,7 +471,7 @@ class ReFusion:
       self.gen_length,
       self.slot_size,
       self.serial_blocks,
-      self.temperature > 0,
+      sample,
       fit_width=self.fit_width,
       pick_rows=pick_rows,
     )

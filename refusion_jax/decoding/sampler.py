@@ -17,7 +17,7 @@ same number.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -32,6 +32,8 @@ from refusion_jax.decoding.methods import method_class, method_value
 from refusion_jax.decoding.prompts import bucket_length
 from refusion_jax.decoding.refusion import ReFusion
 from refusion_jax.decoding.result import DecodeResult
+from refusion_jax.decoding.stop_strings import check_stop_strings
+from refusion_jax.decoding.text_stream import TextStream
 from refusion_jax.deprecation import moved_names, warn_deprecated
 from refusion_jax.model.transformer import Transformer, inference_view
 
@@ -113,6 +115,29 @@ class Sampler:
     """Decode a batch of text prompts; returns the answers' texts and the full result."""
     result = self.decode_ids([self.encode(t) for t in texts])
     return [self.tokenizer.decode(tokens) for tokens in result.tokens], result
+
+  def stream(self, text: str, *, stop: str | Sequence[str] | None = None, iterations: int = 4) -> Iterator[str]:
+    """The answer to `text` as it is decoded: text increments that join into `self(text)` (up to a stop string).
+
+        for piece in sampler.stream("2 + 2 ="):
+          print(piece, end="", flush=True)
+
+    ReFusion commits slots out of order, so an increment is the newly settled part of the answer's leading run
+    of committed tokens (`text_stream.TextStream`: a cut multi-byte character or a possible stop string waits
+    for the next tokens), read every `iterations` loop iterations; the server streams the same way.
+    """
+    ids = self.encode(text)
+    engine = self.engine(1, bucket_length(len(ids)))
+    request = engine.submit(ids)
+    answer = TextStream(self.tokenizer, engine.decoder.eos_id, self.method.gen_length, check_stop_strings(stop))
+    try:
+      while answer.finish_reason is None:
+        finished = engine.advance(iterations)
+        piece = answer.update(engine.partial(request), final=request in finished)
+        if piece:
+          yield piece
+    finally:  # also when the caller stops early: the engine is left idle
+      engine.cancel(request)
 
   def __call__(self, texts: str | Sequence[str]) -> str | list[str]:
     """One text -> its answer; a list of texts -> their answers (decoded as one batch)."""

@@ -47,22 +47,34 @@ def token_probs(logits: jax.Array, log_z: jax.Array, tokens: jax.Array) -> jax.A
   return jnp.exp(picked.astype(jnp.float32) - log_z)
 
 
-def row_gumbel_noise(key: jax.Array, ids: jax.Array, steps: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  """Gumbel noise [B, *shape]: row b (prompt ids_b, at step s_b) draws from fold_in(fold_in(key, ids_b), s_b).
+def row_gumbel_noise(keys: jax.Array, steps: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """Gumbel noise [B, *shape]: row b (its prompt's key k_b, at step s_b) draws from fold_in(k_b, s_b).
 
-  Keying the noise by prompt (its index in the call's input) and step keeps
-  sampled decoding reproducible however the rows of a batch advance and
-  whichever row decodes a prompt.
+  Keying the noise by prompt (`contract.Sampling.key`: fold_in(key(seed), the
+  prompt's index)) and step keeps sampled decoding reproducible however the
+  rows of a batch advance and whichever row decodes a prompt.
 
   Args:
-    ids: [B] int32 input index of each row's prompt; steps: [B] int32.
+    keys: [B] typed PRNG keys of each row's prompt; steps: [B] int32.
   """
-  keys = jax.vmap(lambda i, step: jax.random.fold_in(jax.random.fold_in(key, i), step))(ids, steps)
+  keys = jax.vmap(jax.random.fold_in)(keys, steps)
   return jax.vmap(lambda k: jax.random.gumbel(k, shape, jnp.float32))(keys)
 
 
+def sampling_noise(keys: jax.Array, temperatures: jax.Array, steps: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """temperature_b * `row_gumbel_noise` [B, *shape], drawn only when some row samples: rows at temperature 0
+  add exact zeros, and a call where every row is greedy (a server's greedy requests) skips the draw.
+
+  Args:
+    keys, temperatures, steps: [B] each row's prompt's noise key and temperature, and its step.
+  """
+  draw = lambda: temperatures.reshape(-1, *(1,) * len(shape)) * row_gumbel_noise(keys, steps, shape)
+  zeros = lambda: jnp.zeros((temperatures.shape[0], *shape), jnp.float32)
+  return jax.lax.cond(jnp.any(temperatures > 0), draw, zeros)
+
+
 def pick_tokens(
-  logits: jax.Array, key: jax.Array, ids: jax.Array, steps: jax.Array, temperature: jax.Array, sample: bool
+  logits: jax.Array, keys: jax.Array, temperatures: jax.Array, steps: jax.Array, sample: bool
 ) -> tuple[jax.Array, jax.Array]:
   """Greedy or Gumbel-max sampled tokens and their probabilities (the AR and MDM baselines).
 
@@ -75,14 +87,14 @@ def pick_tokens(
 
   Args:
     logits: [batch, length, vocab] float32.
-    ids, steps: [batch] each row's prompt index and step.
-    sample: False for greedy (argmax, first maximum); a static switch.
+    keys, temperatures, steps: [batch] each row's prompt's noise key and temperature (0: greedy), and its step.
+    sample: False for greedy (argmax, first maximum) whatever the temperatures; a static switch.
 
   Returns:
     tokens [batch, length] int32 and their probabilities [batch, length] float32.
   """
   scores = logits
   if sample:
-    scores = logits + temperature * row_gumbel_noise(key, ids, steps, logits.shape[1:])
+    scores = logits + sampling_noise(keys, temperatures, steps, logits.shape[1:])
   tokens = first_argmax(scores)
   return tokens, token_probs(logits, log_partition(logits), tokens)

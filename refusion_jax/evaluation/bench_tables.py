@@ -1,10 +1,13 @@
-"""The decoding benchmarks' rows as fixed-width text tables, with the ratios and checks read off them."""
+"""The decoding and serving benchmarks' rows as fixed-width text tables, with the ratios and checks read off them."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from refusion_jax.evaluation.decode_bench import EAGER, Measurement
+from refusion_jax.evaluation.serve_bench import ServeBenchRow
 from refusion_jax.evaluation.throughput import ThroughputRow
 
 
@@ -110,3 +113,28 @@ def different_from_sequential(rows: Sequence[ThroughputRow]) -> list[ThroughputR
 def same_answers(row: ThroughputRow, reference: ThroughputRow) -> int:
   """How many of `row`'s answers are identical to `reference`'s."""
   return sum(a == b for a, b in zip(row.tokens, reference.tokens))
+
+
+def format_serve(rows: Sequence[ServeBenchRow]) -> str:
+  """The serving table: each mode's rates and latency percentiles, and its speed over the first (one by one)."""
+  percentile = lambda values, q: f"{np.percentile(values, q):.3f}" if values else "-"
+  header = ("mode", "s", "requests/s", "answer tokens/s", "p50 s", "p99 s", "p50 first text s", "p99 first text s")
+  lines = [
+    (
+      r.mode,
+      f"{r.seconds:.2f}",
+      f"{r.requests_per_s:.2f}",
+      f"{r.tokens_per_s:.0f}",
+      percentile(r.latencies, 50),
+      percentile(r.latencies, 99),
+      percentile(r.first_text, 50),
+      percentile(r.first_text, 99),
+    )
+    for r in rows
+  ]
+  base = rows[0]
+  ratios = ", ".join(f"{r.mode} {r.requests_per_s / base.requests_per_s:.2f}x" for r in rows[1:])
+  same = ", ".join(f"{r.mode} {r.same_texts}/{len(r.latencies)}" for r in rows[1:])
+  return "\n".join(
+    [_table(header, lines), "", f"requests/s over {base.mode}: {ratios}.", f"texts equal to {base.mode}'s: {same}."]
+  )

@@ -46,7 +46,7 @@ from lm_eval.api.model import LM
 from tqdm import tqdm
 
 from refusion_jax.checkpoints.load import load
-from refusion_jax.data.chat import render_chat
+from refusion_jax.data.chat import render_messages
 from refusion_jax.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from refusion_jax.decoding import paper
 from refusion_jax.decoding.mdm import MDM_BLOCK_LENGTH
@@ -362,22 +362,9 @@ class ReFusionLM(LM):
 
   def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
     """The chat as the model's template renders it, with thinking on; without `add_generation_prompt` the final
-    (assistant) message is continued, as the official harness does for tasks with a `gen_prefix`.
-
-    A tokenizer without a Jinja template (the byte tokenizer) wraps each user turn with its own
-    `apply_chat_template` and appends every other message's content.
-    """
-    template = getattr(self.tokenizer, "chat_template", None)
-    if template:
-      names = {}
-      if isinstance(self.tokenizer, HFTokenizer):
-        names = dict(bos_token=self.tokenizer.token_text(self.tokenizer.bos_id))
-        names["eos_token"] = self.tokenizer.token_text(self.tokenizer.eos_id)
-      return render_chat(template, chat_history, add_generation_prompt, **names)
-    parts = [
-      self.tokenizer.apply_chat_template(m["content"]) if m["role"] == "user" else m["content"] for m in chat_history
-    ]
-    return "".join(parts)
+    (assistant) message is continued, as the official harness does for tasks with a `gen_prefix`
+    (`refusion_jax.data.chat.render_messages`)."""
+    return render_messages(self.tokenizer, chat_history, add_generation_prompt)
 
   def loglikelihood(self, requests: list[Instance]) -> list[tuple[float, bool]]:
     raise NotImplementedError(_GENERATIVE_ONLY)

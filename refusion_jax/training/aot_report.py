@@ -131,7 +131,7 @@ def decode_report(
   replicated = NamedSharding(mesh, PartitionSpec())
   method = config_method("refusion", config.eval)  # the ReFusion value validation decodes with, greedy
   special = decoder_special_tokens(model_config)
-  decoder = method.decoder(model_config, special, seed=0, pick_rows=pick_rows_on(mesh, rules))
+  decoder = method.decoder(model_config, special, pick_rows=pick_rows_on(mesh, rules), sample=method.temperature > 0)
   knobs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), decoder.knobs)
   rows, ways = padded_rows(batch, mesh, rules), sharding.batch_parallel_ways(mesh, rules)
   state = start_state(decoder, model_config, rows, prompt_length)

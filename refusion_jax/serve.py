@@ -1,0 +1,139 @@
+"""Serve a model over HTTP with OpenAI's API: completions and chat, streamed or not (docs/serving.md).
+
+    python -m refusion_jax.serve --random_init tiny --tokenizer bytes             # a random tiny model, for a try
+    python -m refusion_jax.serve --checkpoint WORKDIR --batch_size 8              # a trained demo run
+    python -m refusion_jax.serve --checkpoint HF_DIR --paper_task gsm8k_cot --dtype bfloat16 --mesh data:-1
+    curl 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
+      -d '{"model": "tiny", "prompt": "2 + 2 =", "max_tokens": 16}'
+
+The model and decoding flags are `python -m refusion_jax.sample`'s. K rows
+(`--batch_size`) decode continuously: a request joins at the next loop-call
+boundary (`--chunk_iterations`), with its own max_tokens, temperature, seed
+and stop strings. The decode loop is compiled and warmed before the server
+listens, for prompts up to `--max_prompt_tokens` (one prompt bucket), and
+nothing compiles again (/metrics counts compilations). The server binds
+127.0.0.1 unless --host says otherwise; with --api_key (or REFUSION_API_KEY)
+every path but /health needs `Authorization: Bearer KEY`. SIGTERM stops
+admitting and ends within --shutdown_seconds, exit status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from refusion_jax.checkpoints.load import load
+from refusion_jax.cli import UsageError, add_model_flags, model_request, run_argparse
+from refusion_jax.decoding.methods import add_method_flags, field_names, flag_values, method_value
+from refusion_jax.decoding.paper import PAPER_TASKS
+from refusion_jax.parallel.mesh_spec import parse_mesh_spec
+from refusion_jax.parallel.sharding import make_mesh
+from refusion_jax.serving.app import DEFAULT_MAX_BODY_BYTES
+from refusion_jax.serving.auth import API_KEY_ENV, server_key
+from refusion_jax.serving.server import ServerOptions, build_server
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+    prog="python -m refusion_jax.serve",
+    description=__doc__.split("\n\n")[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  add_model_flags(parser)
+  decoding = parser.add_argument_group("decoding (a request's temperature and seed override these)")
+  add_method_flags(decoding)
+  decoding.add_argument(
+    "--paper_task",
+    choices=sorted(PAPER_TASKS),
+    help="refusion: the paper's settings for this task (G = 512); the method's flags given override them.",
+  )
+  decoding.add_argument(
+    "--seed", type=int, help="the sampling seed of requests that give none (default: a new one each)."
+  )
+  for name in ("mask_id", "eos_id", "pad_id"):
+    decoding.add_argument(f"--{name}", type=int, help="default: the tokenizer's, else the model config's.")
+
+  server = parser.add_argument_group("server")
+  server.add_argument("--batch_size", type=int, default=8, help="K, rows decoding requests at once.")
+  server.add_argument(
+    "--max_prompt_tokens", type=int, default=128, help="longest prompt (rounded up to its bucket), compiled at start."
+  )
+  server.add_argument("--max_queue", type=int, default=64, help="requests held beyond the K rows before 429s.")
+  server.add_argument(
+    "--chunk_iterations", type=int, default=8, help="loop iterations per call: how often new requests join."
+  )
+  server.add_argument("--mesh", help="decode on a mesh of this host's chips, e.g. data:-1 or tensor:4.")
+  server.add_argument("--host", default="127.0.0.1", help="the address to bind (0.0.0.0: every interface).")
+  server.add_argument("--port", type=int, default=8000)
+  server.add_argument("--api_key", help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, else none).")
+  server.add_argument("--served_model_name", help="the model id clients send (default: the checkpoint's name).")
+  server.add_argument("--max_body_bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413.")
+  server.add_argument(
+    "--shutdown_seconds", type=int, default=30, help="after SIGTERM, how long held requests may finish."
+  )
+  server.add_argument("--log_level", default="info", choices=("debug", "info", "warning", "error"))
+  return parser
+
+
+def method_from_flags(args: argparse.Namespace):
+  """The method value the flags ask for: --paper_task's, with the method's flags given replacing its fields."""
+  given = flag_values(args, field_names(args.method))
+  if args.paper_task is None:
+    return method_value(args.method, given)
+  if args.method != "refusion":
+    raise UsageError(f"--paper_task sets ReFusion's settings; it does not apply to --method {args.method}.")
+  return dataclasses.replace(PAPER_TASKS[args.paper_task], **given)
+
+
+def model_name(args: argparse.Namespace) -> str:
+  """--served_model_name, else the checkpoint's folder name, else the preset's name."""
+  if args.served_model_name:
+    return args.served_model_name
+  source = args.checkpoint or args.hf_checkpoint
+  return os.path.basename(os.path.normpath(source)) if source else f"{args.random_init}-random"
+
+
+def run(args: argparse.Namespace) -> None:
+  log = logging.getLogger("refusion_jax.serving")  # request lines beside uvicorn's, whatever else set up logging
+  handler = logging.StreamHandler()
+  handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+  log.addHandler(handler)
+  log.setLevel(args.log_level.upper())
+  log.propagate = False
+  method = method_from_flags(args)
+  key = server_key(args.api_key)
+  mesh = make_mesh(parse_mesh_spec(args.mesh)) if args.mesh else None
+  model, tokenizer = load(**model_request(args), mesh=mesh)
+  options = ServerOptions(
+    method=method,
+    rows=args.batch_size,
+    max_prompt_tokens=args.max_prompt_tokens,
+    max_queue=args.max_queue,
+    chunk_iterations=args.chunk_iterations,
+    seed=args.seed,
+    special_ids=dict(mask_id=args.mask_id, eos_id=args.eos_id, pad_id=args.pad_id),
+    model_name=model_name(args),
+    api_key=key,
+    max_body_bytes=args.max_body_bytes,
+    shutdown_seconds=args.shutdown_seconds,
+    log_level=args.log_level,
+  )
+  server = build_server(model, tokenizer, options, mesh=mesh, host=args.host, port=args.port)
+  # uvicorn re-raises the signal that stopped it once it is done; these handlers make that a clean exit 0.
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda *_: None)
+  server.run()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Entry point; returns the exit status (2 on bad input, 0 after SIGTERM)."""
+  return run_argparse(build_parser(), run, argv)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

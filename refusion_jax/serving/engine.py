@@ -1,0 +1,286 @@
+"""The server's decoding thread: requests join the running decode loop at the next loop-call boundary.
+
+One thread owns a `refusion_jax.decoding.driver.Engine` (one compiled loop of
+K rows over a queue, docs/method.md §3.4) and drives it in calls of a few
+iterations (`chunk_iterations`). Between two calls it hands the engine the
+requests that arrived, cancels those whose client left or whose answer is
+complete, and reads every running answer's committed prefix into its
+`TextStream`, delivering the new text. So a request starts decoding as soon as
+a row is free, never after the rows drain, and its row is freed at the first
+boundary after its answer ends: at its EOS, a stop string, or its token limit
+(`max_tokens`, rounded up to the slot grid: answers are committed slot by slot).
+
+Bounded: at most K + `max_queue` requests are held; one more is refused with
+429 and a Retry-After. One request's failure (its text, its delivery) ends
+that request only; a failure of the loop itself ends the requests it was
+decoding with a 500 and the thread goes on with a fresh queue.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import secrets
+import threading
+import time
+from collections.abc import Callable
+
+from refusion_jax.data.tokenizer import Tokenizer
+from refusion_jax.decoding.driver import Engine
+from refusion_jax.decoding.text_stream import TextStream
+from refusion_jax.serving.errors import APIError
+from refusion_jax.serving.metrics import Metrics
+
+logger = logging.getLogger("refusion_jax.serving")
+
+
+@dataclasses.dataclass
+class Update:
+  """What a request receives after a loop call: new text, and at the end its finish and statistics.
+
+  error: set instead when the request failed (then nothing else follows).
+  """
+
+  text: str = ""
+  finish_reason: str | None = None
+  answer_tokens: int = 0
+  forwards: int = 0
+  queue_seconds: float = 0.0
+  decode_seconds: float = 0.0
+  error: APIError | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+  """One request inside the engine.
+
+  Attributes:
+    prompt_ids: the prompt's token ids (within the engine's prompt bucket).
+    max_tokens: the token limit (`ServingEngine.token_limit` of the request's).
+    temperature, seed: the request's sampling (None: the server's; set by `ServingEngine.submit`).
+    stops: stop strings.
+    deliver: called on the engine thread with each `Update`; must not block.
+  """
+
+  prompt_ids: list[int]
+  max_tokens: int
+  temperature: float | None
+  seed: int | None
+  stops: tuple[str, ...]
+  deliver: Callable[[Update], None]
+  arrived: float = dataclasses.field(default_factory=time.perf_counter)
+  admitted: float | None = None
+  request: int | None = None  # the engine's request number, once handed to it
+  stream: TextStream | None = None
+  cancelled: bool = False
+
+
+class ServingEngine:
+  """Requests in, text increments out, over one decode engine driven by a background thread."""
+
+  def __init__(
+    self,
+    engine: Engine,
+    tokenizer: Tokenizer,
+    *,
+    max_queue: int,
+    chunk_iterations: int,
+    metrics: Metrics | None = None,
+    seed: int | None = None,
+  ):
+    """
+    Args:
+      engine: the compiled decode loop (K rows, prompt bucket P), warmed up by the caller.
+      tokenizer: decodes answers.
+      max_queue: requests held beyond the K decoding ones before 429s.
+      chunk_iterations: loop iterations per call: new requests wait at most this long for a boundary.
+      seed: the sampling seed of requests that give none; None: a new random one for each.
+    """
+    self.engine, self.tokenizer, self.metrics = engine, tokenizer, metrics
+    self.max_queue, self.chunk_iterations, self.seed = max_queue, chunk_iterations, seed
+    method = engine.decoder.method
+    self.temperature = method.temperature
+    self.gen_length = method.gen_length
+    # Answers are committed slot by slot (ReFusion), else token by token.
+    self.token_grid = getattr(method, "slot_size", 1)
+    self._lock = threading.Condition()
+    self._inbox: collections.deque[Job] = collections.deque()
+    self._running: list[Job] = []
+    self._draining = self._stopping = False
+    self._thread = threading.Thread(target=self._run, name="refusion-engine", daemon=True)
+    self._request_seconds = collections.deque(maxlen=64)
+
+  @property
+  def max_prompt_tokens(self) -> int:
+    return self.engine.prompt_width
+
+  def token_limit(self, max_tokens: int | None) -> int:
+    """The token limit of a request asking for `max_tokens` (None: as many as the answer length G has):
+    rounded up to the slot grid, at most G."""
+    if max_tokens is None:
+      return self.gen_length
+    return min(self.gen_length, -(-max_tokens // self.token_grid) * self.token_grid)
+
+  @property
+  def held(self) -> int:
+    """Requests not finished: queued or decoding."""
+    with self._lock:
+      return len(self._inbox) + len(self._running)
+
+  @property
+  def queue_depth(self) -> int:
+    """Requests waiting for a row (held beyond the K rows)."""
+    return max(0, self.held - self.engine.rows)
+
+  @property
+  def rows_busy(self) -> int:
+    with self._lock:
+      return min(self.engine.rows, len(self._running))
+
+  @property
+  def draining(self) -> bool:
+    """New requests are refused (the server is shutting down)."""
+    return self._draining
+
+  def start(self) -> None:
+    self._thread.start()
+
+  def submit(self, job: Job) -> None:
+    """Queue `job` for the next loop-call boundary.
+
+    Raises:
+      APIError: 503 when the server is shutting down, 429 (with Retry-After) when K + max_queue are held.
+    """
+    with self._lock:
+      if self._draining:
+        raise APIError(503, "The server is shutting down; retry on another instance.", type="server_error")
+      if len(self._inbox) + len(self._running) >= self.engine.rows + self.max_queue:
+        raise APIError(
+          429,
+          f"The server holds {self.engine.rows + self.max_queue} requests (its rows and queue are full); "
+          "retry after the number of seconds in the Retry-After header.",
+          type="rate_limit_error",
+          code="queue_full",
+          headers={"Retry-After": str(self._retry_after())},
+        )
+      if job.temperature is None:
+        job.temperature = self.temperature
+      if job.seed is None:
+        job.seed = secrets.randbits(31) if self.seed is None else self.seed
+      job.stream = TextStream(self.tokenizer, self.engine.decoder.eos_id, job.max_tokens, job.stops)
+      self._inbox.append(job)
+      self._lock.notify()
+
+  def cancel(self, job: Job) -> None:
+    """Stop `job` (its client left): its row is freed at the next boundary."""
+    with self._lock:
+      job.cancelled = True
+      self._lock.notify()
+
+  def drain(self) -> None:
+    """Refuse new requests (503); the held ones go on."""
+    with self._lock:
+      self._draining = True
+
+  def stop(self, timeout: float) -> None:
+    """Refuse new requests, end the held ones (cancelled) and the thread, waiting at most `timeout` seconds."""
+    with self._lock:
+      self._draining = self._stopping = True
+      self._lock.notify()
+    if self._thread.is_alive():
+      self._thread.join(timeout)
+
+  def _retry_after(self) -> int:
+    """Seconds until a row is likely free: the recent mean request time per row, at least 1."""
+    if not self._request_seconds:
+      return 1
+    mean = sum(self._request_seconds) / len(self._request_seconds)
+    return max(1, math.ceil(mean * (1 + self.max_queue / self.engine.rows) / 2))
+
+  # --- the engine thread ---------------------------------------------------------------------------------
+
+  def _run(self) -> None:
+    while True:
+      with self._lock:
+        while not self._stopping and not self._inbox and not self._running:
+          self._lock.wait()
+        if self._stopping:
+          break
+        arrived, self._inbox = list(self._inbox), collections.deque()
+        self._running += arrived
+      try:
+        self._boundary(arrived)
+      except Exception as error:  # never let the thread die: end what it held, go on with a fresh queue
+        self._fail(list(self._running), error)
+    for job in self._running + list(self._inbox):
+      self._end(job, Update(error=APIError(503, "The server shut down before the answer ended.", type="server_error")))
+
+  def _boundary(self, arrived: list[Job]) -> None:
+    """Between two loop calls: admit `arrived`, drop cancelled requests, run one call, deliver text."""
+    for job in arrived:
+      if job.cancelled:  # its client left before it reached the engine
+        continue
+      try:
+        job.request = self.engine.submit(job.prompt_ids, temperature=job.temperature, seed=job.seed)
+      except ValueError as error:  # what the decoder refuses that the app's checks let through
+        self._end(job, Update(error=APIError(400, str(error))))
+        continue
+      job.admitted = time.perf_counter()
+    for job in [job for job in self._running if job.cancelled]:
+      self._end(job, None)
+    if not self._running:
+      return
+    start = time.perf_counter()
+    try:
+      finished = set(self.engine.advance(self.chunk_iterations))
+    except Exception as error:  # the loop failed: end what it was decoding, keep serving
+      self._fail(list(self._running), error)
+      return
+    if self.metrics:
+      self.metrics.add("loop_calls_total", 1)
+      self.metrics.add("loop_seconds_total", time.perf_counter() - start)
+    for job in list(self._running):
+      try:
+        self._read(job, job.request in finished)
+      except Exception as error:  # this request's text or delivery failed: end it alone
+        self._fail([job], error)
+
+  def _read(self, job: Job, final: bool) -> None:
+    """Hand `job` the text its committed prefix settled; end it when its answer is over."""
+    text = job.stream.update(self.engine.partial(job.request), final=final)
+    if job.stream.finish_reason is None:
+      if text:
+        job.deliver(Update(text=text))
+      return
+    now = time.perf_counter()
+    update = Update(
+      text=text,
+      finish_reason=job.stream.finish_reason,
+      answer_tokens=len(job.stream.tokens),
+      forwards=self.engine.forwards(job.request),
+      queue_seconds=job.admitted - job.arrived,
+      decode_seconds=now - job.admitted,
+    )
+    self._request_seconds.append(now - job.arrived)
+    self._end(job, update)
+
+  def _fail(self, jobs: list[Job], error: Exception) -> None:
+    """End `jobs` with a 500 naming `error` (logged with its traceback)."""
+    logger.error("ending %d request(s) after a failure", len(jobs), exc_info=error)
+    for job in jobs:
+      self._end(job, Update(error=APIError(500, f"The server failed on this request: {error}", type="server_error")))
+
+  def _end(self, job: Job, update: Update | None) -> None:
+    """Free `job`'s row and entry and send it its last update (None: its client left, send nothing)."""
+    if job.request is not None:
+      self.engine.cancel(job.request)
+    with self._lock:
+      if job in self._running:
+        self._running.remove(job)
+    if update is not None:
+      try:
+        job.deliver(update)
+      except Exception:  # the client's side is gone; nothing else depends on it
+        logger.exception("could not deliver the last update of a request")
