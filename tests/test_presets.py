@@ -21,6 +21,7 @@ def another_value(config: ModelConfig, field: str):
     "param_dtype": "bfloat16",
     "remat": "projections",
     "attention_impl": "chunked",
+    "quantize": "int8",
   }
   if field in chosen:
     return chosen[field]

@@ -156,8 +156,8 @@ def test_sampler_takes_the_tokenizers_ids_over_the_model_configs():
   config = tiny(vocab_size=260, mask_token_id=5, eos_token_id=6, pad_token_id=7)
   sampler = Sampler(init_model(config, seed=0), "bytes", eos_id=9)
   byte = ByteTokenizer()
-  assert (sampler.decode_kwargs["mask_id"], sampler.decode_kwargs["pad_id"]) == (byte.mask_id, byte.pad_id)
-  assert sampler.decode_kwargs["eos_id"] == 9  # an explicit argument wins
+  assert (sampler.special_ids["mask_id"], sampler.special_ids["pad_id"]) == (byte.mask_id, byte.pad_id)
+  assert sampler.special_ids["eos_id"] == 9  # an explicit argument wins
 
 
 def test_pipeline_sampler_and_evaluation_build_the_same_prompt(tmp_path):

@@ -121,11 +121,6 @@ def check_model_args(args: Mapping[str, Any]) -> None:
       )
 
 
-__getattr__ = moved_names(
-  __name__, {"parse_mesh": ("refusion_jax.parallel.mesh_spec.parse_mesh_spec", lambda: parse_mesh_spec)}
-)
-
-
 def build_mesh(mesh: str | jax.sharding.Mesh | None) -> jax.sharding.Mesh | None:
   """The decode mesh of the `mesh` argument: a `Mesh` as given, a spec for `parse_mesh_spec` over every device of
   every process, or (None) all devices on the data axis when there are several, else no mesh."""
@@ -503,5 +498,6 @@ __getattr__ = moved_names(
   {
     "PAPER_GEN_LENGTH": ("refusion_jax.decoding.paper.PAPER_GEN_LENGTH", lambda: paper.PAPER_GEN_LENGTH),
     "REFUSION_KNOBS": ("refusion_jax.evaluation.harness.REFUSION_FIELDS", lambda: REFUSION_FIELDS),
+    "parse_mesh": ("refusion_jax.parallel.mesh_spec.parse_mesh_spec", lambda: parse_mesh_spec),
   },
 )
