@@ -169,7 +169,7 @@ def test_the_renamed_evaluation_names_warn_and_work():
   import ml_collections
 
   from refusion_jax import eval as eval_cli
-  from refusion_jax.evaluation import bench_models, harness
+  from refusion_jax.evaluation import bench_models
   from refusion_jax.training import validation
 
   section = ml_collections.ConfigDict(dict(gen_length=16, slot_size=8, mdm_block_length=8, mdm_steps=8))
@@ -177,14 +177,23 @@ def test_the_renamed_evaluation_names_warn_and_work():
     assert validation.eval_knobs("mdm", section) == dict(gen_length=16, block_length=8, steps=8)
   with pytest.warns(DeprecationWarning, match="config_method"):
     assert validation.EVAL_KNOBS["steps"] == "mdm_steps"
-  with pytest.warns(DeprecationWarning, match="harness.REFUSION_FIELDS"):
-    assert harness.REFUSION_KNOBS == harness.REFUSION_FIELDS
-  with pytest.warns(DeprecationWarning, match="paper.PAPER_GEN_LENGTH"):
-    assert harness.PAPER_GEN_LENGTH == 512
   with pytest.warns(DeprecationWarning, match=r"refusion_jax.ReFusion \(same fields"):
     assert bench_models.ReFusionOptions(32, 8, 2, 0.9, 0.5) == rj.ReFusion(32, 8, 2, 0.9, 0.5)
   with pytest.warns(DeprecationWarning, match="evaluation.sweep.default_label"):
     assert eval_cli.default_label("mdm", dict(gen_length=16, steps=8)) == "mdm B16 8 steps"
+
+
+def test_the_renamed_harness_names_warn_and_work():
+  pytest.importorskip("lm_eval", reason="the harness needs the [eval] extra (lm-eval)")
+  from refusion_jax.evaluation import harness
+  from refusion_jax.parallel.mesh_spec import parse_mesh_spec
+
+  with pytest.warns(DeprecationWarning, match="harness.REFUSION_FIELDS"):
+    assert harness.REFUSION_KNOBS == harness.REFUSION_FIELDS
+  with pytest.warns(DeprecationWarning, match="paper.PAPER_GEN_LENGTH"):
+    assert harness.PAPER_GEN_LENGTH == 512
+  with pytest.warns(DeprecationWarning, match="mesh_spec.parse_mesh_spec"):
+    assert harness.parse_mesh is parse_mesh_spec
 
 
 def _imports(path: pathlib.Path, module: str) -> list[tuple[str, int]]:
