@@ -182,6 +182,11 @@ def test_decode_places_a_model_once_and_sees_its_weights_change():
   nnx.update(model, nnx.state(other))
   assert rj.decode(model, prompts, method, eos_id=EOS).tokens == rj.decode(other, prompts, method, eos_id=EOS).tokens
   assert driver._PROGRAMS[model].programs is not placed
+  # So is a change of structure over the same arrays (here the head read from the tied embedding instead).
+  before = rj.decode(model, prompts, method, eos_id=EOS).tokens
+  model.config = model.config.replace(tie_embeddings=not model.config.tie_embeddings)
+  after = rj.decode(model, prompts, method, eos_id=EOS).tokens
+  assert after == rj.decode(nnx.clone(model), prompts, method, eos_id=EOS).tokens and after != before
 
 
 def test_a_cancelled_request_frees_its_row_for_the_others():

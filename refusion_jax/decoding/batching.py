@@ -49,6 +49,12 @@ def queue_entries(rows: int) -> int:
 
 def _key_data_shape() -> tuple[int, ...]:
   """The shape of one PRNG key's raw data (`jax.random.key_data`) under the default implementation."""
+  return _key_data_shape_of(jax.config.jax_default_prng_impl)
+
+
+@functools.cache
+def _key_data_shape_of(impl: str) -> tuple[int, ...]:
+  # Tracing a key costs a fraction of a millisecond, paid by every decode call before this cache.
   return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
 
 

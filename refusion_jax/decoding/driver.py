@@ -264,11 +264,9 @@ class Engine:
     placed = _placed_program(model, self.decoder, mesh, rules, (method, special, sample))
     self._loop, self._params, self._knobs = placed.loop, placed.params, placed.knobs
     self._chunks = placed.chunks  # placed iteration counts by `advance`'s iterations
-    host_state = start_state(self.decoder, config, self.rows, prompt_width)
-    self._state_shardings = self._loop.state_shardings(host_state)  # the state's structure never changes
-    self._state = _placed_start(self._loop, host_state, self._state_shardings, config, prompt_width)
+    start = _placed_start(self._loop, self.decoder, config, self.rows, prompt_width)
+    self._state_shardings, self._state, state = start.shardings, start.placed, start.host
     # The host's copy of the queue, and what the last loop call left in it (read back after every call).
-    state = host_state
     self._tokens, self._lengths = np.array(state.queue_tokens), np.array(state.queue_lengths)
     self._prompt, self._waiting = np.array(state.queue_prompt), np.array(state.waiting)
     self._key, self._temperature = np.array(state.queue_key), np.array(state.queue_temperature)
@@ -319,9 +317,16 @@ class Engine:
       )
     request = self._next_request
     self._next_request += 1
-    key = jax.random.fold_in(jax.random.key(self.seed if seed is None else seed), request if seed is None else 0)
-    self._pending.append((request, [int(t) for t in prompt_ids], np.asarray(jax.random.key_data(key)), temperature))
+    self._pending.append((request, [int(t) for t in prompt_ids], self._noise_key(request, seed), temperature))
     return request
+
+  def _noise_key(self, request: int, seed: int | None) -> np.ndarray:
+    """The raw data of `request`'s noise key; zeros where the program never samples (it reads no key, and a
+    greedy request pays for no PRNG dispatch)."""
+    if not self.decoder.settings.sample:
+      return np.zeros(self._key.shape[1:], self._key.dtype)
+    key = jax.random.fold_in(jax.random.key(self.seed if seed is None else seed), request if seed is None else 0)
+    return np.asarray(jax.random.key_data(key))
 
   def advance(self, iterations: int | None = None) -> list[int]:
     """One loop call of at most `iterations` iterations (None: until a row needs a prompt the host holds, or all
@@ -498,22 +503,24 @@ class _PlacedProgram:
 
 @dataclasses.dataclass
 class _ModelPrograms:
-  """The placed programs of one model, valid while its arrays are the very ones they were placed from."""
+  """The placed programs of one model, valid while its structure and arrays are the very ones they were placed
+  from (`jax.tree.flatten` of the model: its modules and variables as a tree definition, its arrays as leaves)."""
 
-  graphdef: nnx.GraphDef
+  treedef: Any
   leaves: list[Any]
   programs: dict[tuple, _PlacedProgram]
 
-  def holds(self, graphdef: nnx.GraphDef, leaves: list[Any]) -> bool:
+  def holds(self, treedef: Any, leaves: list[Any]) -> bool:
     return (
-      len(leaves) == len(self.leaves) and all(a is b for a, b in zip(leaves, self.leaves)) and graphdef == self.graphdef
+      len(leaves) == len(self.leaves) and all(a is b for a, b in zip(leaves, self.leaves)) and treedef == self.treedef
     )
 
 
 # Placed programs by model, dropped with the model. An engine built for a model whose arrays are unchanged (arrays
 # are immutable: an update replaces them) reuses its loop, parameters and knobs, so a `decode` call places and splits
-# nothing it placed before. Only programs whose parameters were already where the loop needs them are kept (the
-# common one-device case), so an entry never holds a second copy of the weights.
+# nothing it placed before: a model is a pytree, and flattening it to check costs a tenth of `nnx.split`. Only
+# programs whose parameters were already where the loop needs them are kept (the common one-device case), so an
+# entry never holds a second copy of the weights.
 _PROGRAMS: weakref.WeakKeyDictionary[Transformer, _ModelPrograms] = weakref.WeakKeyDictionary()
 _PROGRAMS_PER_MODEL = 16
 
@@ -523,40 +530,53 @@ def _placed_program(
 ) -> _PlacedProgram:
   """The loop of `decoder` for `model` on `mesh`, with its parameters and knobs placed (`key`: what fixes the
   knobs and the program besides the placement: the method value, the special ids, whether it samples)."""
-  graphdef, params = nnx.split(model)
-  leaves = jax.tree.leaves(params)
+  leaves, treedef = jax.tree.flatten(model)
   key = (key, mesh, None if mesh is None else normalize_rules(rules))
   cached = _PROGRAMS.get(model)
-  if cached is not None and cached.holds(graphdef, leaves) and key in cached.programs:
+  if cached is not None and cached.holds(treedef, leaves) and key in cached.programs:
     return cached.programs[key]
+  graphdef, params = nnx.split(model)
   loop = loop_for(decoder, graphdef, mesh, rules)
   placed = _PlacedProgram(loop, loop.place_params(params), loop.place_replicated(decoder.knobs), {})
-  if all(a is b for a, b in zip(jax.tree.leaves(placed.params), leaves)):
-    if cached is None or not cached.holds(graphdef, leaves):
-      cached = _PROGRAMS[model] = _ModelPrograms(graphdef, leaves, {})
+  param_leaves = jax.tree.leaves(params)
+  if all(a is b for a, b in zip(jax.tree.leaves(placed.params), param_leaves)):
+    if cached is None or not cached.holds(treedef, leaves):
+      cached = _PROGRAMS[model] = _ModelPrograms(treedef, leaves, {})
     if len(cached.programs) >= _PROGRAMS_PER_MODEL:
       cached.programs.pop(next(iter(cached.programs)))
     cached.programs[key] = placed
   return placed
 
 
-# Idle start states already on their devices, by everything that fixes them: arrays are immutable and the loop
-# donates none, so every engine of a program starts from the same ones (a decode call places only its queue). A few
-# small ones are kept: a big model's idle caches would hold device memory between calls.
-_STARTS: dict[tuple, LoopState] = {}
+@dataclasses.dataclass(frozen=True)
+class _Start:
+  """An engine's idle start state: on the host (the engine's copy of the queue is made from it), on its
+  devices, and the shardings of the state, whose structure never changes."""
+
+  host: LoopState
+  placed: LoopState
+  shardings: Any
+
+
+# Idle start states by everything that fixes them: arrays are immutable and the loop donates none, so every engine
+# of a program starts from the same ones (a decode call builds and places only its queue). A few small ones are
+# kept: a big model's idle caches would hold device memory between calls.
+_STARTS: dict[tuple, _Start] = {}
 _STARTS_KEPT, _START_BYTES = 8, 64 * 2**20
 
 
-def _placed_start(loop: Loop, state: LoopState, shardings: Any, config: ModelConfig, prompt_width: int) -> LoopState:
-  key = (loop.program, loop.placement, config, jax.tree.structure(state), prompt_width, state.entry.shape)
+def _placed_start(loop: Loop, decoder: Decoder, config: ModelConfig, rows: int, prompt_width: int) -> _Start:
+  key = (loop.program, loop.placement, config, rows, prompt_width, jax.config.jax_default_prng_impl)
   if key in _STARTS:
     return _STARTS[key]
-  placed = loop.place_state(state, shardings)
-  if sum(leaf.nbytes for leaf in jax.tree.leaves(state)) <= _START_BYTES:  # a big model's caches are not kept idle
+  host = start_state(decoder, config, rows, prompt_width)
+  shardings = loop.state_shardings(host)
+  start = _Start(host, loop.place_state(host, shardings), shardings)
+  if sum(leaf.nbytes for leaf in jax.tree.leaves(host)) <= _START_BYTES:  # a big model's caches are not kept idle
     if len(_STARTS) >= _STARTS_KEPT:
       _STARTS.pop(next(iter(_STARTS)))
-    _STARTS[key] = placed
-  return placed
+    _STARTS[key] = start
+  return start
 
 
 def _cut(answer: list[int], eos_id: int) -> list[int]:
