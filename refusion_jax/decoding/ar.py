@@ -11,7 +11,6 @@ to end as one `lax.while_loop` over a `refusion_jax.decoding.batching.LoopState`
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import ClassVar
 
 import flax.struct
@@ -20,12 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from refusion_jax.data.special_tokens import SpecialTokens
+from refusion_jax.decoding import driver
 from refusion_jax.decoding.batching import count_width, host_zeros, put_row
 from refusion_jax.decoding.checks import check_count, check_temperature, optional_eos_id
 from refusion_jax.decoding.contract import DecodeOutputs, Decoder, Sampling
-from refusion_jax.decoding.driver import decode
 from refusion_jax.decoding.prompts import prefill
-from refusion_jax.decoding.result import PHASE_STEP, DecodeResult
+from refusion_jax.decoding.result import PHASE_STEP
 from refusion_jax.decoding.scoring import pick_tokens
 from refusion_jax.deprecation import deprecated
 from refusion_jax.model import cache as kv_cache
@@ -173,29 +172,6 @@ class AR:
     return Decoder(self, ARSettings(self.gen_length, sample=sample), ARKnobs(eos_id=np.int32(eos)), eos)
 
 
-@deprecated(old="refusion_jax.ar_generate", new="refusion_jax.decode(model, prompt_ids, refusion_jax.AR(...))")
-def ar_generate(
-  model: Transformer,
-  prompt_ids: Sequence[Sequence[int]],
-  *,
-  gen_length: int,
-  temperature: float = 0.0,
-  seed: int = 0,
-  eos_id: int | None = None,
-  pad_id: int | None = None,
-  mesh: jax.sharding.Mesh | None = None,
-  batch_size: int | None = None,
-  chunk_iterations: int | None = None,
-) -> DecodeResult:
-  """The 0.2 call: `decode(model, prompt_ids, AR(gen_length=..., temperature=...), ...)`, the same tokens."""
-  return decode(
-    model,
-    prompt_ids,
-    AR(gen_length, temperature),
-    batch_size=batch_size,
-    mesh=mesh,
-    seed=seed,
-    eos_id=eos_id,
-    pad_id=pad_id,
-    chunk_iterations=chunk_iterations,
-  )
+ar_generate = deprecated(
+  old="refusion_jax.ar_generate", new="refusion_jax.decode(model, prompt_ids, refusion_jax.AR(...))"
+)(driver.keyword_decode(AR))

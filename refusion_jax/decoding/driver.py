@@ -15,7 +15,7 @@ import collections
 import dataclasses
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -644,6 +644,41 @@ def decode(
     pad_id=pad_id,
   )
   return engine.run(prompt_ids, chunk_iterations)
+
+
+def keyword_decode(method: type[Method]) -> Callable[..., DecodeResult]:
+  """The 0.2 call of one method, `<method>_generate(model, prompt_ids, *, <its fields>, <decode's options>)`:
+  `decode(model, prompt_ids, method(<its fields>), <decode's options>)`, the same tokens (wrap it in
+  `deprecation.deprecated`)."""
+
+  def generate(
+    model: Transformer,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    batch_size: int | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    seed: int = 0,
+    mask_id: int | None = None,
+    eos_id: int | None = None,
+    pad_id: int | None = None,
+    chunk_iterations: int | None = None,
+    **fields: Any,
+  ) -> DecodeResult:
+    return decode(
+      model,
+      prompt_ids,
+      method(**fields),
+      batch_size=batch_size,
+      mesh=mesh,
+      seed=seed,
+      mask_id=mask_id,
+      eos_id=eos_id,
+      pad_id=pad_id,
+      chunk_iterations=chunk_iterations,
+    )
+
+  generate.__doc__ = f"The 0.2 call: `decode(model, prompt_ids, {method.__name__}(...), ...)`, the same tokens."
+  return generate
 
 
 __getattr__ = moved_names(

@@ -13,7 +13,6 @@ batching), run by `refusion_jax.decoding.driver.decode`, whose `DecodeResult` re
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import ClassVar
 
 import flax.struct
@@ -22,11 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from refusion_jax.data.special_tokens import SpecialTokens
+from refusion_jax.decoding import driver
 from refusion_jax.decoding.batching import count_width, put_row
 from refusion_jax.decoding.checks import check_count, check_special_id, check_temperature, optional_eos_id
 from refusion_jax.decoding.contract import DecodeOutputs, Decoder, Sampling
-from refusion_jax.decoding.driver import decode
-from refusion_jax.decoding.result import PHASE_NONE, PHASE_STEP, DecodeResult
+from refusion_jax.decoding.result import PHASE_NONE, PHASE_STEP
 from refusion_jax.decoding.scoring import pick_tokens
 from refusion_jax.deprecation import deprecated, moved_names
 from refusion_jax.model.config import ModelConfig
@@ -251,36 +250,9 @@ class MDM:
     return Decoder(self, settings, knobs, eos)
 
 
-@deprecated(old="refusion_jax.mdm_generate", new="refusion_jax.decode(model, prompt_ids, refusion_jax.MDM(...))")
-def mdm_generate(
-  model: Transformer,
-  prompt_ids: Sequence[Sequence[int]],
-  *,
-  gen_length: int,
-  block_length: int,
-  steps: int,
-  temperature: float = 0.0,
-  seed: int = 0,
-  mask_id: int | None = None,
-  eos_id: int | None = None,
-  pad_id: int | None = None,
-  mesh: jax.sharding.Mesh | None = None,
-  batch_size: int | None = None,
-  chunk_iterations: int | None = None,
-) -> DecodeResult:
-  """The 0.2 call: `decode(model, prompt_ids, MDM(gen_length=..., block_length=..., steps=...), ...)`."""
-  return decode(
-    model,
-    prompt_ids,
-    MDM(gen_length, block_length, steps, temperature),
-    batch_size=batch_size,
-    mesh=mesh,
-    seed=seed,
-    mask_id=mask_id,
-    eos_id=eos_id,
-    pad_id=pad_id,
-    chunk_iterations=chunk_iterations,
-  )
+mdm_generate = deprecated(
+  old="refusion_jax.mdm_generate", new="refusion_jax.decode(model, prompt_ids, refusion_jax.MDM(...))"
+)(driver.keyword_decode(MDM))
 
 
 __getattr__ = moved_names(__name__, {"MDMSchedule": ("refusion_jax.decoding.mdm.MDMSettings", lambda: MDMSettings)})

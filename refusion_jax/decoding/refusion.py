@@ -35,7 +35,6 @@ exactly as it would be alone.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import ClassVar
 
 import flax.struct
@@ -55,7 +54,6 @@ from refusion_jax.decoding.checks import (
   check_threshold,
 )
 from refusion_jax.decoding.contract import DecodeOutputs, Decoder, Sampling
-from refusion_jax.decoding.driver import decode
 from refusion_jax.decoding.prompts import prefill
 from refusion_jax.decoding.result import (
   PHASE_INFILL,
@@ -65,7 +63,6 @@ from refusion_jax.decoding.result import (
   STAGE_NAMES,
   STAGE_PLAN,
   STAGE_VERIFY,
-  DecodeResult,
 )
 from refusion_jax.decoding.scheduler import BlockQuery, ForwardLayout, TokenScores, scheduled_forward
 from refusion_jax.decoding.scoring import sampling_noise
@@ -478,40 +475,9 @@ class ReFusion:
     return Decoder(self, settings, knobs, eos_id)
 
 
-@deprecated(old="refusion_jax.generate", new="refusion_jax.decode(model, prompt_ids, refusion_jax.ReFusion(...))")
-def generate(
-  model: Transformer,
-  prompt_ids: Sequence[Sequence[int]],
-  *,
-  gen_length: int,
-  slot_size: int,
-  serial_blocks: int,
-  slot_threshold: float,
-  token_threshold: float,
-  temperature: float = 0.0,
-  seed: int = 0,
-  mask_id: int | None = None,
-  eos_id: int | None = None,
-  pad_id: int | None = None,
-  mesh: jax.sharding.Mesh | None = None,
-  batch_size: int | None = None,
-  fit_width: bool = True,
-  chunk_iterations: int | None = None,
-) -> DecodeResult:
-  """The 0.2 call: `decode(model, prompt_ids, ReFusion(gen_length=..., ...), ...)`, the same tokens."""
-  method = ReFusion(gen_length, slot_size, serial_blocks, slot_threshold, token_threshold, temperature, fit_width)
-  return decode(
-    model,
-    prompt_ids,
-    method,
-    batch_size=batch_size,
-    mesh=mesh,
-    seed=seed,
-    mask_id=mask_id,
-    eos_id=eos_id,
-    pad_id=pad_id,
-    chunk_iterations=chunk_iterations,
-  )
+generate = deprecated(
+  old="refusion_jax.generate", new="refusion_jax.decode(model, prompt_ids, refusion_jax.ReFusion(...))"
+)(driver.keyword_decode(ReFusion))
 
 
 __getattr__ = moved_names(
