@@ -76,13 +76,17 @@ def test_dequantized_kernels_lie_within_half_a_step_of_the_float_ones(mode, grou
 
 
 @pytest.mark.parametrize("tokens", [3, 200])  # few tokens: groups contracted apart; many: dequantized first
-def test_the_integer_contraction_equals_the_dequantized_float_one(tokens):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: a batched dot jax 0.10's XLA:CPU lacks
+def test_the_integer_contraction_equals_the_dequantized_float_one(tokens, dtype):
   config = tiny(vocab_size=96, quantize="int4", quantize_group_size=16)
   model = init_model(config, seed=1)
   mlp = model.layers[0].mlp
-  x = jax.random.normal(jax.random.PRNGKey(tokens), (1, tokens, config.hidden_size))
+  x = jax.random.normal(jax.random.PRNGKey(tokens), (2, tokens, config.hidden_size)).astype(dtype)
   weight = quant.dequantize_kernel(mlp.up_proj[...], mlp.up_proj_scale[...], 1, jnp.float32)
-  np.testing.assert_allclose(np.asarray(quant.project(mlp, "up_proj", x, 1)), np.asarray(x @ weight), atol=1e-5)
+  ours = jax.jit(lambda mlp, x: quant.project(mlp, "up_proj", x, 1))(mlp, x)  # weights traced, not constants
+  assert ours.dtype == x.dtype
+  expected = np.asarray(x.astype(jnp.float32) @ weight)
+  np.testing.assert_allclose(np.asarray(ours, np.float32), expected, atol=1e-5 if dtype == "float32" else 2e-2)
 
 
 # ------------------------------------------------------------------ models

@@ -148,7 +148,7 @@ def _unpad(x, shape):
 
 
 def _nbytes(target: jax.ShapeDtypeStruct) -> int:
-  return math.prod(target.shape) * target.dtype.itemsize
+  return quant.stored_bytes(target.shape, target.dtype)
 
 
 def _batches(entries: Sequence[Entry], targets: dict[str, jax.ShapeDtypeStruct]) -> list[list[Entry]]:

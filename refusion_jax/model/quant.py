@@ -62,6 +62,11 @@ def groups_of(mode: str, group_size: int, input_width: int) -> int:
   return input_width // group_size
 
 
+def stored_bytes(shape: tuple[int, ...], dtype: jnp.dtype) -> int:
+  """Bytes of an array as a device stores it: int4 packs two to a byte (numpy's `itemsize` says one)."""
+  return -(-math.prod(shape) * jax.dtypes.itemsize_bits(dtype) // 8)
+
+
 def check_group_size(mode: str, group_size: int, input_widths: dict[str, int]) -> None:
   """Refuse a group size that is negative or does not divide every projection's input width (named).
 
@@ -167,10 +172,20 @@ def project(module: nnx.Module, kernel: str, x: jax.Array, inputs: int) -> jax.A
   letters = string.ascii_lowercase
   lead, outs = letters[:batch_axes], letters[batch_axes : batch_axes + len(out_shape)]
   spec = f"{lead}yz,yz{outs}->{lead}y{outs}"  # y: the group, z: an input within it
-  per_group = jnp.einsum(
-    spec,
+
+  def contract(inputs: jax.Array, kernel: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, inputs, kernel, preferred_element_type=jnp.float32)
+
+  def contract_in_float32(inputs: jax.Array, kernel: jax.Array) -> jax.Array:
+    return contract(inputs.astype(jnp.float32), kernel.astype(jnp.float32))
+
+  # XLA:CPU (jax 0.10) has no batched bfloat16 dot into float32 ("Unsupported element type for DotThunk"); it
+  # casts a dot's operands to float32 anyway, so there both are cast first: the same sums. The platform is the
+  # one compiled for, so an accelerator (or an AOT compile for one on a CPU host) contracts the narrow operands.
+  per_group = jax.lax.platform_dependent(
     x.reshape(*x.shape[:batch_axes], groups, width // groups),
     weight.reshape(groups, width // groups, *out_shape).astype(x.dtype),
-    preferred_element_type=jnp.float32,
+    cpu=contract_in_float32,
+    default=contract,
   )
   return jnp.sum(per_group * scale, axis=batch_axes).astype(x.dtype)

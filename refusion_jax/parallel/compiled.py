@@ -26,6 +26,8 @@ from typing import Any
 
 import jax
 
+from refusion_jax.model import quant
+
 GIB = 1024**3
 
 
@@ -181,7 +183,7 @@ _UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": GIB, "T": 1024 * GIB}
 def argument_bytes(arguments: Any) -> int:
   """Bytes one device holds of a pytree of `jax.ShapeDtypeStruct`s carrying shardings (the largest shard)."""
   leaves = [x for x in jax.tree.leaves(arguments) if isinstance(x, jax.ShapeDtypeStruct)]
-  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
+  return sum(quant.stored_bytes(x.sharding.shard_shape(x.shape), x.dtype) for x in leaves)
 
 
 def sub_jaxprs(values: Any):
