@@ -1,6 +1,7 @@
 """Benchmarks. `decode`: ReFusion against its eager reference and the AR / MDM baselines;
 `throughput`: many prompts one by one, in static batches and by continuous batching; `lora`: LoRA adapters
-unmerged against merged; `serve`: the OpenAI-compatible server under concurrent clients against the Sampler.
+unmerged against merged; `quant`: int8 / int4 projections against bfloat16 (error, agreement, bytes, time per
+forward); `serve`: the OpenAI-compatible server under concurrent clients against the Sampler.
 
     python -m refusion_jax.bench decode                       # tiny + small, sharpened random weights
     python -m refusion_jax.bench decode --sizes tiny --batch 4 --gen_length 32 --repeats 1
@@ -10,11 +11,13 @@ unmerged against merged; `serve`: the OpenAI-compatible server under concurrent 
     python -m refusion_jax.bench throughput --checkpoint WORKDIR --task_prompts sort,lookup,code \
         --gen_length 48 --slot_size 8 --serial_blocks 1                      # a trained demo checkpoint
     python -m refusion_jax.bench lora                         # LoRA decode cost (results/lora.md)
+    python -m refusion_jax.bench quant --checkpoint WORKDIR   # int8 / int4 vs bf16 (results/quantization.md)
     python -m refusion_jax.bench serve --random_init tiny --prompts 64 --clients 16 --rows 8   # the HTTP server
 
 `decode` runs `refusion_jax.evaluation.decode_bench`, `throughput` runs
-`refusion_jax.evaluation.throughput`, `lora` runs `refusion_jax.evaluation.lora_cost`, `serve` runs
-`refusion_jax.evaluation.serve_bench` (what each measures is said there); the random models of `decode` and
+`refusion_jax.evaluation.throughput`, `lora` runs `refusion_jax.evaluation.lora_cost`, `quant` runs
+`refusion_jax.evaluation.quant_bench`, `serve` runs `refusion_jax.evaluation.serve_bench` (what each measures
+is said there); the random models of `decode` and
 `throughput` are sharpened (`evaluation.bench_models`: --sharpen scales the LM head, EOS is never predicted)
 so that slots pass verification as a trained model's do. Pass --hf_checkpoint / --checkpoint to measure
 trained weights.
@@ -36,9 +39,10 @@ from refusion_jax.decoding.mdm import MDM
 from refusion_jax.decoding.methods import add_method_flags, field_names, flag_values, method_value
 from refusion_jax.decoding.refusion import ReFusion
 from refusion_jax.evaluation.bench_models import TrainedSource
-from refusion_jax.evaluation.bench_tables import format_serve, format_table, format_throughput, summary
+from refusion_jax.evaluation.bench_tables import format_quant, format_serve, format_table, format_throughput, summary
 from refusion_jax.evaluation.decode_bench import DecodeBenchOptions, run_decode_bench
 from refusion_jax.evaluation.lora_cost import LoraCostOptions, run_lora_cost
+from refusion_jax.evaluation.quant_bench import QuantBenchOptions, run_quant_bench
 from refusion_jax.evaluation.serve_bench import ServeBenchOptions, run_serve_bench
 from refusion_jax.evaluation.throughput import ThroughputOptions, run_throughput_bench
 from refusion_jax.model import config as config_lib
@@ -96,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
   for field in dataclasses.fields(LoraCostOptions):
     lora.add_argument(f"--{field.name}", type=type(field.default), default=field.default)
 
+  q = commands.add_parser(
+    "quant",
+    help="int8 / int4 projections vs bfloat16: logit error, greedy agreement, bytes, time per forward.",
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  for field in dataclasses.fields(QuantBenchOptions):
+    q.add_argument(f"--{field.name}", type=type(field.default), default=field.default, help=QUANT_HELP[field.name])
+
   s = commands.add_parser(
     "serve",
     help="the OpenAI server under concurrent clients vs the Sampler one by one and with K rows.",
@@ -107,6 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
   add_method_flags(s.add_argument_group("decoding"))
   return parser
 
+
+QUANT_HELP = {
+  "checkpoint": "a trained run of the built-in tasks (its validation rows and queries); '': random weights.",
+  "preset": "without a checkpoint: the preset whose one random draw every variant holds.",
+  "count": "teacher-forced rows (a quarter of them, at most, are the decode prompts without a checkpoint).",
+  "length": "tokens per teacher-forced row.",
+  "gen_length": "answer tokens of the greedy AR and the timed ReFusion decodes.",
+  "repeats": "interleaved timed rounds; the median per variant.",
+  "seed": "the random weights and tokens.",
+  "variants": "which to build (comma-separated); float32 and bfloat16 always run.",
+}
 
 # The fields of ReFusion a benchmark's flags set (its defaults, but serial_blocks where a benchmark says).
 REFUSION_FLAGS = ("gen_length", "slot_size", "serial_blocks", "slot_threshold", "token_threshold")
@@ -153,6 +176,11 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
   if args.command == "lora":
     options = LoraCostOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(LoraCostOptions)})
     print(run_lora_cost(options).format())
+    return
+  if args.command == "quant":
+    options = QuantBenchOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(QuantBenchOptions)})
+    print(format_quant(*run_quant_bench(options)))
+    print(f"backend: {jax.default_backend()}; reproduce with: {reproduce_command(argv)}")
     return
   if args.command == "serve":
     model, tokenizer = load(**model_request(args))

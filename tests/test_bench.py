@@ -1,6 +1,7 @@
 """The decode benchmark reports every (method, batch) row; the throughput benchmark every mode with the same
 tokens; the training benchmark times every objective."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -12,8 +13,15 @@ from helpers.train_utils import REPO, load_config
 from refusion_jax.decoding.mdm import MDM
 from refusion_jax.decoding.refusion import ReFusion
 from refusion_jax.evaluation import step_timing
-from refusion_jax.evaluation.bench_tables import different_from_sequential, format_table, format_throughput, summary
+from refusion_jax.evaluation.bench_tables import (
+  different_from_sequential,
+  format_quant,
+  format_table,
+  format_throughput,
+  summary,
+)
 from refusion_jax.evaluation.decode_bench import EAGER, DecodeBenchOptions, run_decode_bench
+from refusion_jax.evaluation.quant_bench import QuantBenchOptions, run_quant_bench
 from refusion_jax.evaluation.throughput import ThroughputOptions, run_throughput_bench
 
 ROWS = [("refusion", 1), (EAGER, 1), ("ar", 1), ("mdm", 1), ("refusion", 2), ("ar", 2), ("mdm", 2)]
@@ -139,3 +147,22 @@ def test_recipe_config_takes_a_layer_count_for_benchmarks(monkeypatch):
   full = model_config_from(load_config("refusion_qwen3_8b", variant=""), load_tokenizer("bytes"))
   assert (full.num_layers, short.num_layers) == (36, 8)
   assert short.replace(num_layers=36) == full
+
+
+def test_the_quantization_bench_compares_every_variant_with_bfloat16_on_one_draw():
+  options = QuantBenchOptions(preset="tiny", count=4, length=16, gen_length=8, repeats=1, variants="int8,int4 g32")
+  rows, source = run_quant_bench(options)
+  rows = {row.name: row for row in rows}
+  assert sorted(rows) == ["bfloat16", "float32", "int4 g32", "int8"] and "tiny" in source
+  reference = rows["bfloat16"]
+  assert reference.error_vs_reference == 0 and reference.top1 == 1 and reference.greedy_agreement == 1
+  # One draw cast and quantized: bfloat16 is near float32, int8 near bfloat16, int4 further away.
+  assert 0 < rows["float32"].error_vs_reference < 0.02 and 0 < rows["int8"].error_vs_reference < 0.05
+  assert rows["int4 g32"].error_vs_reference > rows["int8"].error_vs_reference
+  sizes = [rows[name].param_bytes for name in ("float32", "bfloat16", "int8", "int4 g32")]
+  assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == 4
+  assert all(row.seconds_per_forward > 0 for row in rows.values())
+  table = format_quant(list(rows.values()), source)
+  assert table.count("\n| ") == 2 + len(rows) and "1.00x" in table and "KiB" in table
+  with pytest.raises(ValueError, match="Unknown variants"):
+    run_quant_bench(dataclasses.replace(options, variants="int3"))

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from refusion_jax.evaluation.decode_bench import EAGER, Measurement
+from refusion_jax.evaluation.quant_bench import REFERENCE, QuantRow
 from refusion_jax.evaluation.serve_bench import ServeBenchRow
 from refusion_jax.evaluation.throughput import ThroughputRow
 
@@ -138,3 +139,22 @@ def format_serve(rows: Sequence[ServeBenchRow]) -> str:
   return "\n".join(
     [_table(header, lines), "", f"requests/s over {base.mode}: {ratios}.", f"texts equal to {base.mode}'s: {same}."]
   )
+
+
+def format_quant(rows: list[QuantRow], source: str) -> str:
+  """The rows as a markdown table, each variant's time per forward also as a ratio to bfloat16's."""
+  reference = next(r for r in rows if r.name == REFERENCE)
+  lines = [
+    f"{source}: against {REFERENCE} (and float32); time = one ReFusion decode forward, compile excluded",
+    "",
+    "| variant | rel. logit error vs float32 | vs bfloat16 | top-1 = bfloat16 | greedy AR tokens = bfloat16 "
+    "| parameters | ms / forward | time vs bfloat16 |",
+    "| --- | --- | --- | --- | --- | --- | --- | --- |",
+  ]
+  for r in rows:
+    lines.append(
+      f"| {r.name} | {r.error_vs_float32:.2e} | {r.error_vs_reference:.2e} | {100 * r.top1:.1f} % "
+      f"| {100 * r.greedy_agreement:.1f} % | {_bytes(r.param_bytes)} | {1e3 * r.seconds_per_forward:.2f} "
+      f"| {r.seconds_per_forward / reference.seconds_per_forward:.2f}x |"
+    )
+  return "\n".join(lines)
