@@ -646,36 +646,17 @@ def decode(
   return engine.run(prompt_ids, chunk_iterations)
 
 
+_DECODE_OPTIONS = ("batch_size", "mesh", "seed", "mask_id", "eos_id", "pad_id", "chunk_iterations")
+
+
 def keyword_decode(method: type[Method]) -> Callable[..., DecodeResult]:
   """The 0.2 call of one method, `<method>_generate(model, prompt_ids, *, <its fields>, <decode's options>)`:
   `decode(model, prompt_ids, method(<its fields>), <decode's options>)`, the same tokens (wrap it in
   `deprecation.deprecated`)."""
 
-  def generate(
-    model: Transformer,
-    prompt_ids: Sequence[Sequence[int]],
-    *,
-    batch_size: int | None = None,
-    mesh: jax.sharding.Mesh | None = None,
-    seed: int = 0,
-    mask_id: int | None = None,
-    eos_id: int | None = None,
-    pad_id: int | None = None,
-    chunk_iterations: int | None = None,
-    **fields: Any,
-  ) -> DecodeResult:
-    return decode(
-      model,
-      prompt_ids,
-      method(**fields),
-      batch_size=batch_size,
-      mesh=mesh,
-      seed=seed,
-      mask_id=mask_id,
-      eos_id=eos_id,
-      pad_id=pad_id,
-      chunk_iterations=chunk_iterations,
-    )
+  def generate(model: Transformer, prompt_ids: Sequence[Sequence[int]], **options: Any) -> DecodeResult:
+    run = {name: options.pop(name) for name in _DECODE_OPTIONS if name in options}
+    return decode(model, prompt_ids, method(**options), **run)
 
   generate.__doc__ = f"The 0.2 call: `decode(model, prompt_ids, {method.__name__}(...), ...)`, the same tokens."
   return generate
