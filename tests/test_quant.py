@@ -26,6 +26,7 @@ from refusion_jax.model import lora, quant
 from refusion_jax.model.config import tiny
 from refusion_jax.model.quantize import quantize
 from refusion_jax.model.transformer import Transformer, init_model, with_config
+from refusion_jax.parallel.compiled import sub_jaxprs
 from refusion_jax.training import loop as train
 from refusion_jax.training import state as train_state
 from refusion_jax.training.objective import ObjectiveConfig
@@ -114,7 +115,7 @@ def test_quantizing_a_model_in_hand_equals_quantizing_while_loading(hf_base):
 
 @pytest.mark.parametrize("remat", ["none", "full", "projections", "projections_except_mlp"])
 def test_scanned_and_rematerialised_quantized_layers_equal_the_unrolled_ones(remat):
-  config = tiny(vocab_size=96)
+  config = tiny(vocab_size=96, num_layers=3)  # 3: no other axis of the program has that size
   model = lora.add_lora(quantize(init_model(config, seed=2), "int4", group_size=32), lora.LoraConfig(rank=4))
   graphdef, state = nnx.split(model)
   tokens = _tokens(2)
@@ -132,6 +133,24 @@ def test_scanned_and_rematerialised_quantized_layers_equal_the_unrolled_ones(rem
   for g, g_v in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_v)):
     assert np.all(np.isfinite(np.asarray(g)))
     np.testing.assert_allclose(np.asarray(g_v), np.asarray(g), atol=1e-5)
+  # Scanned, no integer array with a leading layers axis is made, forward or backward: the kernels are read layer by
+  # layer where they are, neither stacked for the scan nor kept stacked as residuals for the backward pass.
+  step = jax.make_jaxpr(jax.value_and_grad(adapter_loss, argnums=1), static_argnums=0)
+  stacked = _stacked_integers(step(graphdef_variant, trainable, frozen).jaxpr, config.num_layers)
+  assert not stacked, stacked
+
+
+def _stacked_integers(jaxpr, layers: int) -> list:
+  """The integer arrays of rank > 2 with a leading axis of `layers` that `jaxpr` (and the jaxprs inside) makes."""
+  found = []
+  for eqn in jaxpr.eqns:
+    for var in eqn.outvars:
+      aval = var.aval
+      if getattr(aval, "ndim", 0) > 2 and aval.shape[0] == layers and jnp.issubdtype(aval.dtype, jnp.integer):
+        found.append((eqn.primitive.name, aval.str_short()))
+    for inner in sub_jaxprs(eqn.params.values()):
+      found += _stacked_integers(inner, layers)
+  return found
 
 
 @pytest.mark.parametrize(("mode", "group_size"), [("int8", 128), ("int4", 32)])

@@ -36,7 +36,8 @@ its output is then `x·W + scale·(x·A)·B`, named as the projection's for rema
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import chex
 import jax
@@ -340,43 +341,79 @@ def run_layers(
   Returns:
     The last layer's output [batch, block, embed] and every layer's keys and values.
 
-  Scanned, the layers' weights are stacked inside the forward ([layers, ...],
-  cast to the compute dtype first, as each layer would cast them anyway, so the
-  results match the unrolled loop's): the compiled program holds one layer,
-  at the cost of one stacked copy of the layers' weights in the compute dtype
-  (sharded like the weights).
+  Scanned, the layers' floating weights are stacked inside the forward
+  ([layers, ...], cast to the compute dtype first, as each layer would cast them
+  anyway, so the results match the unrolled loop's): the compiled program holds
+  one layer, at the cost of one stacked copy of those weights in the compute
+  dtype (sharded like the weights). Integer (quantized) kernels are not stacked:
+  frozen and the bulk of a quantized model, their stacked copy would take back
+  much of what quantizing saved (7 GB of an int8 Qwen3-8B's 9.4), so each layer
+  picks its own by index (`_one_layer`).
   """
   policy = remat.POLICIES[config.remat]
   graphdef = nnx.graphdef(layers[0])  # every layer has the same structure
-
-  def one_layer(state, x, cached, key):
-    return nnx.merge(graphdef, state)(x, positions, attention, cached, key)
-
-  if policy is not None:
-    # Inside a scan, CSE cannot undo the rematerialisation (prevent_cse=False is then safe and faster).
-    one_layer = jax.checkpoint(one_layer, policy=policy, prevent_cse=not config.scan_layers)
   caches = (None, None) if cache is None else (cache.k, cache.v)
   layer_keys = [None if dropout_key is None else jax.random.fold_in(dropout_key, i) for i in range(len(layers))]
-  if config.scan_layers:
-    stacked = _stacked_weights([nnx.state(layer) for layer in layers], config)
+  if not config.scan_layers:
+    one_layer = _one_layer(graphdef, policy, positions, attention, prevent_cse=True)
+    keys, values = [], []
+    for i, layer in enumerate(layers):
+      cached = None if cache is None else (cache.k[i], cache.v[i])
+      if policy is None:
+        x, (k, v) = layer(x, positions, attention, cached, layer_keys[i])
+      else:
+        x, (k, v) = one_layer(nnx.state(layer), x, cached, layer_keys[i])
+      keys.append(k)
+      values.append(v)
+    return x, BlockKV(k=jnp.stack(keys), v=jnp.stack(values))
 
-    def body(x, per_layer):
-      state, cache_k, cache_v, key = per_layer
-      return one_layer(state, x, None if cache_k is None else (cache_k, cache_v), key)
+  states = [nnx.split_state(nnx.state(layer), _is_integer, ...) for layer in layers]
+  integers = [integer for integer, _ in states] if jax.tree.leaves(states[0][0]) else None
+  stacked = _stacked_weights([rest for _, rest in states], config)
+  # Inside a scan, CSE cannot undo the rematerialisation (prevent_cse=False is then safe and faster).
+  one_layer = _one_layer(graphdef, policy, positions, attention, prevent_cse=False, integers=integers)
 
-    stacked_keys = None if dropout_key is None else jnp.stack(layer_keys)
-    x, (keys, values) = jax.lax.scan(body, x, (stacked, *caches, stacked_keys))
-    return x, BlockKV(k=keys, v=values)
-  keys, values = [], []
-  for i, layer in enumerate(layers):
-    cached = None if cache is None else (cache.k[i], cache.v[i])
-    if policy is None:
-      x, (k, v) = layer(x, positions, attention, cached, layer_keys[i])
-    else:
-      x, (k, v) = one_layer(nnx.state(layer), x, cached, layer_keys[i])
-    keys.append(k)
-    values.append(v)
-  return x, BlockKV(k=jnp.stack(keys), v=jnp.stack(values))
+  def body(x, per_layer):
+    state, index, cache_k, cache_v, key = per_layer
+    return one_layer((state, index), x, None if cache_k is None else (cache_k, cache_v), key)
+
+  stacked_keys = None if dropout_key is None else jnp.stack(layer_keys)
+  indices = jnp.arange(len(layers), dtype=jnp.int32)
+  x, (keys, values) = jax.lax.scan(body, x, (stacked, indices, *caches, stacked_keys))
+  return x, BlockKV(k=keys, v=values)
+
+
+def _one_layer(
+  graphdef: nnx.GraphDef,
+  policy: Any,
+  positions: jax.Array,
+  attention: jax.Array | Segments,
+  *,
+  prevent_cse: bool,
+  integers: list[nnx.State] | None = None,
+) -> Callable:
+  """One layer as a function (state, x, cached, key) -> (x, (k, v)), rematerialised under `policy` (None: not).
+
+  Scanned, `state` is (the layer's slice of the stacked weights, its index), and with `integers` (every layer's
+  integer kernels) the layer's own are picked by index (`lax.switch`: one layer's read, no stacked copy) inside
+  the rematerialised call, so that the backward pass keeps the index of a layer, not kernels that a scan would
+  stack again as residuals.
+  """
+
+  def one_layer(state, x, cached, key):
+    if isinstance(state, tuple):
+      state, index = state
+      if integers is not None:
+        branches = [lambda kernels=kernels: kernels for kernels in integers]
+        state = nnx.merge_state(state, jax.lax.switch(index, branches))
+    return nnx.merge(graphdef, state)(x, positions, attention, cached, key)
+
+  return one_layer if policy is None else jax.checkpoint(one_layer, policy=policy, prevent_cse=prevent_cse)
+
+
+def _is_integer(path: tuple, variable: nnx.Variable) -> bool:
+  del path
+  return jnp.issubdtype(variable.get_value().dtype, jnp.integer)
 
 
 def _stacked_weights(states: list[nnx.State], config: ModelConfig) -> nnx.State:
