@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import types
 
 import jax
 import jax.numpy as jnp
@@ -253,3 +254,24 @@ def test_compiles_for_a_tpu_topology():
   assert len(rows) >= 2 and all("| 103 | yes |" in row and row.split("|")[-3].strip() != "–" for row in rows), rows
   train_mfu = [float(row.split("|")[-2].strip(" %")) for row in rows if row.startswith("| train step")]
   assert train_mfu and all(0 < mfu <= 100 for mfu in train_mfu), rows
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason='needs libtpu: pip install "jax[tpu]"')
+def test_a_batched_refusion_decode_at_the_papers_block_compiles_for_one_v5e_chip():
+  # Row picks at a block of 128 (G = 512, S = 8, 4 blocks) abort XLA's TPU compiler (a failed check in its gather
+  # emitter, which kills the process): the decoder must not pick rows on a TPU.
+  paper_block = ["--config.eval.gen_length=512", "--config.eval.slot_size=8", "--config.eval.serial_blocks=4"]
+  one_chip = ["--topology=v5e:2x2", "--config.mesh.fsdp=1", "--config.mesh.data=1", "--decode_mesh=data:1"]
+  out = run_python(
+    ["-m", "refusion_jax.aot", *SMOKE, *one_chip, *paper_block, "--programs=decode", "--decode_batch=8"], devices=1
+  )
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+  assert any(line.startswith("| decode") and "batch 8" in line for line in out.stdout.splitlines()), out.stdout
+
+
+def test_rows_are_never_picked_on_a_tpu(monkeypatch):
+  from refusion_jax.decoding import driver
+
+  assert driver.pick_rows_on(None)  # this CPU
+  monkeypatch.setattr(driver, "default_device", lambda: types.SimpleNamespace(platform="tpu"))
+  assert not driver.pick_rows_on(None)

@@ -157,13 +157,16 @@ def padded_rows(rows: int, mesh: jax.sharding.Mesh | None, rules: Rules = LOGICA
 
 
 def pick_rows_on(mesh: jax.sharding.Mesh | None, rules: Rules = LOGICAL_AXIS_RULES) -> bool:
-  """Whether a forward may take a subset of the rows on `mesh` (`Method.decoder`'s `pick_rows`): not where rows
-  are split over devices.
+  """Whether a forward may take a subset of the rows on `mesh` (`Method.decoder`'s `pick_rows`): not on a TPU,
+  and not where rows are split over devices.
 
-  There a pick gathers rows across devices in every forward, which XLA's TPU compiler has aborted on (a
-  failed check in its all-gather / dynamic-slice cancellation; the version and command: results/README.md,
-  "Measurements the code relies on").
+  XLA's TPU compiler aborts on a ReFusion forward that picks rows (a failed check in its gather emitter), even
+  on one chip; where rows are split over devices it has aborted on the gather across devices too (the versions
+  and commands: results/README.md, "Measurements the code relies on"). Picking rows only saves work.
   """
+  devices = [default_device()] if mesh is None else list(mesh.devices.flat)
+  if any(device.platform == "tpu" for device in devices):
+    return False
   return mesh is None or batch_parallel_ways(mesh, rules) == 1
 
 

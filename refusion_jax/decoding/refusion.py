@@ -86,8 +86,8 @@ class ReFusionSettings:
   sample: bool
   # Forwards only as wide as the active slots (False: always the whole block, one compiled width).
   fit_width: bool = True
-  # Narrow forwards of fewer rows than K (`scheduler.forward_shapes`); False where rows are split over devices
-  # (the driver decides: `driver.pick_rows_on`).
+  # Narrow forwards of fewer rows than K (`scheduler.forward_shapes`); False on a TPU and where rows are split
+  # over devices (the driver decides: `driver.pick_rows_on`).
   pick_rows: bool = True
 
   @property

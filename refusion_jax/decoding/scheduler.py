@@ -41,8 +41,8 @@ class ForwardLayout:
     slot_size: S, tokens per slot (the narrowest width).
     block_length: T, tokens per serial block (the widest).
     fit_width: forwards only as wide as the active slots (False: always the whole block, one compiled width).
-    pick_rows: narrow forwards may take fewer rows than K (False where rows are split over devices: the
-      driver decides, `engine.Engine`).
+    pick_rows: narrow forwards may take fewer rows than K (False on a TPU and where rows are split over
+      devices: the driver decides, `driver.pick_rows_on`).
   """
 
   slot_size: int
