@@ -362,7 +362,7 @@ def run_layers(
       if policy is None:
         x, (k, v) = layer(x, positions, attention, cached, layer_keys[i])
       else:
-        x, (k, v) = one_layer(nnx.state(layer), x, cached, layer_keys[i])
+        x, (k, v) = one_layer(nnx.state(layer), None, x, cached, layer_keys[i])
       keys.append(k)
       values.append(v)
     return x, BlockKV(k=jnp.stack(keys), v=jnp.stack(values))
@@ -375,10 +375,10 @@ def run_layers(
 
   def body(x, per_layer):
     state, index, cache_k, cache_v, key = per_layer
-    return one_layer((state, index), x, None if cache_k is None else (cache_k, cache_v), key)
+    return one_layer(state, index, x, None if cache_k is None else (cache_k, cache_v), key)
 
   stacked_keys = None if dropout_key is None else jnp.stack(layer_keys)
-  indices = jnp.arange(len(layers), dtype=jnp.int32)
+  indices = None if integers is None else jnp.arange(len(layers), dtype=jnp.int32)
   x, (keys, values) = jax.lax.scan(body, x, (stacked, indices, *caches, stacked_keys))
   return x, BlockKV(k=keys, v=values)
 
@@ -392,20 +392,19 @@ def _one_layer(
   prevent_cse: bool,
   integers: list[nnx.State] | None = None,
 ) -> Callable:
-  """One layer as a function (state, x, cached, key) -> (x, (k, v)), rematerialised under `policy` (None: not).
+  """One layer as a function (state, index, x, cached, key) -> (x, (k, v)), rematerialised under `policy`
+  (None: not).
 
-  Scanned, `state` is (the layer's slice of the stacked weights, its index), and with `integers` (every layer's
-  integer kernels) the layer's own are picked by index (`lax.switch`: one layer's read, no stacked copy) inside
-  the rematerialised call, so that the backward pass keeps the index of a layer, not kernels that a scan would
-  stack again as residuals.
+  With `integers` (every layer's integer kernels, scanned), `state` lacks them and the layer's own are picked by
+  its `index` (`lax.switch`: one layer's read, no stacked copy) inside the rematerialised call, so that the
+  backward pass keeps the index of a layer, not kernels that a scan would stack again as residuals. Without,
+  `state` is the whole layer's and `index` None.
   """
 
-  def one_layer(state, x, cached, key):
-    if isinstance(state, tuple):
-      state, index = state
-      if integers is not None:
-        branches = [lambda kernels=kernels: kernels for kernels in integers]
-        state = nnx.merge_state(state, jax.lax.switch(index, branches))
+  def one_layer(state, index, x, cached, key):
+    if integers is not None:
+      branches = [lambda kernels=kernels: kernels for kernels in integers]
+      state = nnx.merge_state(state, jax.lax.switch(index, branches))
     return nnx.merge(graphdef, state)(x, positions, attention, cached, key)
 
   return one_layer if policy is None else jax.checkpoint(one_layer, policy=policy, prevent_cse=prevent_cse)
