@@ -173,11 +173,11 @@ def project(module: nnx.Module, kernel: str, x: jax.Array, inputs: int) -> jax.A
   lead, outs = letters[:batch_axes], letters[batch_axes : batch_axes + len(out_shape)]
   spec = f"{lead}yz,yz{outs}->{lead}y{outs}"  # y: the group, z: an input within it
 
-  def contract(inputs: jax.Array, kernel: jax.Array) -> jax.Array:
-    return jnp.einsum(spec, inputs, kernel, preferred_element_type=jnp.float32)
+  def contract(grouped_x: jax.Array, grouped_w: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, grouped_x, grouped_w, preferred_element_type=jnp.float32)
 
-  def contract_in_float32(inputs: jax.Array, kernel: jax.Array) -> jax.Array:
-    return contract(inputs.astype(jnp.float32), kernel.astype(jnp.float32))
+  def contract_in_float32(grouped_x: jax.Array, grouped_w: jax.Array) -> jax.Array:
+    return contract(grouped_x.astype(jnp.float32), grouped_w.astype(jnp.float32))
 
   # XLA:CPU (jax 0.10) has no batched bfloat16 dot into float32 ("Unsupported element type for DotThunk"); it
   # casts a dot's operands to float32 anyway, so there both are cast first: the same sums. The platform is the
