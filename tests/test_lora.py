@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers.train_utils import REPO, load_config, smoke_config
+from helpers.train_utils import REPO, load_config, lora_run_straight_and_resumed, smoke_config
 
 import refusion_jax as rj
 from refusion_jax import train_bench
@@ -277,16 +277,7 @@ def test_decoding_with_adapters_unmerged_or_merged_gives_the_same_tokens():
 
 
 def test_a_lora_run_resumes_exactly_and_saves_only_adapters(tmp_path, data_dir):
-  # Scanned and rematerialised layers, packed rows, the chunked loss and two microbatches, as a real run has them.
-  config = smoke_config(data_dir, num_train_steps=6, eval_every=0, grad_accum_steps=2)
-  config.model.update(scan_layers=True, remat="full")
-  config.objective.loss_chunk = 16
-  config.lora.update(rank=4, dropout=0.1)
-  straight = train.train_and_evaluate(config, str(tmp_path / "straight"))
-  config.stop_after_step = 3
-  train.train_and_evaluate(config, str(tmp_path / "resumed"))
-  config.stop_after_step = -1
-  second = train.train_and_evaluate(config, str(tmp_path / "resumed"))
+  config, straight, second = lora_run_straight_and_resumed(tmp_path, data_dir)
   assert sorted(second.losses) == [4, 5, 6]
   assert [second.losses[s] for s in (4, 5, 6)] == [straight.losses[s] for s in (4, 5, 6)]
 

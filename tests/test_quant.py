@@ -14,7 +14,7 @@ import transformers
 from flax import nnx
 from helpers.closeness import relative_error
 from helpers.hf_utils import hf_logits, save_tiny_hf_model
-from helpers.train_utils import smoke_config
+from helpers.train_utils import lora_run_straight_and_resumed, smoke_config
 
 import refusion_jax as rj
 from refusion_jax import cli
@@ -263,16 +263,7 @@ def test_qlora_trains_only_the_adapters_and_keeps_the_integer_base_bit_identical
 
 def test_a_qlora_run_resumes_exactly_and_exports_adapters_peft_reads_on_the_dequantized_base(tmp_path, data_dir):
   peft_lib = pytest.importorskip("peft")
-  # Scanned and rematerialised layers, packed rows, the chunked loss and two microbatches, as a real run has them.
-  config = smoke_config(data_dir, num_train_steps=6, eval_every=0, grad_accum_steps=2, quantize="int8")
-  config.model.update(scan_layers=True, remat="full")
-  config.objective.loss_chunk = 16
-  config.lora.update(rank=4, dropout=0.1)
-  straight = train.train_and_evaluate(config, str(tmp_path / "straight"))
-  config.stop_after_step = 3
-  train.train_and_evaluate(config, str(tmp_path / "resumed"))
-  config.stop_after_step = -1
-  second = train.train_and_evaluate(config, str(tmp_path / "resumed"))
+  config, straight, second = lora_run_straight_and_resumed(tmp_path, data_dir, quantize="int8")
   assert [second.losses[s] for s in (4, 5, 6)] == [straight.losses[s] for s in (4, 5, 6)]
 
   model = load_model(str(tmp_path / "resumed"))

@@ -2,6 +2,7 @@
 
 import json
 import os
+from typing import Any
 
 import ml_collections
 import tokenizers
@@ -10,6 +11,7 @@ from refusion_jax.checkpoints import hf as hf_io
 from refusion_jax.model.config import tiny
 from refusion_jax.model.transformer import init_model
 from refusion_jax.training import config_file
+from refusion_jax.training import loop as train
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,6 +26,21 @@ def smoke_config(data_dir: str, name: str = "demo", **overrides) -> ml_collectio
   config.data.data_dir = data_dir
   config.update(overrides)
   return config
+
+
+def lora_run_straight_and_resumed(tmp_path, data_dir: str, **overrides) -> tuple[ml_collections.ConfigDict, Any, Any]:
+  """A rank-4 LoRA run as a real one has it (scanned and rematerialised layers, packed rows, the chunked loss, two
+  microbatches; `overrides` on the config): 6 steps straight in tmp_path/straight, and in tmp_path/resumed
+  stopped after step 3, then resumed. Returns (its config, the straight run, the resumed run's second part)."""
+  config = smoke_config(data_dir, num_train_steps=6, eval_every=0, grad_accum_steps=2, **overrides)
+  config.model.update(scan_layers=True, remat="full")
+  config.objective.loss_chunk = 16
+  config.lora.update(rank=4, dropout=0.1)
+  straight = train.train_and_evaluate(config, str(tmp_path / "straight"))
+  config.stop_after_step = 3
+  train.train_and_evaluate(config, str(tmp_path / "resumed"))
+  config.stop_after_step = -1
+  return config, straight, train.train_and_evaluate(config, str(tmp_path / "resumed"))
 
 
 def write_hf_checkpoint(path, tokenizer_config: dict | None = None) -> int:
