@@ -8,10 +8,10 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
-from helpers.train_utils import REPO, load_config, lora_run_straight_and_resumed, smoke_config
+from helpers.closeness import assert_same_adapter_gradients
+from helpers.train_utils import REPO, adapter_steps, load_config, lora_run_straight_and_resumed, smoke_config
 
 import refusion_jax as rj
 from refusion_jax import train_bench
@@ -24,8 +24,6 @@ from refusion_jax.model.config import tiny
 from refusion_jax.model.transformer import Transformer, init_model
 from refusion_jax.parallel import sharding
 from refusion_jax.training import loop as train
-from refusion_jax.training import state as train_state
-from refusion_jax.training.objective import ObjectiveConfig
 
 ALL = tuple(lora.TARGETS)
 
@@ -79,16 +77,7 @@ def test_scanned_and_rematerialised_layers_equal_the_unrolled_ones(remat):
     lora.add_lora(Transformer(variant, rngs=nnx.Rngs(0)), lora.LoraConfig(rank=4, targets=ALL))
   )
 
-  def adapter_loss(gd, trainable, frozen):
-    logits, _ = nnx.merge(gd, trainable, frozen)(tokens, dropout_key=None)
-    return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
-
-  trainable, frozen = lora.trainable_part(state)
-  loss, grads = jax.value_and_grad(adapter_loss, argnums=1)(graphdef, trainable, frozen)
-  loss_v, grads_v = jax.value_and_grad(adapter_loss, argnums=1)(graphdef_variant, trainable, frozen)
-  np.testing.assert_allclose(float(loss_v), float(loss), atol=1e-6)
-  for g, g_v in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_v)):
-    np.testing.assert_allclose(np.asarray(g_v), np.asarray(g), atol=1e-5)
+  assert_same_adapter_gradients(graphdef, graphdef_variant, state, tokens)
 
 
 def test_dropout_draws_apply_only_with_a_key():
@@ -106,28 +95,14 @@ def test_dropout_draws_apply_only_with_a_key():
 def test_only_adapters_train_and_the_optimizer_holds_state_for_them_alone():
   # A bfloat16 base: the adapters and their Adam moments stay float32.
   config = tiny(vocab_size=96, param_dtype="bfloat16")
-  model = lora.add_lora(init_model(config, seed=0), lora.LoraConfig(rank=4))
-  graphdef, params = nnx.split(model)
-  tx = optax.adam(1e-2)
-  objective = ObjectiveConfig(kind="refusion", slot_sizes=(4,), eps=1e-3, mask_id=95, pad_id=0, loss_chunk=0)
-  state = train_state._state_from_params(params, tx, seed=0)
-  adapters, frozen = lora.split_adapters(params)
-  moments = [x for x in jax.tree.leaves(state.opt_state) if getattr(x, "ndim", 0) > 0]
+  before, after = adapter_steps(lora.add_lora(init_model(config, seed=0), lora.LoraConfig(rank=4)))
+  adapters, frozen = lora.split_adapters(before.params)
+  moments = [x for x in jax.tree.leaves(before.opt_state) if getattr(x, "ndim", 0) > 0]
   assert sum(x.size for x in moments) == 2 * sum(x.size for x in jax.tree.leaves(adapters))
   assert {x.dtype for x in moments} == {jnp.dtype(jnp.float32)}
   assert {x.dtype for x in jax.tree.leaves(adapters)} == {jnp.dtype(jnp.float32)}
 
-  rng = np.random.default_rng(0)
-  batch = dict(
-    tokens=jnp.asarray(rng.integers(1, 90, (4, 24)), jnp.int32),
-    prompt_len=jnp.full((4,), 8, jnp.int32),
-    answer_len=jnp.full((4,), 12, jnp.int32),
-  )
-  step = jax.jit(train_state.make_train_step(graphdef, tx, optax.constant_schedule(1e-2), objective, 1))
-  for _ in range(2):  # B is zero at first, so A's gradient is too: two steps move both
-    state, metrics = step(state, batch)
-  assert np.isfinite(float(metrics["loss"]))
-  new_adapters, new_frozen = lora.split_adapters(state.params)
+  new_adapters, new_frozen = lora.split_adapters(after.params)
   for before, after in zip(jax.tree.leaves(frozen), jax.tree.leaves(new_frozen)):
     np.testing.assert_array_equal(np.asarray(after), np.asarray(before))
   for path, before in nnx.to_flat_state(adapters):

@@ -8,13 +8,12 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 import transformers
 from flax import nnx
-from helpers.closeness import relative_error
+from helpers.closeness import adapter_loss, assert_same_adapter_gradients, relative_error
 from helpers.hf_utils import hf_logits, save_tiny_hf_model
-from helpers.train_utils import lora_run_straight_and_resumed, smoke_config
+from helpers.train_utils import adapter_steps, lora_run_straight_and_resumed, smoke_config
 
 import refusion_jax as rj
 from refusion_jax import cli
@@ -28,8 +27,6 @@ from refusion_jax.model.quantize import quantize
 from refusion_jax.model.transformer import Transformer, init_model, with_config
 from refusion_jax.parallel.compiled import sub_jaxprs
 from refusion_jax.training import loop as train
-from refusion_jax.training import state as train_state
-from refusion_jax.training.objective import ObjectiveConfig
 
 ALL = tuple(lora.TARGETS)
 # Relative logit error against float32 of the tiny HF Qwen3 (random weights with noise on every parameter, a hard
@@ -122,21 +119,11 @@ def test_scanned_and_rematerialised_quantized_layers_equal_the_unrolled_ones(rem
   variant = with_config(nnx.merge(graphdef, state), model.config.replace(scan_layers=True, remat=remat))
   graphdef_variant, _ = nnx.split(variant)
 
-  def adapter_loss(gd, trainable, frozen):
-    logits, _ = nnx.merge(gd, trainable, frozen)(tokens)
-    return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
-
-  trainable, frozen = lora.trainable_part(state)
-  loss, grads = jax.value_and_grad(adapter_loss, argnums=1)(graphdef, trainable, frozen)
-  loss_v, grads_v = jax.value_and_grad(adapter_loss, argnums=1)(graphdef_variant, trainable, frozen)
-  np.testing.assert_allclose(float(loss_v), float(loss), atol=1e-6)
-  for g, g_v in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_v)):
-    assert np.all(np.isfinite(np.asarray(g)))
-    np.testing.assert_allclose(np.asarray(g_v), np.asarray(g), atol=1e-5)
+  assert_same_adapter_gradients(graphdef, graphdef_variant, state, tokens)
   # Scanned, no integer array with a leading layers axis is made, forward or backward: the kernels are read layer by
   # layer where they are, neither stacked for the scan nor kept stacked as residuals for the backward pass.
   step = jax.make_jaxpr(jax.value_and_grad(adapter_loss, argnums=1), static_argnums=0)
-  stacked = _stacked_integers(step(graphdef_variant, trainable, frozen).jaxpr, config.num_layers)
+  stacked = _stacked_integers(step(graphdef_variant, *lora.trainable_part(state), tokens).jaxpr, config.num_layers)
   assert not stacked, stacked
 
 
@@ -235,23 +222,9 @@ def test_the_model_flags_pass_quantize_to_the_loader():
 
 def test_qlora_trains_only_the_adapters_and_keeps_the_integer_base_bit_identical():
   base = quantize(init_model(tiny(vocab_size=96), seed=0), "int4", group_size=32)
-  model = lora.add_lora(base, lora.LoraConfig(rank=4, targets=ALL))
-  graphdef, params = nnx.split(model)
-  tx = optax.adam(1e-2)
-  objective = ObjectiveConfig(kind="refusion", slot_sizes=(4,), eps=1e-3, mask_id=95, pad_id=0, loss_chunk=0)
-  state = train_state._state_from_params(params, tx, seed=0)
-  adapters, frozen = lora.split_adapters(params)
-  rng = np.random.default_rng(0)
-  batch = dict(
-    tokens=jnp.asarray(rng.integers(1, 90, (4, 24)), jnp.int32),
-    prompt_len=jnp.full((4,), 8, jnp.int32),
-    answer_len=jnp.full((4,), 12, jnp.int32),
-  )
-  step = jax.jit(train_state.make_train_step(graphdef, tx, optax.constant_schedule(1e-2), objective, 1))
-  for _ in range(2):
-    state, metrics = step(state, batch)
-  assert np.isfinite(float(metrics["loss"]))
-  new_adapters, new_frozen = lora.split_adapters(state.params)
+  before, after = adapter_steps(lora.add_lora(base, lora.LoraConfig(rank=4, targets=ALL)))
+  adapters, frozen = lora.split_adapters(before.params)
+  new_adapters, new_frozen = lora.split_adapters(after.params)
   integer = [x for x in jax.tree.leaves(new_frozen) if x.dtype == jnp.int4]
   assert len(integer) == 2 * len(ALL)
   for before, after in zip(jax.tree.leaves(frozen), jax.tree.leaves(new_frozen)):

@@ -4,14 +4,21 @@ import json
 import os
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import ml_collections
+import numpy as np
+import optax
 import tokenizers
+from flax import nnx
 
 from refusion_jax.checkpoints import hf as hf_io
 from refusion_jax.model.config import tiny
-from refusion_jax.model.transformer import init_model
+from refusion_jax.model.transformer import Transformer, init_model
 from refusion_jax.training import config_file
 from refusion_jax.training import loop as train
+from refusion_jax.training import state as train_state
+from refusion_jax.training.objective import ObjectiveConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -41,6 +48,27 @@ def lora_run_straight_and_resumed(tmp_path, data_dir: str, **overrides) -> tuple
   train.train_and_evaluate(config, str(tmp_path / "resumed"))
   config.stop_after_step = -1
   return config, straight, train.train_and_evaluate(config, str(tmp_path / "resumed"))
+
+
+def adapter_steps(model: Transformer, steps: int = 2) -> tuple[train_state.TrainState, train_state.TrainState]:
+  """`steps` Adam steps (lr 1e-2) of the ReFusion objective on one random batch from `model`'s parameters (a model
+  with LoRA adapters; B starts at zero, so A's gradient does too: two steps move both). Returns the state before
+  and after; the last loss must be finite."""
+  graphdef, params = nnx.split(model)
+  tx = optax.adam(1e-2)
+  objective = ObjectiveConfig(kind="refusion", slot_sizes=(4,), eps=1e-3, mask_id=95, pad_id=0, loss_chunk=0)
+  before = state = train_state._state_from_params(params, tx, seed=0)
+  rng = np.random.default_rng(0)
+  batch = dict(
+    tokens=jnp.asarray(rng.integers(1, 90, (4, 24)), jnp.int32),
+    prompt_len=jnp.full((4,), 8, jnp.int32),
+    answer_len=jnp.full((4,), 12, jnp.int32),
+  )
+  step = jax.jit(train_state.make_train_step(graphdef, tx, optax.constant_schedule(1e-2), objective, 1))
+  for _ in range(steps):
+    state, metrics = step(state, batch)
+  assert np.isfinite(float(metrics["loss"]))
+  return before, state
 
 
 def write_hf_checkpoint(path, tokenizer_config: dict | None = None) -> int:
