@@ -240,3 +240,14 @@ def test_the_old_sampler_spelling_warns_and_builds_the_method_value():
     assert rj.Sampler(model, "bytes", gen_length=16).method == rj.ReFusion(gen_length=16)
   with pytest.raises(ValueError, match="method='ar' takes no slot_size"):
     rj.Sampler(model, "bytes", method="ar", slot_size=4)
+
+
+@pytest.mark.parametrize(("batch_size", "loop_forwards"), [(None, 7), (1, 21)])
+def test_batched_forwards_count_the_loop_and_one_prefill_per_prompt(batch_size, loop_forwards):
+  from refusion_jax.evaluation.bench_models import random_bench_model
+
+  bench = random_bench_model("tiny", 3, 128.0, int(np.random.default_rng().integers(1 << 20)))  # EOS never predicted
+  result = rj.decode(bench.model, bench.prompts, rj.AR(gen_length=8), eos_id=bench.eos_id, batch_size=batch_size)
+  assert result.num_forwards.tolist() == [8, 8, 8]  # a prefill and 7 steps each
+  # Three rows step together (7 forwards) or one row steps 7 times per prompt; each prompt is prefilled once.
+  assert result.widths["forward"] == {1: loop_forwards} and result.batched_forwards == loop_forwards + 3

@@ -69,6 +69,11 @@ class DecodeResult:
     """All rows' answer tokens ÷ all rows' forwards."""
     return float(sum(len(t) for t in self.tokens) / max(int(np.sum(self.num_forwards)), 1))
 
+  @property
+  def batched_forwards(self) -> int:
+    """The forwards the decode ran as batches: the loop's ("forward" widths) and one prefill per prompt."""
+    return sum(self.widths.get("forward", {}).values()) + len(self.tokens)
+
   def trace(self, row: int = 0) -> list[tuple[int, int, int, str]]:
     """(position, token, iteration, phase name) of every answer token of `row`."""
     return [

@@ -7,9 +7,9 @@ quantized from it. Each is compared with the bfloat16 one (and the float32
 one): the relative logit error and top-1 agreement over teacher-forced rows,
 the share of greedy autoregressive tokens equal to bfloat16's, the bytes of its
 parameters, and the time of one ReFusion decode forward (the decode of the same
-prompts divided by the loop forwards it ran, compilation excluded; the
-variants interleaved over the rounds, so a shared machine's slow spells fall on
-all alike). On a CPU the time shows the overhead of casting integer kernels up;
+prompts divided by the batched forwards it ran, prefills included, compilation
+excluded; the variants interleaved over the rounds, so a shared machine's slow
+spells fall on all alike). On a CPU the time shows the overhead of casting integer kernels up;
 on an accelerator, the saving of reading fewer bytes per forward.
 
 With a checkpoint of the built-in tasks (a demo run), the rows are validation
@@ -97,7 +97,7 @@ def run_quant_bench(options: QuantBenchOptions) -> tuple[list[QuantRow], str]:
     models[name] = model = load_variant(dtype, mode, group)
     logits[name] = _logits(model, rows)[valid]
     greedy[name] = decode(model, prompts, AR(options.gen_length), eos_id=eos_id).tokens
-    forwards[name] = sum(sum(counts.values()) for counts in decode(model, prompts, refusion).widths.values())
+    forwards[name] = decode(model, prompts, refusion).batched_forwards
   seconds = {name: [] for name in models}
   for round_ in range(options.repeats):  # interleaved rounds
     for name, model in models.items():
@@ -117,7 +117,7 @@ def run_quant_bench(options: QuantBenchOptions) -> tuple[list[QuantRow], str]:
         top1=float(np.mean(logits[name].argmax(-1) == logits[REFERENCE].argmax(-1))),
         greedy_agreement=sum(same) / max(longest, 1),
         param_bytes=sum(quant.stored_bytes(x.shape, x.dtype) for x in jax.tree.leaves(nnx.state(model, nnx.Param))),
-        seconds_per_forward=statistics.median(seconds[name]) / max(forwards[name], 1),
+        seconds_per_forward=statistics.median(seconds[name]) / forwards[name],
       )
     )
   return result, source

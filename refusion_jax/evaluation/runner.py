@@ -139,7 +139,7 @@ def run(
         task=task,
         rows=len(rows),
         seconds=seconds,
-        forwards=sum(result.widths.get("forward", {}).values()) + len(rows),
+        forwards=result.batched_forwards,
         compile_seconds=compile_seconds,
       )
     )
