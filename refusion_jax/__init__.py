@@ -40,14 +40,12 @@ _EXPORTS = {
   "AR": "refusion_jax.decoding.ar",
   "MDM": "refusion_jax.decoding.mdm",
   "PAPER_TASKS": "refusion_jax.decoding.paper",
-  "decode": "refusion_jax.decoding.driver",
-  "Engine": "refusion_jax.decoding.driver",
+  "decode": "refusion_jax.decoding.engine",
+  "Engine": "refusion_jax.decoding.engine",
+  "compile_count": "refusion_jax.decoding.loop",
+  "clear_caches": "refusion_jax.decoding.programs",
   "DecodeResult": "refusion_jax.decoding.result",
   "Sampler": "refusion_jax.decoding.sampler",
-  # The 0.2 decoding calls: they warn (`deprecation.deprecated`) and forward to `decode`.
-  "generate": "refusion_jax.decoding.refusion",
-  "ar_generate": "refusion_jax.decoding.ar",
-  "mdm_generate": "refusion_jax.decoding.mdm",
   # Scale-out.
   "make_mesh": "refusion_jax.parallel.sharding",
 }

@@ -270,8 +270,8 @@ def test_a_batched_refusion_decode_at_the_papers_block_compiles_for_one_v5e_chip
 
 
 def test_rows_are_never_picked_on_a_tpu(monkeypatch):
-  from refusion_jax.decoding import driver
+  from refusion_jax.decoding import mesh
 
-  assert driver.pick_rows_on(None)  # this CPU
-  monkeypatch.setattr(driver, "default_device", lambda: types.SimpleNamespace(platform="tpu"))
-  assert not driver.pick_rows_on(None)
+  assert mesh.pick_rows_on(None)  # this CPU
+  monkeypatch.setattr(mesh, "default_device", lambda: types.SimpleNamespace(platform="tpu"))
+  assert not mesh.pick_rows_on(None)

@@ -5,7 +5,7 @@ import pytest
 from helpers.eager_baselines import llada_low_confidence, naive_greedy
 
 from refusion_jax.decoding.ar import ar_generate
-from refusion_jax.decoding.driver import compile_count
+from refusion_jax.decoding.loop import compile_count
 from refusion_jax.decoding.mdm import mdm_generate, num_transfer_tokens
 from refusion_jax.decoding.result import PHASE_NONE, PHASE_STEP
 from refusion_jax.model import config

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from refusion_jax.decoding import ar, mdm, refusion, scheduler
 from refusion_jax.decoding.compilations import compilations
-from refusion_jax.decoding.driver import compile_count
+from refusion_jax.decoding.loop import compile_count
 from refusion_jax.decoding.result import STAGE_NAMES
 from refusion_jax.decoding.sampler import Sampler
 from refusion_jax.model.config import tiny

@@ -11,7 +11,8 @@ from helpers.eager_baselines import llada_low_confidence, naive_greedy
 import refusion_jax as rj
 from refusion_jax.data.tokenizer import ByteTokenizer
 from refusion_jax.decoding import methods
-from refusion_jax.decoding.driver import Engine, compile_count
+from refusion_jax.decoding.engine import Engine
+from refusion_jax.decoding.loop import compile_count
 from refusion_jax.decoding.reference import decode_reference
 from refusion_jax.model.config import tiny
 from refusion_jax.model.transformer import init_model
@@ -168,20 +169,20 @@ def test_the_engine_decodes_prompts_fed_one_by_one_as_decode_does_and_compiles_o
 def test_decode_places_a_model_once_and_sees_its_weights_change():
   from flax import nnx
 
-  from refusion_jax.decoding import driver
+  from refusion_jax.decoding import programs
 
   rng = np.random.default_rng()
   model, prompts = random_model(int(rng.integers(1 << 20)), head_std=0.7), random_prompts(rng, 3)
   method = rj.AR(gen_length=8)
   first = rj.decode(model, prompts, method, eos_id=EOS)
-  placed = driver._PROGRAMS[model].programs
+  placed = programs._PROGRAMS[model].programs
   assert rj.decode(model, prompts, method, eos_id=EOS).tokens == first.tokens
-  assert driver._PROGRAMS[model].programs is placed and len(placed) == 1  # nothing placed again
+  assert programs._PROGRAMS[model].programs is placed and len(placed) == 1  # nothing placed again
   # New weights (an update replaces arrays) are seen at once: the tokens are those of a model built with them.
   other = random_model(int(rng.integers(1 << 20)), head_std=0.7)
   nnx.update(model, nnx.state(other))
   assert rj.decode(model, prompts, method, eos_id=EOS).tokens == rj.decode(other, prompts, method, eos_id=EOS).tokens
-  assert driver._PROGRAMS[model].programs is not placed
+  assert programs._PROGRAMS[model].programs is not placed
   # So is a change of structure over the same arrays (here the head read from the tied embedding instead).
   before = rj.decode(model, prompts, method, eos_id=EOS).tokens
   model.config = model.config.replace(tie_embeddings=not model.config.tie_embeddings)

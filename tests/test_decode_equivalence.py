@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from helpers.decode_cases import Group, random_case, same_decode
 
-from refusion_jax.decoding.driver import compile_count
+from refusion_jax.decoding.loop import compile_count
 from refusion_jax.decoding.reference import decode_reference
 from refusion_jax.decoding.refusion import generate
 

@@ -19,7 +19,7 @@ _SHARDED_VS_SINGLE = textwrap.dedent("""
     from flax import nnx
     import refusion_jax as rj
     from refusion_jax.decoding import ar, mdm, refusion
-    from refusion_jax.decoding.driver import compile_count
+    from refusion_jax.decoding.loop import compile_count
     from refusion_jax.decoding.prompts import prefill
     from refusion_jax.decoding.mesh import place_params
     from refusion_jax.model.config import tiny
@@ -102,7 +102,7 @@ _PER_REQUEST_SAMPLING = textwrap.dedent("""
     jax.config.update("jax_platforms", "cpu")
     import numpy as np
     import refusion_jax as rj
-    from refusion_jax.decoding.driver import Engine, decode
+    from refusion_jax.decoding.engine import Engine, decode
     from refusion_jax.model.config import tiny
     from refusion_jax.model.transformer import init_model
 

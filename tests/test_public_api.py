@@ -118,32 +118,6 @@ def test_sub_packages_import_on_their_own():
     importlib.import_module(f"refusion_jax.{package}")
 
 
-# Every renamed decoding name: (module, old name, what the warning names, the object it must give).
-def _renamed_decoding_names():
-  from refusion_jax.decoding import batching, driver, mdm, mesh, methods, refusion
-
-  return [
-    ("batching", "Batch", "batching.LoopState", batching.LoopState),
-    ("mdm", "MDMSchedule", "mdm.MDMSettings", mdm.MDMSettings),
-    ("mesh", "batch_shardings", "mesh.loop_shardings", mesh.loop_shardings),
-    ("refusion", "REFUSION", "refusion.ReFusion", refusion.ReFusion),
-    ("refusion", "picks_rows", "driver.pick_rows_on", driver.pick_rows_on),
-    ("refusion", "pick_rows_on", "driver.pick_rows_on", driver.pick_rows_on),
-    ("driver", "Placement", "driver.LoopPlacement", driver.LoopPlacement),
-    ("driver", "start_batch", "driver.start_state", driver.start_state),
-    ("sampler", "METHODS", "methods.METHODS", methods.METHODS),
-    ("defaults", "MDM_BLOCK_LENGTH", "mdm.MDM_BLOCK_LENGTH", mdm.MDM_BLOCK_LENGTH),
-  ]
-
-
-@pytest.mark.parametrize("index", range(10))
-def test_every_renamed_decoding_name_warns_naming_its_replacement_and_works(index):
-  module, old, new, value = _renamed_decoding_names()[index]
-  decoding = importlib.import_module(f"refusion_jax.decoding.{module}")
-  with pytest.warns(DeprecationWarning, match=rf"refusion_jax.decoding.{module}.{old} is deprecated .*{new}"):
-    assert getattr(decoding, old) is value
-
-
 def test_the_old_decode_defaults_warn_and_equal_the_method_classes_defaults():
   from refusion_jax.decoding import defaults, sampler
 

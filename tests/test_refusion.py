@@ -7,7 +7,7 @@ from helpers.hand_cases import EOS, HAND_CASES, MASK, WORD, bigram_model, hand_k
 
 from refusion_jax.data.tokenizer import ByteTokenizer
 from refusion_jax.decoding.ar import ar_generate
-from refusion_jax.decoding.driver import compile_count
+from refusion_jax.decoding.loop import compile_count
 from refusion_jax.decoding.mdm import mdm_generate
 from refusion_jax.decoding.reference import decode_reference
 from refusion_jax.decoding.refusion import generate

@@ -14,7 +14,7 @@ from refusion_jax.checkpoints import orbax as checkpoint
 from refusion_jax.data.tokenizer import ByteTokenizer
 from refusion_jax.decoding import ar, mdm
 from refusion_jax.decoding import refusion as decode
-from refusion_jax.decoding.driver import compile_count
+from refusion_jax.decoding.loop import compile_count
 from refusion_jax.decoding.sampler import Sampler
 from refusion_jax.model import config
 from refusion_jax.model import transformer as model_lib

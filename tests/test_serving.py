@@ -17,14 +17,14 @@ from helpers.server import start
 
 import refusion_jax as rj
 from refusion_jax.decoding.batching import queue_entries
-from refusion_jax.decoding.driver import Engine
+from refusion_jax.decoding.engine import Engine
 from refusion_jax.decoding.refusion import ReFusion
 from refusion_jax.decoding.sampler import Sampler
 from refusion_jax.serving.app import create_app
 from refusion_jax.serving.auth import check_authorization, server_key
-from refusion_jax.serving.engine import Job, ServingEngine
 from refusion_jax.serving.errors import APIError
 from refusion_jax.serving.metrics import Metrics
+from refusion_jax.serving.worker import DecodeWorker, Job
 
 KEY = "test-key-3b1f"
 MODEL = "tiny-random"
@@ -206,7 +206,7 @@ def test_a_full_queue_gets_429_with_retry_after(model):
   backbone, tokenizer = model
   special = Sampler(backbone, tokenizer, METHOD).special_ids
   # One row and one queue slot, and no engine thread: the first two requests stay held, the third is refused.
-  engine = ServingEngine(
+  engine = DecodeWorker(
     Engine(backbone, METHOD, rows=1, prompt_width=16, sampling=True, **special),
     tokenizer,
     max_queue=1,
@@ -289,7 +289,7 @@ def serving(model):
   backbone, tokenizer = model
   special = Sampler(backbone, tokenizer, METHOD).special_ids
   engine = Engine(backbone, METHOD, rows=2, prompt_width=16, sampling=True, **special)
-  serving = ServingEngine(engine, tokenizer, max_queue=64, chunk_iterations=1)
+  serving = DecodeWorker(engine, tokenizer, max_queue=64, chunk_iterations=1)
   serving.start()
   yield serving
   serving.stop(30)

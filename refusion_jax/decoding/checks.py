@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -134,3 +135,12 @@ def optional_eos_id(eos_id: int | None, config: ModelConfig) -> int:
   """The checked EOS id (given, else the config's), or `NO_TOKEN` when neither names one."""
   eos_id = decoder_special_tokens(config, eos_id=eos_id).eos
   return NO_TOKEN if eos_id is None else check_special_id("eos_id", eos_id, config)
+
+
+def check_method(method: Any) -> None:
+  """Refuse what is not a method value (a method name, a class, a dict of knobs)."""
+  if isinstance(method, type) or not callable(getattr(method, "decoder", None)):
+    raise ValueError(
+      f"method={method!r} is not a decoding method value: pass one such as refusion_jax.ReFusion(gen_length=64), "
+      "refusion_jax.AR(gen_length=64) or refusion_jax.MDM(gen_length=64)."
+    )

@@ -4,8 +4,8 @@ A count of traces misses compiles a user pays for: JAX compiles a traced
 program again when only the placement of an argument changed (committed to a
 device vs not), without tracing it again. So this counts JAX's own backend
 compile events (public `jax.monitoring`), each the build of one XLA
-executable, whatever caused it. `driver.Loop` tags its loop calls (`tagged`),
-so `driver.compile_count("refusion")` counts the compiles of ReFusion's loop,
+executable, whatever caused it. `loop.Loop` tags its loop calls (`tagged`),
+so `loop.compile_count("refusion")` counts the compiles of ReFusion's loop,
 and `compilations()` every compile in the process.
 """
 

@@ -5,7 +5,7 @@ a frozen dataclass of the user's choices, checked when it is built, whose
 class is a `Method`: how to split itself into a `Decoder` (static settings
 and traced knobs), how to start K idle rows, how to admit a queued prompt
 into one idle row, and how to step every row. The loop
-(`batching.run_rows`, jitted as `driver.decode_loop`) does the rest: which
+(`batching.run_rows`, jitted as `loop.decode_loop`) does the rest: which
 row takes which prompt, when to hand back to the host, where the outputs go
 (`DecodeOutputs`). Each method names its parts alike: `XSettings` (static,
 hashable: what fixes the compiled program), `XKnobs` (traced: thresholds,
@@ -178,15 +178,15 @@ class Decoder:
 class Method(Protocol):
   """A decoding method: a frozen, hashable dataclass of the user's choices whose class runs in the compiled loop.
 
-  The class attributes are what the loop needs, static: its `name` (what `driver.compile_count` counts its
+  The class attributes are what the loop needs, static: its `name` (what `loop.compile_count` counts its
   compilations under), `width_names` (the width counters' rows, "forward" first) and the three traced parts
   `start_rows`, `admit`, `step` (static methods). The instance holds the user's choices (`gen_length`, G,
   `temperature`, the requests' unless they bring their own, and the method's own) and `decoder` splits them,
   once per decode call, into the loop's static settings and traced knobs: checks that need the model (special
   ids inside the vocabulary) happen there. `special` holds the call's mask and EOS ids as given or resolved
-  (None where unknown); `pick_rows` whether a forward may run a subset of the rows (the driver's decision: not
+  (None where unknown); `pick_rows` whether a forward may run a subset of the rows (the engine's decision: not
   where rows are split over devices; methods that never pick rows ignore it) and `sample` whether the program
-  draws sampling noise (the driver's decision: the method's temperature is above 0, or requests bring their own
+  draws sampling noise (the engine's decision: the method's temperature is above 0, or requests bring their own
   temperatures). Each prompt's noise key and temperature are in the loop's queue (`Sampling`), not the knobs.
   """
 

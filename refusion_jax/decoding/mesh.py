@@ -1,11 +1,11 @@
 """Decoding on a device mesh: rows over the batch-parallel axes, parameters and cache by logical axes.
 
 `rj.decode(..., mesh=mesh)` runs the one jitted decode loop
-(`driver.decode_loop`) with every input placed by the shardings below and the
+(`loop.decode_loop`) with every input placed by the shardings below and the
 loop's output pinned to them (docs/method.md §5):
 
 - decode rows are padded to a multiple of the batch-parallel devices
-  (`driver.Engine`: padded rows stay idle), and they and the queue entries are
+  (`engine.Engine`: padded rows stay idle), and they and the queue entries are
   split over the mesh axes the `batch` rule names;
 - parameters are placed by their logical axes (`embed` over `fsdp`, heads /
   MLP / vocab over `tensor`, by `LOGICAL_AXIS_RULES`);
@@ -15,7 +15,7 @@ loop's output pinned to them (docs/method.md §5):
   (`constrain_cache`, `constrain_rows`), and the forward's activations to
   their `activation_*` axes, all through the same rules table. Between
   loop calls only the queue and the outputs travel to and from the host
-  (the `driver.Engine` refills the queue); the rows and their caches stay put.
+  (the `engine.Engine` refills the queue); the rows and their caches stay put.
 """
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from refusion_jax.deprecation import moved_names
 from refusion_jax.model.cache import KVCache
 from refusion_jax.parallel.activations import constrain, normalize_rules
+from refusion_jax.parallel.hosts import default_device
 from refusion_jax.parallel.sharding import (
   LOGICAL_AXIS_RULES,
   Rules,
+  batch_parallel_ways,
   logical_to_spec,
   state_shardings,
 )
@@ -99,3 +101,23 @@ def loop_shardings(batch: Any, mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES) ->
 __getattr__ = moved_names(
   __name__, {"batch_shardings": ("refusion_jax.decoding.mesh.loop_shardings", lambda: loop_shardings)}
 )
+
+
+def padded_rows(rows: int, mesh: jax.sharding.Mesh | None, rules: Rules = LOGICAL_AXIS_RULES) -> int:
+  """`rows` rounded up to a multiple of the mesh's batch-parallel ways (the extra rows stay idle)."""
+  ways = 1 if mesh is None else batch_parallel_ways(mesh, rules)
+  return -(-rows // ways) * ways
+
+
+def pick_rows_on(mesh: jax.sharding.Mesh | None, rules: Rules = LOGICAL_AXIS_RULES) -> bool:
+  """Whether a forward may take a subset of the rows on `mesh` (`Method.decoder`'s `pick_rows`): not on a TPU,
+  and not where rows are split over devices.
+
+  XLA's TPU compiler aborts on a ReFusion forward that picks rows (a failed check in its gather emitter), even
+  on one chip; where rows are split over devices it has aborted on the gather across devices too (the versions
+  and commands: results/README.md, "Measurements the code relies on"). Picking rows only saves work.
+  """
+  devices = [default_device()] if mesh is None else list(mesh.devices.flat)
+  if any(device.platform == "tpu" for device in devices):
+    return False
+  return mesh is None or batch_parallel_ways(mesh, rules) == 1

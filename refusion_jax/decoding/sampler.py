@@ -8,7 +8,7 @@
     Sampler(model, tok, method=rj.ReFusion(slot_size=8), batch_size=8)(texts)   # 8 rows kept busy
 
 Prompts are padded into the length buckets of `refusion_jax.decoding.prompts`.
-The sampler keeps one `driver.Engine` per (rows, bucket): the parameters are
+The sampler keeps one `engine.Engine` per (rows, bucket): the parameters are
 placed once, and calls with new prompts of a bucket reuse the compiled
 program: with `batch_size`, whatever the number of texts; without, for the
 same number.
@@ -25,9 +25,9 @@ import jax
 from refusion_jax.data.special_tokens import resolve_special_tokens
 from refusion_jax.data.tokenizer import Tokenizer, format_prompt, load_tokenizer
 from refusion_jax.decoding import methods
-from refusion_jax.decoding.checks import check_positive, check_prompts
+from refusion_jax.decoding.checks import check_method, check_positive, check_prompts
 from refusion_jax.decoding.contract import Method
-from refusion_jax.decoding.driver import Engine, check_method
+from refusion_jax.decoding.engine import Engine
 from refusion_jax.decoding.methods import method_class, method_value
 from refusion_jax.decoding.prompts import bucket_length
 from refusion_jax.decoding.refusion import ReFusion

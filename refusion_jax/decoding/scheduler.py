@@ -42,7 +42,7 @@ class ForwardLayout:
     block_length: T, tokens per serial block (the widest).
     fit_width: forwards only as wide as the active slots (False: always the whole block, one compiled width).
     pick_rows: narrow forwards may take fewer rows than K (False on a TPU and where rows are split over
-      devices: the driver decides, `driver.pick_rows_on`).
+      devices: the engine decides, `mesh.pick_rows_on`).
   """
 
   slot_size: int

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from refusion_jax.decoding.ar import AR
-from refusion_jax.decoding.driver import decode
+from refusion_jax.decoding.engine import decode
 from refusion_jax.decoding.mdm import MDM
 from refusion_jax.decoding.prompts import bucket_length
 from refusion_jax.decoding.reference import decode_reference

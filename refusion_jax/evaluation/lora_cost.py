@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from refusion_jax.decoding.driver import decode
+from refusion_jax.decoding.engine import decode
 from refusion_jax.decoding.refusion import ReFusion
 from refusion_jax.model import lora
 from refusion_jax.model.config import preset

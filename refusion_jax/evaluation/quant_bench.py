@@ -32,7 +32,7 @@ from flax import nnx
 from refusion_jax.checkpoints.load import load, load_model
 from refusion_jax.data import tasks
 from refusion_jax.decoding.ar import AR
-from refusion_jax.decoding.driver import decode
+from refusion_jax.decoding.engine import decode
 from refusion_jax.decoding.refusion import ReFusion
 from refusion_jax.evaluation.bench_models import log
 from refusion_jax.model import quant

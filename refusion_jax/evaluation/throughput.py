@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from refusion_jax.decoding.driver import decode
+from refusion_jax.decoding.engine import decode
 from refusion_jax.decoding.refusion import ReFusion
 from refusion_jax.decoding.result import DecodeResult
 from refusion_jax.evaluation.bench_models import (

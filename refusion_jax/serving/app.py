@@ -3,7 +3,7 @@
 Every request is bounded before any work: the key (`serving.auth`, all paths
 but /health), the body size (413), the body's fields (`serving.schemas`, 400),
 the prompt's length (400, it must fit the prompt bucket the server compiled).
-Then it becomes a `serving.engine.Job`; the engine thread delivers its text
+Then it becomes a `serving.worker.Job`; the worker's thread delivers its text
 increments through an asyncio queue, as one response or as server-sent events
 (`serving.sse`). A client that disconnects cancels its job, which frees its
 row at the next loop-call boundary. Errors are OpenAI's error object
@@ -28,10 +28,10 @@ from refusion_jax.data.tokenizer import Tokenizer
 from refusion_jax.decoding.stop_strings import check_stop_strings
 from refusion_jax.serving import schemas, sse
 from refusion_jax.serving.auth import check_authorization
-from refusion_jax.serving.engine import Job, ServingEngine, Update
 from refusion_jax.serving.errors import APIError, bad_request
 from refusion_jax.serving.metrics import CONTENT_TYPE, Metrics
 from refusion_jax.serving.request_log import log_request
+from refusion_jax.serving.worker import DecodeWorker, Job, Update
 
 # Request bodies above this many bytes are refused with 413 unless the server says otherwise.
 DEFAULT_MAX_BODY_BYTES = 1 << 20
@@ -94,10 +94,10 @@ def _parse(model: type[pydantic.BaseModel], body: bytes) -> Any:
 
 
 class ServerState:
-  """What the endpoints share: the engine, the tokenizer, the served name and the limits."""
+  """What the endpoints share: the decode worker, the tokenizer, the served name and the limits."""
 
-  def __init__(self, engine: ServingEngine, tokenizer: Tokenizer, model_name: str, metrics: Metrics):
-    self.engine, self.tokenizer, self.model_name, self.metrics = engine, tokenizer, model_name, metrics
+  def __init__(self, worker: DecodeWorker, tokenizer: Tokenizer, model_name: str, metrics: Metrics):
+    self.worker, self.tokenizer, self.model_name, self.metrics = worker, tokenizer, model_name, metrics
     self.created = int(time.time())
 
   def prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -108,12 +108,12 @@ class ServerState:
       raise bad_request(str(error), param="prompt") from None
     if not ids:
       raise bad_request("The prompt is empty after tokenisation; give at least one character.", param="prompt")
-    vocab = self.engine.engine.config.vocab_size
+    vocab = self.worker.engine.config.vocab_size
     if any(not 0 <= token < vocab for token in ids):
       raise bad_request(f"Prompt token ids must lie in [0, {vocab}).", param="prompt")
-    if len(ids) > self.engine.max_prompt_tokens:
+    if len(ids) > self.worker.max_prompt_tokens:
       raise bad_request(
-        f"The prompt has {len(ids)} tokens; this server takes at most {self.engine.max_prompt_tokens} "
+        f"The prompt has {len(ids)} tokens; this server takes at most {self.worker.max_prompt_tokens} "
         "(its prompt bucket, --max_prompt_tokens): shorten the prompt.",
         param="prompt",
         code="context_length_exceeded",
@@ -129,12 +129,12 @@ class ServerState:
       )
 
   def job(self, body: schemas.GenerationRequest, ids: list[int], deliver: Callable[[Update], None]) -> Job:
-    """The engine's job for a checked request: its stop strings checked, its token limit applied."""
+    """The worker's job for a checked request: its stop strings checked, its token limit applied."""
     try:
       stops = check_stop_strings(body.stop)
     except ValueError as error:
       raise bad_request(str(error), param="stop") from None
-    limit = self.engine.token_limit(body.max_tokens)
+    limit = self.worker.token_limit(body.max_tokens)
     return Job(ids, limit, body.temperature, body.seed, stops, deliver)
 
   def stats(self, job: Job, last: Update) -> schemas.DecodeStats:
@@ -144,7 +144,7 @@ class ServerState:
       decode_seconds=last.decode_seconds,
       queue_seconds=last.queue_seconds,
       max_tokens=job.max_tokens,
-      gen_length=self.engine.gen_length,
+      gen_length=self.worker.gen_length,
       temperature=job.temperature,
       seed=job.seed,
     )
@@ -177,7 +177,7 @@ def _usage(job: Job, last: Update) -> schemas.Usage:
 
 
 def create_app(
-  engine: ServingEngine,
+  worker: DecodeWorker,
   tokenizer: Tokenizer,
   model_name: str,
   *,
@@ -186,28 +186,28 @@ def create_app(
   gauges: dict[str, tuple[str, Callable[[], float]]] | None = None,
   lifespan: Callable[[Any], Any] | None = None,
 ) -> Any:
-  """The server's app over a started `engine` (the caller starts and stops it; see `refusion_jax.serve`).
+  """The server's app over a started decode `worker` (the caller starts and stops it; see `refusion_jax.serve`).
 
   Args:
     model_name: the one model id the server answers to.
     api_key: require `Authorization: Bearer <api_key>` on every path but /health (None: open).
     max_body_bytes: larger request bodies get 413.
     gauges: more /metrics gauges (name -> (help, read)), besides queue depth and rows busy.
-    lifespan: the app's lifespan (FastAPI's), e.g. stopping the engine when the server stops.
+    lifespan: the app's lifespan (FastAPI's), e.g. stopping the worker when the server stops.
 
   Returns:
     The ASGI app (FastAPI's, behind the key and body-size guard).
   """
   metrics = Metrics(
     {
-      "queue_depth": ("Requests waiting for a row.", lambda: engine.queue_depth),
-      "rows_busy": ("Rows decoding a request.", lambda: engine.rows_busy),
-      "rows": ("Rows of the decode loop (K).", lambda: engine.engine.rows),
+      "queue_depth": ("Requests waiting for a row.", lambda: worker.queue_depth),
+      "rows_busy": ("Rows decoding a request.", lambda: worker.rows_busy),
+      "rows": ("Rows of the decode loop (K).", lambda: worker.engine.rows),
       **(gauges or {}),
     }
   )
-  engine.metrics = metrics
-  state = ServerState(engine, tokenizer, model_name, metrics)
+  worker.metrics = metrics
+  state = ServerState(worker, tokenizer, model_name, metrics)
   app = fastapi.FastAPI(title="refusion_jax", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
 
   @app.exception_handler(APIError)
@@ -224,7 +224,7 @@ def create_app(
 
   @app.get("/health")
   async def health() -> JSONResponse:
-    if engine.draining:
+    if worker.draining:
       return JSONResponse({"status": "draining"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
@@ -237,9 +237,9 @@ def create_app(
     card = schemas.ModelCard(
       id=model_name,
       created=state.created,
-      max_prompt_tokens=engine.max_prompt_tokens,
-      gen_length=engine.gen_length,
-      token_grid=engine.token_grid,
+      max_prompt_tokens=worker.max_prompt_tokens,
+      gen_length=worker.gen_length,
+      token_grid=worker.token_grid,
     )
     return JSONResponse(schemas.ModelList(data=[card]).model_dump())
 
@@ -259,7 +259,7 @@ def create_app(
     updates: asyncio.Queue[Update] = asyncio.Queue()
     loop = asyncio.get_running_loop()
     job = state.job(body, ids, lambda update: loop.call_soon_threadsafe(updates.put_nowait, update))
-    engine.submit(job)
+    worker.submit(job)
     reply = _Reply(state, request_id, request.url.path, job, chat)
     if body.stream:
       return StreamingResponse(reply.events(updates), media_type=sse.MEDIA_TYPE, headers={"X-Request-Id": request_id})
@@ -363,6 +363,6 @@ class _Reply:
 
   def _left(self) -> None:
     """The client disconnected before the answer ended: free its row, count and log it (499, nginx's code)."""
-    self.state.engine.cancel(self.job)
+    self.state.worker.cancel(self.job)
     self.state.metrics.count_request(self.endpoint, 499)
     log_request(self.request_id, self.endpoint, 499, error="client_disconnected")

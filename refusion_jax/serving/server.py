@@ -3,7 +3,7 @@
 `build_server` compiles the decode loop for K rows and one prompt bucket, warms
 it with requests of mixed lengths, temperatures and seeds (so nothing compiles
 once clients come: /metrics shows the count), says what it serves, and
-returns a uvicorn server whose SIGTERM first makes the engine refuse new
+returns a uvicorn server whose SIGTERM first makes the decode worker refuse new
 requests (503), then lets held ones finish within `shutdown_seconds`, then
 ends what is left.
 """
@@ -23,12 +23,13 @@ import uvicorn
 from refusion_jax.data.tokenizer import Tokenizer
 from refusion_jax.decoding.compilations import compilations
 from refusion_jax.decoding.contract import Method
-from refusion_jax.decoding.driver import Engine, compile_count
+from refusion_jax.decoding.engine import Engine
+from refusion_jax.decoding.loop import compile_count
 from refusion_jax.decoding.prompts import bucket_length
 from refusion_jax.decoding.sampler import Sampler
 from refusion_jax.model.transformer import Transformer
 from refusion_jax.serving.app import create_app
-from refusion_jax.serving.engine import Job, ServingEngine
+from refusion_jax.serving.worker import DecodeWorker, Job
 
 logger = logging.getLogger("refusion_jax.serving")
 
@@ -52,43 +53,43 @@ class ServerOptions:
 
 
 class Server(uvicorn.Server):
-  """uvicorn's server; a stop signal first turns new requests away (the engine drains)."""
+  """uvicorn's server; a stop signal first turns new requests away (the decode worker drains)."""
 
-  def __init__(self, config: uvicorn.Config, engine: ServingEngine):
+  def __init__(self, config: uvicorn.Config, worker: DecodeWorker):
     super().__init__(config)
-    self.engine = engine
+    self.worker = worker
 
   def handle_exit(self, sig: int, frame: Any) -> None:
-    self.engine.drain()
+    self.worker.drain()
     super().handle_exit(sig, frame)
 
 
-def warm_up(engine: ServingEngine, vocab_size: int) -> None:
+def warm_up(worker: DecodeWorker, vocab_size: int) -> None:
   """Run requests through every path a client can take: prompt lengths 1 and the bucket's, greedy and sampled,
   a stop string, a cancelled request; returns once all ended."""
-  longest = engine.max_prompt_tokens
+  longest = worker.max_prompt_tokens
   requests = [(1, 0.0, 0), (longest, 0.7, 1), (max(1, longest // 3), 1.3, 2), (2, 0.0, 3)]
   done = threading.Semaphore(0)
 
   def job(length: int, temperature: float, seed: int) -> Job:
     ids = [(7 * i + seed) % vocab_size for i in range(length)]
     deliver = lambda update: done.release() if update.finish_reason or update.error else None
-    return Job(ids, engine.token_limit(None), temperature, seed, ("\n\n",), deliver)
+    return Job(ids, worker.token_limit(None), temperature, seed, ("\n\n",), deliver)
 
   jobs = [job(*r) for r in requests]
   for j in jobs:
-    engine.submit(j)
+    worker.submit(j)
   cancelled = job(3, 0.5, 4)
-  engine.submit(cancelled)
-  engine.cancel(cancelled)
+  worker.submit(cancelled)
+  worker.cancel(cancelled)
   for _ in jobs:
     done.acquire()
 
 
-def build_engine(
+def start_worker(
   model: Transformer, tokenizer: Tokenizer, options: ServerOptions, mesh: jax.sharding.Mesh | None = None
-) -> ServingEngine:
-  """The started, warmed serving engine: `options.rows` rows for prompts up to `options.max_prompt_tokens`,
+) -> DecodeWorker:
+  """The started, warmed decode worker: `options.rows` rows for prompts up to `options.max_prompt_tokens`,
   with the special ids a `Sampler` of this tokenizer uses."""
   special_ids = Sampler(model, tokenizer, options.method, **options.special_ids).special_ids
   engine = Engine(
@@ -100,12 +101,12 @@ def build_engine(
     sampling=True,  # requests bring their own temperatures
     **special_ids,
   )
-  serving = ServingEngine(
+  worker = DecodeWorker(
     engine, tokenizer, max_queue=options.max_queue, chunk_iterations=options.chunk_iterations, seed=options.seed
   )
-  serving.start()
-  warm_up(serving, model.config.vocab_size)
-  return serving
+  worker.start()
+  warm_up(worker, model.config.vocab_size)
+  return worker
 
 
 def build_server(
@@ -118,7 +119,7 @@ def build_server(
   port: int = 8000,
 ) -> Server:
   """The server, ready to `run()`: engine compiled and warmed, app built, what it serves logged."""
-  engine = build_engine(model, tokenizer, options, mesh)
+  worker = start_worker(model, tokenizer, options, mesh)
   warm_loop, warm_all = compile_count(), compilations()
   gauges = {
     "compilations_since_warmup": (
@@ -135,10 +136,10 @@ def build_server(
   @contextlib.asynccontextmanager
   async def lifespan(app: Any) -> AsyncIterator[None]:
     yield
-    engine.stop(timeout=options.shutdown_seconds)
+    worker.stop(timeout=options.shutdown_seconds)
 
   app = create_app(
-    engine,
+    worker,
     tokenizer,
     options.model_name,
     api_key=options.api_key,
@@ -154,10 +155,10 @@ def build_server(
     host,
     port,
     method,
-    engine.engine.rows,
-    engine.max_prompt_tokens,
-    engine.gen_length,
-    engine.token_grid,
+    worker.engine.rows,
+    worker.max_prompt_tokens,
+    worker.gen_length,
+    worker.token_grid,
     warm_loop,
     "; API key required" if options.api_key else "",
   )
@@ -171,4 +172,4 @@ def build_server(
     access_log=False,
     lifespan="on",
   )
-  return Server(config, engine)
+  return Server(config, worker)

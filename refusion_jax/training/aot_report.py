@@ -19,8 +19,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from refusion_jax.decoding.checks import decoder_special_tokens
-from refusion_jax.decoding.driver import loop_for, padded_rows, pick_rows_on, start_state
-from refusion_jax.decoding.mesh import loop_shardings
+from refusion_jax.decoding.loop import loop_for, start_state
+from refusion_jax.decoding.mesh import loop_shardings, padded_rows, pick_rows_on
 from refusion_jax.decoding.methods import config_method
 from refusion_jax.model import flops, lora
 from refusion_jax.model.config import ModelConfig

@@ -24,7 +24,7 @@ from refusion_jax.data import pipeline
 from refusion_jax.data.tasks import is_correct
 from refusion_jax.data.tokenizer import Tokenizer
 from refusion_jax.decoding.contract import Method
-from refusion_jax.decoding.driver import decode
+from refusion_jax.decoding.engine import decode
 from refusion_jax.decoding.methods import config_method
 from refusion_jax.decoding.result import DecodeResult
 from refusion_jax.decoding.sampler import Sampler

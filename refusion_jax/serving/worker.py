@@ -1,6 +1,6 @@
-"""The server's decoding thread: requests join the running decode loop at the next loop-call boundary.
+"""The server's decode worker: a thread driving one `Engine`; requests join at the next loop-call boundary.
 
-One thread owns a `refusion_jax.decoding.driver.Engine` (one compiled loop of
+The worker's thread owns a `refusion_jax.decoding.engine.Engine` (one compiled loop of
 K rows over a queue, docs/method.md §3.4) and drives it in calls of a few
 iterations (`chunk_iterations`). Between two calls it hands the engine the
 requests that arrived, cancels those whose client left or whose answer is
@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 
 from refusion_jax.data.tokenizer import Tokenizer
-from refusion_jax.decoding.driver import Engine
+from refusion_jax.decoding.engine import Engine
 from refusion_jax.decoding.text_stream import TextStream
 from refusion_jax.serving.errors import APIError
 from refusion_jax.serving.metrics import Metrics
@@ -58,8 +58,8 @@ class Job:
 
   Attributes:
     prompt_ids: the prompt's token ids (within the engine's prompt bucket).
-    max_tokens: the token limit (`ServingEngine.token_limit` of the request's).
-    temperature, seed: the request's sampling (None: the server's; set by `ServingEngine.submit`).
+    max_tokens: the token limit (`DecodeWorker.token_limit` of the request's).
+    temperature, seed: the request's sampling (None: the server's; set by `DecodeWorker.submit`).
     stops: stop strings.
     deliver: called on the engine thread with each `Update`; must not block.
   """
@@ -77,7 +77,7 @@ class Job:
   cancelled: bool = False
 
 
-class ServingEngine:
+class DecodeWorker:
   """Requests in, text increments out, over one decode engine driven by a background thread."""
 
   def __init__(
@@ -109,7 +109,7 @@ class ServingEngine:
     self._inbox: collections.deque[Job] = collections.deque()
     self._running: list[Job] = []
     self._draining = self._stopping = False
-    self._thread = threading.Thread(target=self._run, name="refusion-engine", daemon=True)
+    self._thread = threading.Thread(target=self._run, name="refusion-decode-worker", daemon=True)
     self._request_seconds = collections.deque(maxlen=64)
 
   @property

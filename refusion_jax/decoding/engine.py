@@ -1,196 +1,39 @@
-"""The host side of every decoding method: the one compiled loop, the incremental `Engine` around it, `decode`.
+"""The engine and `decode`: K rows of one compiled loop fed prompt by prompt, and a whole list decoded in one call.
 
-A decoding method is a typed value (`rj.ReFusion`, `rj.AR`, `rj.MDM`) whose
-class is a `contract.Method`. `decode_loop` is the one jitted loop that runs
-any of them over a `batching.LoopState`, counted by `compile_count`. An
-`Engine` holds that loop compiled for (model, method, K rows, prompt bucket,
-mesh), with the parameters placed once, and lets the host feed it prompt by
-prompt; `decode` runs one to completion over a list of prompts
-(docs/method.md §3.3, §3.4).
+An `Engine` holds one `Loop` (`loop.py`) for (model, method, K rows, prompt
+bucket, mesh) with its parameters placed once (`programs.py`), and keeps the
+host side of continuous batching: the queue the loop reads, which request
+holds which entry, each request's sampling noise, what has been committed so
+far (streaming), the results and the host's time. `decode` runs one engine
+to completion over a list of prompts (docs/method.md §3.3, §3.4).
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
-from refusion_jax.decoding.batching import LoopState, run_rows
 from refusion_jax.decoding.checks import (
+  check_method,
   check_positive,
   check_prompts,
   check_special_id,
   check_temperature,
   decoder_special_tokens,
 )
-from refusion_jax.decoding.compilations import compilations, tagged
-from refusion_jax.decoding.contract import DecodeOutputs, Decoder, Method, Settings
-from refusion_jax.decoding.mesh import loop_shardings
+from refusion_jax.decoding.contract import DecodeOutputs, Method
+from refusion_jax.decoding.mesh import padded_rows, pick_rows_on
+from refusion_jax.decoding.programs import placed_program, placed_start
 from refusion_jax.decoding.prompts import bucket_length
 from refusion_jax.decoding.result import PHASE_NONE, DecodeResult
-from refusion_jax.deprecation import moved_names
-from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer, inference_view
-from refusion_jax.parallel.activations import activation_sharding, normalize_rules
-from refusion_jax.parallel.hosts import default_device, place, to_host
-from refusion_jax.parallel.sharding import LOGICAL_AXIS_RULES, Rules, batch_parallel_ways, state_shardings
-
-
-@dataclasses.dataclass(frozen=True)
-class LoopPlacement:
-  """Where a decode loop runs: on `mesh`, split by the logical-axis `rules` (`refusion_jax.decoding.mesh`)."""
-
-  mesh: jax.sharding.Mesh
-  rules: Rules
-
-
-def _decode_rows(
-  graphdef: nnx.GraphDef,
-  params: nnx.State,
-  state: LoopState,
-  max_iterations: jax.Array,
-  knobs: Any,
-  program: tuple[type[Method], Settings],
-  placement: LoopPlacement | None,
-) -> LoopState:
-  """Run `program` = (method class, settings) over `state` (the body of every compiled decode loop); on a mesh
-  (`placement`) the forwards carry their activation constraints and the state leaves with its shardings."""
-  method, settings = program
-  model = nnx.merge(graphdef, params)
-  if placement is None:
-    return run_rows(state, max_iterations, method, model, knobs, settings)
-  with activation_sharding(placement.mesh, placement.rules):
-    state = run_rows(state, max_iterations, method, model, knobs, settings)
-  return jax.lax.with_sharding_constraint(state, loop_shardings(state, placement.mesh, placement.rules))
-
-
-# decode_loop(graphdef, params, state, max_iterations, knobs, program=(method class, settings), placement) -> the
-# LoopState after up to max_iterations iterations. Weights, the state, the iteration count and the knobs are traced:
-# only the graph, the program, the placement, the shapes (rows, queue entries, prompt bucket) and the inputs'
-# shardings compile anew, so `Loop` hands every input over placed the same way on every call.
-decode_loop = jax.jit(_decode_rows, static_argnames=("graphdef", "program", "placement"))
-
-_LOOP_TAG = "decode_loop"
-
-
-@dataclasses.dataclass(frozen=True)
-class Loop:
-  """`decode_loop` for one program and placement, as a function (params, state, max_iterations, knobs) -> LoopState.
-
-  The inputs must reach the compiled program placed the same way on every call (on a mesh by the shardings of
-  `refusion_jax.decoding.mesh`, else on the default device), so that the first call (host arrays) and a refill
-  (the previous call's device arrays) compile once: their holder places the parameters, the knobs and the
-  iteration count once (`place_params`, `place_replicated`) and the state before every call (`place_state`,
-  which passes the leaves the previous call returned through untouched).
-  """
-
-  graphdef: nnx.GraphDef
-  program: tuple[type[Method], Settings]
-  placement: LoopPlacement | None = None
-
-  def shardings(self, params: Any, state: LoopState) -> tuple[Any, LoopState, Any, Any]:
-    """The shardings of (params, state, max_iterations, knobs); `params` and `state` may be abstract."""
-    replicated = self._replicated()
-    if self.placement is None:
-      return replicated, replicated, replicated, replicated
-    mesh, rules = self.placement.mesh, self.placement.rules
-    return state_shardings(params, mesh, rules), self.state_shardings(state), replicated, replicated
-
-  def state_shardings(self, state: LoopState) -> Any:
-    """The shardings of the loop's state (a prefix of it: one sharding without a mesh)."""
-    if self.placement is None:
-      return self._replicated()
-    return loop_shardings(state, self.placement.mesh, self.placement.rules)
-
-  def _replicated(self) -> jax.sharding.Sharding:
-    if self.placement is None:
-      return jax.sharding.SingleDeviceSharding(default_device())
-    return NamedSharding(self.placement.mesh, PartitionSpec())
-
-  def place_params(self, params: nnx.State) -> nnx.State:
-    """The parameters on their shardings (by their logical axes on a mesh), once per holder."""
-    if self.placement is None:
-      return place(params, self._replicated())
-    return place(params, state_shardings(params, self.placement.mesh, self.placement.rules))
-
-  def place_replicated(self, tree: Any) -> Any:
-    """Knobs or an iteration count, replicated (on the default device without a mesh)."""
-    return place(tree, self._replicated())
-
-  def place_state(self, state: LoopState, shardings: Any = None) -> LoopState:
-    """`state` on its shardings (`shardings`: `state_shardings(state)` kept by the caller)."""
-    return place(state, self.state_shardings(state) if shardings is None else shardings)
-
-  def __call__(self, params: Any, state: LoopState, max_iterations: Any, knobs: Any) -> LoopState:
-    """One loop call on placed inputs."""
-    name = self.program[0].name
-    with tagged(_LOOP_TAG, f"{_LOOP_TAG}/{name}"):  # the loop's compiles
-      return decode_loop(
-        self.graphdef, params, state, max_iterations, knobs, program=self.program, placement=self.placement
-      )
-
-  def lower(self, params: Any, state: LoopState, max_iterations: Any, knobs: Any) -> jax.stages.Lowered:
-    """The loop lowered for abstract inputs (`jax.ShapeDtypeStruct`s carrying their shardings)."""
-    return decode_loop.lower(
-      self.graphdef, params, state, max_iterations, knobs, program=self.program, placement=self.placement
-    )
-
-
-def compile_count(method: str | None = None) -> int:
-  """XLA compilations of the decode loop for one method (`Method.name`: "refusion", "ar", "mdm"), or of all
-  its calls, as JAX reports them (`refusion_jax.decoding.compilations`)."""
-  return compilations(_LOOP_TAG if method is None else f"{_LOOP_TAG}/{method}")
-
-
-def padded_rows(rows: int, mesh: jax.sharding.Mesh | None, rules: Rules = LOGICAL_AXIS_RULES) -> int:
-  """`rows` rounded up to a multiple of the mesh's batch-parallel ways (the extra rows stay idle)."""
-  ways = 1 if mesh is None else batch_parallel_ways(mesh, rules)
-  return -(-rows // ways) * ways
-
-
-def pick_rows_on(mesh: jax.sharding.Mesh | None, rules: Rules = LOGICAL_AXIS_RULES) -> bool:
-  """Whether a forward may take a subset of the rows on `mesh` (`Method.decoder`'s `pick_rows`): not on a TPU,
-  and not where rows are split over devices.
-
-  XLA's TPU compiler aborts on a ReFusion forward that picks rows (a failed check in its gather emitter), even
-  on one chip; where rows are split over devices it has aborted on the gather across devices too (the versions
-  and commands: results/README.md, "Measurements the code relies on"). Picking rows only saves work.
-  """
-  devices = [default_device()] if mesh is None else list(mesh.devices.flat)
-  if any(device.platform == "tpu" for device in devices):
-    return False
-  return mesh is None or batch_parallel_ways(mesh, rules) == 1
-
-
-def loop_for(
-  decoder: Decoder, graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh | None = None, rules: Rules = LOGICAL_AXIS_RULES
-) -> Loop:
-  """`decoder`'s compiled loop, on `mesh` or the default device, as an `Engine` runs it."""
-  placement = None if mesh is None else LoopPlacement(mesh, normalize_rules(rules))
-  return Loop(graphdef, (type(decoder.method), decoder.settings), placement)
-
-
-def start_state(decoder: Decoder, config: ModelConfig, rows: int, prompt_width: int) -> LoopState:
-  """K = `rows` idle rows before an empty queue, for prompts padded to `prompt_width` (host arrays only)."""
-  row_state, widths = decoder.method.start_rows(decoder.settings, config, rows, prompt_width)
-  return LoopState.create(row_state, widths, prompt_width, decoder.settings.gen_length)
-
-
-def check_method(method: Any) -> None:
-  """Refuse what is not a method value (a method name, a class, a dict of knobs)."""
-  if isinstance(method, type) or not callable(getattr(method, "decoder", None)):
-    raise ValueError(
-      f"method={method!r} is not a decoding method value: pass one such as refusion_jax.ReFusion(gen_length=64), "
-      "refusion_jax.AR(gen_length=64) or refusion_jax.MDM(gen_length=64)."
-    )
+from refusion_jax.parallel.hosts import to_host
+from refusion_jax.parallel.sharding import LOGICAL_AXIS_RULES, Rules
 
 
 class Engine:
@@ -264,10 +107,10 @@ class Engine:
     self.pad_id = check_special_id("pad_id", special.pad, config)
     self.rows = padded_rows(rows, mesh, rules)
     self.prompt_width = prompt_width
-    placed = _placed_program(model, self.decoder, mesh, rules, (method, special, sample))
+    placed = placed_program(model, self.decoder, mesh, rules, (method, special, sample))
     self._loop, self._params, self._knobs = placed.loop, placed.params, placed.knobs
     self._chunks = placed.chunks  # placed iteration counts by `advance`'s iterations
-    start = _placed_start(self._loop, self.decoder, config, self.rows, prompt_width)
+    start = placed_start(self._loop, self.decoder, config, self.rows, prompt_width)
     self._state_shardings, self._state, state = start.shardings, start.placed, start.host
     # The host's copy of the queue, and what the last loop call left in it (read back after every call).
     self._tokens, self._lengths = np.array(state.queue_tokens), np.array(state.queue_lengths)
@@ -493,95 +336,6 @@ class Engine:
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class _PlacedProgram:
-  """What an engine places once: its compiled loop, the parameters and the knobs on their devices, and the
-  iteration counts `advance` has placed (by count)."""
-
-  loop: Loop
-  params: nnx.State
-  knobs: Any
-  chunks: dict[int | None, Any]
-
-
-@dataclasses.dataclass
-class _ModelPrograms:
-  """The placed programs of one model, valid while its structure and arrays are the very ones they were placed
-  from (`jax.tree.flatten` of the model: its modules and variables as a tree definition, its arrays as leaves)."""
-
-  treedef: Any
-  leaves: list[Any]
-  programs: dict[tuple, _PlacedProgram]
-
-  def holds(self, treedef: Any, leaves: list[Any]) -> bool:
-    return (
-      len(leaves) == len(self.leaves) and all(a is b for a, b in zip(leaves, self.leaves)) and treedef == self.treedef
-    )
-
-
-# Placed programs by model, dropped with the model. An engine built for a model whose arrays are unchanged (arrays
-# are immutable: an update replaces them) reuses its loop, parameters and knobs, so a `decode` call places and splits
-# nothing it placed before: a model is a pytree, and flattening it to check costs a tenth of `nnx.split`. Only
-# programs whose parameters were already where the loop needs them are kept (the common one-device case), so an
-# entry never holds a second copy of the weights.
-_PROGRAMS: weakref.WeakKeyDictionary[Transformer, _ModelPrograms] = weakref.WeakKeyDictionary()
-_PROGRAMS_PER_MODEL = 16
-
-
-def _placed_program(
-  model: Transformer, decoder: Decoder, mesh: jax.sharding.Mesh | None, rules: Rules, key: tuple
-) -> _PlacedProgram:
-  """The loop of `decoder` for `model` on `mesh`, with its parameters and knobs placed (`key`: what fixes the
-  knobs and the program besides the placement: the method value, the special ids, whether it samples)."""
-  leaves, treedef = jax.tree.flatten(model)
-  key = (key, mesh, None if mesh is None else normalize_rules(rules))
-  cached = _PROGRAMS.get(model)
-  if cached is not None and cached.holds(treedef, leaves) and key in cached.programs:
-    return cached.programs[key]
-  graphdef, params = nnx.split(model)
-  loop = loop_for(decoder, graphdef, mesh, rules)
-  placed = _PlacedProgram(loop, loop.place_params(params), loop.place_replicated(decoder.knobs), {})
-  param_leaves = jax.tree.leaves(params)
-  if all(a is b for a, b in zip(jax.tree.leaves(placed.params), param_leaves)):
-    if cached is None or not cached.holds(treedef, leaves):
-      cached = _PROGRAMS[model] = _ModelPrograms(treedef, leaves, {})
-    if len(cached.programs) >= _PROGRAMS_PER_MODEL:
-      cached.programs.pop(next(iter(cached.programs)))
-    cached.programs[key] = placed
-  return placed
-
-
-@dataclasses.dataclass(frozen=True)
-class _Start:
-  """An engine's idle start state: on the host (the engine's copy of the queue is made from it), on its
-  devices, and the shardings of the state, whose structure never changes."""
-
-  host: LoopState
-  placed: LoopState
-  shardings: Any
-
-
-# Idle start states by everything that fixes them: arrays are immutable and the loop donates none, so every engine
-# of a program starts from the same ones (a decode call builds and places only its queue). A few small ones are
-# kept: a big model's idle caches would hold device memory between calls.
-_STARTS: dict[tuple, _Start] = {}
-_STARTS_KEPT, _START_BYTES = 8, 64 * 2**20
-
-
-def _placed_start(loop: Loop, decoder: Decoder, config: ModelConfig, rows: int, prompt_width: int) -> _Start:
-  key = (loop.program, loop.placement, config, rows, prompt_width, jax.config.jax_default_prng_impl)
-  if key in _STARTS:
-    return _STARTS[key]
-  host = start_state(decoder, config, rows, prompt_width)
-  shardings = loop.state_shardings(host)
-  start = _Start(host, loop.place_state(host, shardings), shardings)
-  if sum(leaf.nbytes for leaf in jax.tree.leaves(host)) <= _START_BYTES:  # a big model's caches are not kept idle
-    if len(_STARTS) >= _STARTS_KEPT:
-      _STARTS.pop(next(iter(_STARTS)))
-    _STARTS[key] = start
-  return start
-
-
 def _cut(answer: list[int], eos_id: int) -> list[int]:
   """`answer` up to and including its first `eos_id`."""
   return answer[: answer.index(eos_id) + 1] if eos_id in answer else answer
@@ -647,37 +401,3 @@ def decode(
     pad_id=pad_id,
   )
   return engine.run(prompt_ids, chunk_iterations)
-
-
-_DECODE_OPTIONS = ("batch_size", "mesh", "seed", "mask_id", "eos_id", "pad_id", "chunk_iterations")
-
-
-def keyword_decode(method: type[Method]) -> Callable[..., DecodeResult]:
-  """The 0.2 call of one method, `<method>_generate(model, prompt_ids, *, <its fields>, <decode's options>)`:
-  `decode(model, prompt_ids, method(<its fields>), <decode's options>)`, the same tokens (wrap it in
-  `deprecation.deprecated`)."""
-
-  def generate(model: Transformer, prompt_ids: Sequence[Sequence[int]], **options: Any) -> DecodeResult:
-    run = {name: options.pop(name) for name in _DECODE_OPTIONS if name in options}
-    return decode(model, prompt_ids, method(**options), **run)
-
-  generate.__doc__ = f"The 0.2 call: `decode(model, prompt_ids, {method.__name__}(...), ...)`, the same tokens."
-  return generate
-
-
-__getattr__ = moved_names(
-  __name__,
-  {
-    "Placement": ("refusion_jax.decoding.driver.LoopPlacement", lambda: LoopPlacement),
-    "start_batch": ("refusion_jax.decoding.driver.start_state", lambda: start_state),
-    "loop_for_mesh": ("refusion_jax.decoding.driver.loop_for(decoder, graphdef, mesh, rules)", lambda: _loop_for_mesh),
-  },
-)
-
-
-def _loop_for_mesh(
-  decoder: Decoder, graphdef: nnx.GraphDef, params: Any, state: LoopState, mesh: jax.sharding.Mesh, rules=None
-) -> Loop:
-  """The 0.2 `loop_for_mesh`: `loop_for` (the loop no longer needs `params` or the state)."""
-  del params, state
-  return loop_for(decoder, graphdef, mesh, LOGICAL_AXIS_RULES if rules is None else rules)
