@@ -18,11 +18,16 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from refusion_jax.checkpoints.detect import FORMATS
 from refusion_jax.checkpoints.orbax import quiet_checkpoint_noise
+from refusion_jax.decoding.options import OPTION_NAMES, DecodeOptions
+from refusion_jax.deprecation import warn_deprecated
 from refusion_jax.model import config as config_lib
 from refusion_jax.model import quant
+from refusion_jax.parallel.mesh_spec import parse_mesh_spec
+from refusion_jax.parallel.sharding import make_mesh
 
 # Errors that mean "this input cannot be used": reported as one line, exit status 2.
 BAD_INPUT = (ValueError, FileNotFoundError, NotImplementedError)
@@ -170,3 +175,54 @@ def model_request(args: argparse.Namespace) -> dict:
     quantize=getattr(args, "quantize", None),
     quantize_group_size=getattr(args, "quantize_group_size", 128),
   )
+
+
+class _OldRowsFlag(argparse.Action):
+  """`--batch_size K`, the 0.2 name of `--rows K`: sets rows, with a `DeprecationWarning` naming the new flag."""
+
+  def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: Any = None):
+    warn_deprecated("the flag --batch_size", "--rows (the rows the decode loop keeps busy)")
+    namespace.rows = values
+
+
+def add_decode_flags(
+  parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+  *,
+  rows: int | None = None,
+  rows_help: str = "all prompts of a call at once",
+  seed_help: str = "0",
+  chunk_iterations: int | None = None,
+) -> None:
+  """The flags of `DecodeOptions`, alike in every command that decodes (`decode_options` reads them back):
+  --rows, --seed, --mask_id, --eos_id, --pad_id, --mesh, --chunk_iterations. The arguments set a command's own
+  defaults and the help that says what an unset flag means."""
+  parser.add_argument(
+    "--rows", type=int, default=rows, help=f"K, the rows the decode loop keeps busy (default: {rows_help})."
+  )
+  parser.add_argument("--batch_size", type=int, action=_OldRowsFlag, help=argparse.SUPPRESS)
+  parser.add_argument("--seed", type=int, help=f"the sampling seed (default: {seed_help}).")
+  for name in ("mask_id", "eos_id", "pad_id"):
+    parser.add_argument(f"--{name}", type=int, help="default: the tokenizer's, else the model config's.")
+  parser.add_argument("--mesh", help="decode on a mesh of this host's chips, e.g. data:-1 or fsdp:2+tensor:4.")
+  parser.add_argument(
+    "--chunk_iterations",
+    type=int,
+    default=chunk_iterations,
+    help="loop iterations per call (default: until the host must refill the queue).",
+  )
+
+
+def decode_options(args: argparse.Namespace, **defaults: Any) -> DecodeOptions:
+  """The `DecodeOptions` that `add_decode_flags`' flags ask for; `defaults` fill what the flags leave unset
+  (e.g. `rows=config.eval.batch_size`).
+
+  Raises:
+    UsageError: a value `DecodeOptions` refuses, or a mesh that does not fit the devices.
+  """
+  values = {name: getattr(args, name, None) for name in OPTION_NAMES if name != "mesh"}
+  values = {name: defaults.get(name) if value is None else value for name, value in values.items()}
+  try:
+    mesh = make_mesh(parse_mesh_spec(args.mesh)) if getattr(args, "mesh", None) else None
+    return DecodeOptions(**{name: value for name, value in values.items() if value is not None}, mesh=mesh)
+  except ValueError as error:
+    raise UsageError(str(error)) from error

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import ml_collections
 
 from refusion_jax.checkpoints.load import load
-from refusion_jax.cli import UsageError, add_model_flags, model_request, run_argparse
+from refusion_jax.cli import UsageError, add_decode_flags, add_model_flags, decode_options, model_request, run_argparse
 from refusion_jax.decoding.methods import add_method_flags, method_value
 from refusion_jax.deprecation import deprecated, moved_names
 from refusion_jax.evaluation import curve, report, runner, sweep, test_sets
@@ -70,11 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     "values sweep every combination)"
   )
   add_method_flags(decoding, values=_values)
-  decoding.add_argument(
-    "--batch_size", type=int, help="rows decoded at once, by continuous batching (default: config eval.batch_size)."
-  )
   decoding.add_argument("--repeats", type=int, default=1, help="time each batch this many times, keep the fastest.")
-  decoding.add_argument("--seed", type=int, default=0)
+  add_decode_flags(parser.add_argument_group("decode options (`rj.DecodeOptions`)"), rows_help="config eval.batch_size")
 
   output = parser.add_argument_group("output")
   output.add_argument("--out", metavar="JSON", help="write metrics, settings and every answer here (one setting).")
@@ -134,9 +131,9 @@ def evaluate(args: argparse.Namespace) -> list[dict]:
     raise UsageError(str(error)) from error
   if len(methods) > 1 and (args.out or args.label):
     raise UsageError(f"The flags sweep {len(methods)} decode settings: use --out_dir instead of --out / --label.")
-  model, tokenizer = load(**model_request(args))
+  options = decode_options(args, rows=config.eval.batch_size)
+  model, tokenizer = load(**model_request(args), mesh=options.mesh)
   checkpoint = os.path.abspath(args.checkpoint or args.hf_checkpoint)
-  batch_size = args.batch_size or config.eval.batch_size
   records = []
   for method in methods:
     run = runner.run(
@@ -144,20 +141,19 @@ def evaluate(args: argparse.Namespace) -> list[dict]:
       tokenizer,
       examples,
       method=method,
-      batch_size=batch_size,
+      options=options,
       chat_template=config.data.chat_template,
       repeats=args.repeats,
-      seed=args.seed,
       progress=not args.no_progress,
     )
     record = sweep.result_record(
       run,
       method,
       model=args.model_name or os.path.basename(checkpoint),
-      label=args.label or sweep.default_label(method),
+      label=args.label or method.label,
       checkpoint=checkpoint,
       step=args.step,
-      batch_size=batch_size,
+      batch_size=options.rows,
       repeats=args.repeats,
       data=source,
     )

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from refusion_jax.checkpoints.load import load
-from refusion_jax.cli import UsageError, add_model_flags, model_request, run_argparse
+from refusion_jax.cli import UsageError, add_decode_flags, add_model_flags, decode_options, model_request, run_argparse
 from refusion_jax.data.tokenizer import Tokenizer
 from refusion_jax.decoding.methods import add_method_flags, method_value
 from refusion_jax.decoding.result import DecodeResult
@@ -50,13 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
   decoding = parser.add_argument_group("decoding (a method's fields: unset ones take the method's defaults)")
   add_method_flags(decoding)
-  decoding.add_argument(
-    "--batch_size", type=int, help="rows decoded at once, a finished row taking the next prompt (default: all)."
-  )
-  decoding.add_argument("--seed", type=int, default=0)
-  decoding.add_argument("--mask_id", type=int, help="default: the tokenizer's, else the model config's.")
-  decoding.add_argument("--eos_id", type=int, help="default: the tokenizer's, else the model config's.")
-  decoding.add_argument("--pad_id", type=int, help="default: the tokenizer's, else the model config's.")
+  add_decode_flags(parser.add_argument_group("decode options (`rj.DecodeOptions`)"))
 
   output = parser.add_argument_group("output")
   output.add_argument("--json", action="store_true", help="print one JSON object per prompt.")
@@ -112,18 +106,10 @@ def run(args: argparse.Namespace) -> None:
   if not args.prompt and not args.prompt_ids:
     raise UsageError("Give at least one --prompt TEXT or --prompt_ids 1,2,3.")
   id_prompts = [_parse_ids(text) for text in args.prompt_ids]
-  model, tokenizer = load(**model_request(args))
-  sampler = Sampler(
-    model,
-    tokenizer,
-    method_value(args.method, vars(args)),
-    batch_size=args.batch_size,
-    seed=args.seed,
-    chat_template=args.chat_template,
-    mask_id=args.mask_id,
-    eos_id=args.eos_id,
-    pad_id=args.pad_id,
-  )
+  options = decode_options(args)
+  model, tokenizer = load(**model_request(args), mesh=options.mesh)
+  method = method_value(args.method, vars(args))
+  sampler = Sampler(model, tokenizer, method, options, chat_template=args.chat_template)
   prompt_ids = [sampler.encode(text) for text in args.prompt] + id_prompts
   result = sampler.decode_ids(prompt_ids)
   answers = [tokenizer.decode(tokens) for tokens in result.tokens]

@@ -20,7 +20,6 @@ admitting and ends within --shutdown_seconds, exit status 0.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import signal
@@ -28,11 +27,9 @@ import sys
 from collections.abc import Sequence
 
 from refusion_jax.checkpoints.load import load
-from refusion_jax.cli import UsageError, add_model_flags, model_request, run_argparse
+from refusion_jax.cli import UsageError, add_decode_flags, add_model_flags, decode_options, model_request, run_argparse
 from refusion_jax.decoding.methods import add_method_flags, field_names, flag_values, method_value
-from refusion_jax.decoding.paper import PAPER_TASKS
-from refusion_jax.parallel.mesh_spec import parse_mesh_spec
-from refusion_jax.parallel.sharding import make_mesh
+from refusion_jax.decoding.paper import PAPER_TASKS, paper_method
 from refusion_jax.serving.app import DEFAULT_MAX_BODY_BYTES
 from refusion_jax.serving.auth import API_KEY_ENV, server_key
 from refusion_jax.serving.server import ServerOptions, build_server
@@ -52,22 +49,19 @@ def build_parser() -> argparse.ArgumentParser:
     choices=sorted(PAPER_TASKS),
     help="refusion: the paper's settings for this task (G = 512); the method's flags given override them.",
   )
-  decoding.add_argument(
-    "--seed", type=int, help="the sampling seed of requests that give none (default: a new one each)."
+  add_decode_flags(
+    parser.add_argument_group("decode options (`rj.DecodeOptions`)"),
+    rows=8,
+    rows_help="8",
+    seed_help="a new one for each request that gives none",
+    chunk_iterations=8,
   )
-  for name in ("mask_id", "eos_id", "pad_id"):
-    decoding.add_argument(f"--{name}", type=int, help="default: the tokenizer's, else the model config's.")
 
   server = parser.add_argument_group("server")
-  server.add_argument("--batch_size", type=int, default=8, help="K, rows decoding requests at once.")
   server.add_argument(
     "--max_prompt_tokens", type=int, default=128, help="longest prompt (rounded up to its bucket), compiled at start."
   )
   server.add_argument("--max_queue", type=int, default=64, help="requests held beyond the K rows before 429s.")
-  server.add_argument(
-    "--chunk_iterations", type=int, default=8, help="loop iterations per call: how often new requests join."
-  )
-  server.add_argument("--mesh", help="decode on a mesh of this host's chips, e.g. data:-1 or tensor:4.")
   server.add_argument("--host", default="127.0.0.1", help="the address to bind (0.0.0.0: every interface).")
   server.add_argument("--port", type=int, default=8000)
   server.add_argument("--api_key", help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, else none).")
@@ -85,9 +79,9 @@ def method_from_flags(args: argparse.Namespace):
   given = flag_values(args, field_names(args.method))
   if args.paper_task is None:
     return method_value(args.method, given)
-  if args.method != "refusion":
-    raise UsageError(f"--paper_task sets ReFusion's settings; it does not apply to --method {args.method}.")
-  return dataclasses.replace(PAPER_TASKS[args.paper_task], **given)
+  if args.method != PAPER_TASKS[args.paper_task].name:
+    raise UsageError(f"--paper_task sets {PAPER_TASKS[args.paper_task].name}'s settings, not --method {args.method}'s.")
+  return paper_method(args.paper_task, **given)
 
 
 def model_name(args: argparse.Namespace) -> str:
@@ -107,23 +101,21 @@ def run(args: argparse.Namespace) -> None:
   log.propagate = False
   method = method_from_flags(args)
   key = server_key(args.api_key)
-  mesh = make_mesh(parse_mesh_spec(args.mesh)) if args.mesh else None
-  model, tokenizer = load(**model_request(args), mesh=mesh)
+  decode = decode_options(args)
+  model, tokenizer = load(**model_request(args), mesh=decode.mesh)
   options = ServerOptions(
     method=method,
-    rows=args.batch_size,
+    decode=decode,
     max_prompt_tokens=args.max_prompt_tokens,
     max_queue=args.max_queue,
-    chunk_iterations=args.chunk_iterations,
     seed=args.seed,
-    special_ids=dict(mask_id=args.mask_id, eos_id=args.eos_id, pad_id=args.pad_id),
     model_name=model_name(args),
     api_key=key,
     max_body_bytes=args.max_body_bytes,
     shutdown_seconds=args.shutdown_seconds,
     log_level=args.log_level,
   )
-  server = build_server(model, tokenizer, options, mesh=mesh, host=args.host, port=args.port)
+  server = build_server(model, tokenizer, options, host=args.host, port=args.port)
   # uvicorn re-raises the signal that stopped it once it is done; these handlers make that a clean exit 0.
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: None)

@@ -108,7 +108,7 @@ def test_decode_gives_each_method_the_tokens_of_its_eager_reference():
     fields = {f.name: getattr(refusion, f.name) for f in dataclasses.fields(refusion) if f.name != "fit_width"}
     want = decode_reference(model, prompt, mask_id=MASK, eos_id=EOS, **fields)
     assert got.tokens[row] == want.tokens[0], f"seed {seed}, refusion row {row}"
-  ar = rj.decode(model, prompts, rj.AR(gen_length=8), eos_id=EOS, batch_size=2)
+  ar = rj.decode(model, prompts, rj.AR(gen_length=8), eos_id=EOS, rows=2)
   assert ar.tokens == [naive_greedy(model, p, 8, eos_id=EOS) for p in prompts], f"seed {seed}"
   mdm = rj.decode(model, prompts, rj.MDM(gen_length=8, block_length=4, steps=4), mask_id=MASK, eos_id=EOS)
   llada = [llada_low_confidence(model, p, 8, 4, 4, MASK) for p in prompts]
@@ -143,7 +143,7 @@ def test_the_engine_decodes_prompts_fed_one_by_one_as_decode_does_and_compiles_o
   rng = np.random.default_rng()
   model, prompts = random_model(int(rng.integers(1 << 20)), head_std=0.7), random_prompts(rng, 5)
   method = rj.ReFusion(gen_length=16, slot_size=4, slot_threshold=0.6, token_threshold=0.4, temperature=0.5)
-  expected = rj.decode(model, prompts, method, batch_size=2, seed=3, mask_id=MASK, eos_id=EOS)
+  expected = rj.decode(model, prompts, method, rows=2, seed=3, mask_id=MASK, eos_id=EOS)
   engine = Engine(model, method, rows=2, prompt_width=16, seed=3, mask_id=MASK, eos_id=EOS)
   before = compile_count("refusion")
   requests = [engine.submit(p) for p in prompts[:3]]
@@ -222,10 +222,10 @@ def test_the_sampler_takes_a_method_value_and_its_special_ids_from_the_tokenizer
   tok = ByteTokenizer()
   model = init_model(tiny(vocab_size=tok.vocab_size), seed=int(np.random.default_rng().integers(1 << 20)))
   method = rj.ReFusion(gen_length=8, slot_threshold=0.5, token_threshold=0.5)
-  sampler = rj.Sampler(model, tok, method=method, batch_size=2)
+  sampler = rj.Sampler(model, tok, method=method, rows=2)
   texts, result = sampler.generate(["one", "two", "three"])
   ids = [tok.encode(t) for t in ("one", "two", "three")]
-  expected = rj.decode(model, ids, method, batch_size=2, mask_id=tok.mask_id, eos_id=tok.eos_id, pad_id=tok.pad_id)
+  expected = rj.decode(model, ids, method, rows=2, mask_id=tok.mask_id, eos_id=tok.eos_id, pad_id=tok.pad_id)
   assert result.tokens == expected.tokens and texts == [tok.decode(t) for t in expected.tokens]
   with warnings.catch_warnings():
     warnings.simplefilter("error")
@@ -248,7 +248,7 @@ def test_batched_forwards_count_the_loop_and_one_prefill_per_prompt(batch_size, 
   from refusion_jax.evaluation.bench_models import random_bench_model
 
   bench = random_bench_model("tiny", 3, 128.0, int(np.random.default_rng().integers(1 << 20)))  # EOS never predicted
-  result = rj.decode(bench.model, bench.prompts, rj.AR(gen_length=8), eos_id=bench.eos_id, batch_size=batch_size)
+  result = rj.decode(bench.model, bench.prompts, rj.AR(gen_length=8), eos_id=bench.eos_id, rows=batch_size)
   assert result.num_forwards.tolist() == [8, 8, 8]  # a prefill and 7 steps each
   # Three rows step together (7 forwards) or one row steps 7 times per prompt; each prompt is prefilled once.
   assert result.widths["forward"] == {1: loop_forwards} and result.batched_forwards == loop_forwards + 3

@@ -21,7 +21,7 @@ import numpy as np
 from refusion_jax.data.special_tokens import SpecialTokens
 from refusion_jax.decoding.batching import count_width, host_zeros, put_row
 from refusion_jax.decoding.checks import check_count, check_temperature, optional_eos_id
-from refusion_jax.decoding.contract import DecodeOutputs, Decoder, Sampling
+from refusion_jax.decoding.contract import DecodeOutputs, Decoder, MethodFacts, Sampling
 from refusion_jax.decoding.prompts import prefill
 from refusion_jax.decoding.result import PHASE_STEP
 from refusion_jax.decoding.scoring import pick_tokens
@@ -137,7 +137,7 @@ def start_rows(
 
 
 @dataclasses.dataclass(frozen=True)
-class AR:
+class AR(MethodFacts):
   """The autoregressive baseline as a typed, hashable value: `rj.decode(model, ids, AR(gen_length=64))`.
 
   The prompt prefill is one forward and yields the first token; each further token costs one forward of the

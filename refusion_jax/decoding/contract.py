@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from refusion_jax.data.special_tokens import SpecialTokens
-from refusion_jax.decoding.result import PHASE_NONE
+from refusion_jax.decoding.result import PHASE_NONE, DecodeResult
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer
 
@@ -179,15 +179,21 @@ class Method(Protocol):
   """A decoding method: a frozen, hashable dataclass of the user's choices whose class runs in the compiled loop.
 
   The class attributes are what the loop needs, static: its `name` (what `loop.compile_count` counts its
-  compilations under), `width_names` (the width counters' rows, "forward" first) and the three traced parts
-  `start_rows`, `admit`, `step` (static methods). The instance holds the user's choices (`gen_length`, G,
-  `temperature`, the requests' unless they bring their own, and the method's own) and `decoder` splits them,
-  once per decode call, into the loop's static settings and traced knobs: checks that need the model (special
-  ids inside the vocabulary) happen there. `special` holds the call's mask and EOS ids as given or resolved
-  (None where unknown); `pick_rows` whether a forward may run a subset of the rows (the engine's decision: not
-  where rows are split over devices; methods that never pick rows ignore it) and `sample` whether the program
-  draws sampling noise (the engine's decision: the method's temperature is above 0, or requests bring their own
-  temperatures). Each prompt's noise key and temperature are in the loop's queue (`Sampling`), not the knobs.
+  compilations under, and what command lines call it), `width_names` (the width counters' rows, "forward"
+  first) and the three traced parts `start_rows`, `admit`, `step` (static methods). The instance holds the
+  user's choices (`gen_length`, G, `temperature`, the requests' unless they bring their own, and the method's
+  own) and `decoder` splits them, once per decode call, into the loop's static settings and traced knobs:
+  checks that need the model (special ids inside the vocabulary) happen there. `special` holds the call's mask
+  and EOS ids as given or resolved (None where unknown); `pick_rows` whether a forward may run a subset of the
+  rows (the engine's decision: not where rows are split over devices; methods that never pick rows ignore it)
+  and `sample` whether the program draws sampling noise (the engine's decision: the method's temperature is
+  above 0, or requests bring their own temperatures). Each prompt's noise key and temperature are in the loop's
+  queue (`Sampling`), not the knobs.
+
+  What the rest of the package asks of a method besides the loop's parts (the evaluation's labels, the
+  harness's answer lengths and statistics, the server's token limits) is asked of the value too, so that a new
+  method needs no edit outside its own file; `MethodFacts` gives the defaults a method may inherit:
+  `label`, `answer_grid`, `token_grid`, `resized` and `official_tpf`.
   """
 
   name: ClassVar[str]
@@ -202,4 +208,54 @@ class Method(Protocol):
   @property
   def temperature(self) -> float: ...
 
+  @property
+  def label(self) -> str: ...
+
+  @property
+  def answer_grid(self) -> int: ...
+
+  @property
+  def token_grid(self) -> int: ...
+
+  def resized(self, gen_length: int) -> Method: ...
+
+  def official_tpf(self, result: DecodeResult, row: int) -> float: ...
+
   def decoder(self, config: ModelConfig, special: SpecialTokens, *, pick_rows: bool, sample: bool) -> Decoder: ...
+
+
+class MethodFacts:
+  """The facts a `Method` states about itself beyond the loop's parts, with the defaults of a method that commits
+  one token at a time and has no settings tied to the answer length; a method class inherits it and overrides
+  what differs (`refusion.ReFusion` overrides all of them).
+  """
+
+  @property
+  def label(self) -> str:
+    """A short name for reports and plots, e.g. "refusion S8 0.9/0.5"; the class's `name` by default."""
+    return self.name  # type: ignore[attr-defined]
+
+  @property
+  def answer_grid(self) -> int:
+    """The multiple every answer length G must be (ReFusion: S x NB): where a request asks for fewer tokens than
+    G (lm-eval's `max_gen_toks`), its G is rounded up to it."""
+    return 1
+
+  @property
+  def token_grid(self) -> int:
+    """The fewest tokens an answer grows by where it grows (ReFusion: a slot): a token limit is rounded up to it,
+    since what is committed together is never cut apart."""
+    return 1
+
+  def resized(self, gen_length: int) -> Method:
+    """This method for answers of `gen_length` tokens: what follows the answer length follows it (MDM's block
+    and steps are cut to it, ReFusion's serial blocks fitted), every other field kept. The harness decodes each
+    request at its own G this way, a sweep moves a config's settings to the command line's G, and a paper task
+    takes a shorter answer."""
+    return dataclasses.replace(self, gen_length=gen_length)  # type: ignore[type-var]
+
+  def official_tpf(self, result: DecodeResult, row: int) -> float:
+    """Tokens per forward of answer `row` of `result` as the method's official evaluation counts them (ReFusion:
+    per plan-and-infill cycle); NaN where it has no such count (ours, `DecodeResult.tpf`, is always there)."""
+    del result, row
+    return float("nan")

@@ -11,6 +11,7 @@ to completion over a list of prompts (docs/method.md §3.3, §3.4).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -28,6 +29,7 @@ from refusion_jax.decoding.checks import (
 )
 from refusion_jax.decoding.contract import DecodeOutputs, Method
 from refusion_jax.decoding.mesh import padded_rows, pick_rows_on
+from refusion_jax.decoding.options import DecodeOptions, decode_options
 from refusion_jax.decoding.programs import placed_program, placed_start
 from refusion_jax.decoding.prompts import bucket_length
 from refusion_jax.decoding.result import PHASE_NONE, DecodeResult
@@ -72,35 +74,34 @@ class Engine:
     self,
     model: Transformer,
     method: Method,
+    options: DecodeOptions | None = None,
     *,
-    rows: int,
     prompt_width: int,
-    mesh: jax.sharding.Mesh | None = None,
     rules: Rules = LOGICAL_AXIS_RULES,
-    seed: int = 0,
-    mask_id: int | None = None,
-    eos_id: int | None = None,
-    pad_id: int | None = None,
     sampling: bool = False,
+    **option_fields: Any,
   ):
     """
     Args:
       method: a method value (`rj.ReFusion(...)`, `rj.AR(...)`, `rj.MDM(...)`).
-      rows: K rows kept busy (continuous batching).
+      options: how the engine decodes (`DecodeOptions`; its `rows`, K, required here), its fields also given
+        as keywords (`Engine(model, method, rows=8, prompt_width=64)`). Request i draws its sampling noise from
+        fold_in(key(seed), i) unless it brings its own seed; special ids default to the model config's
+        (`checks.decoder_special_tokens`); `chunk_iterations` is what `run` advances by.
       prompt_width: P, the prompt bucket (`prompts.bucket_length` of the longest prompt).
-      mesh: decode on this mesh (`refusion_jax.make_mesh`): rows split over its batch-parallel axes, parameters
-        and cache by their logical axes (`refusion_jax.decoding.mesh`); None: the default device.
-      seed: the PRNG seed of sampling: request i draws from fold_in(key(seed), i), unless it brings its own seed.
-      mask_id, eos_id, pad_id: the special ids; None: the model config's (`checks.decoder_special_tokens`).
+      rules: the logical-axis rules placing parameters, cache and rows on `options.mesh`.
       sampling: compile the sampling noise in even where the method's temperature is 0, so that requests may
         bring their own temperatures (`submit`); a request at temperature 0 stays greedy, bit for bit.
     """
     check_method(method)
-    check_positive("rows", rows, "one row per prompt")
+    self.options = options = decode_options(options, option_fields, "refusion_jax.Engine")
+    if options.rows is None:
+      raise ValueError("An engine needs its row count: give rows=K (the rows kept busy), e.g. rows=8.")
+    rows, mesh, seed = options.rows, options.mesh, options.seed
     check_positive("prompt_width", prompt_width, "the bucket of the longest prompt")
     model = inference_view(model)  # every decoder runs without remat, on weights cast once (docs/method.md §5)
     self.config = config = model.config
-    special = decoder_special_tokens(config, mask_id=mask_id, eos_id=eos_id, pad_id=pad_id)
+    special = decoder_special_tokens(config, **options.special_ids)
     sample = method.temperature > 0 or sampling
     self.decoder = method.decoder(config, special, pick_rows=pick_rows_on(mesh, rules), sample=sample)
     self.seed = seed
@@ -251,14 +252,15 @@ class Engine:
     )
 
   def run(self, prompt_ids: Sequence[Sequence[int]], chunk_iterations: int | None = None) -> DecodeResult:
-    """Decode `prompt_ids` to the end from idle; the result in input order, `seconds` the wall-clock of it all."""
+    """Decode `prompt_ids` to the end from idle, advancing by `chunk_iterations` iterations a call (None: the
+    options'); the result in input order, `seconds` the wall-clock of it all."""
     if not self.idle:
       raise ValueError("The engine is decoding other requests; run() needs an idle engine.")
     start = time.perf_counter()
     before = self._widths.copy(), self.loop_calls, self.host_seconds
     requests = [self.submit(p) for p in prompt_ids]
     while not self.idle:
-      self.advance(chunk_iterations)
+      self.advance(chunk_iterations or self.options.chunk_iterations)
     result = self.pop(requests)
     result.widths = _width_counts(self.decoder.method.width_names, self._widths - before[0])
     result.loop_calls, result.host_seconds = self.loop_calls - before[1], self.host_seconds - before[2]
@@ -349,55 +351,33 @@ def decode(
   model: Transformer,
   prompt_ids: Sequence[Sequence[int]],
   method: Method,
-  *,
-  batch_size: int | None = None,
-  mesh: jax.sharding.Mesh | None = None,
-  seed: int = 0,
-  mask_id: int | None = None,
-  eos_id: int | None = None,
-  pad_id: int | None = None,
-  chunk_iterations: int | None = None,
+  options: DecodeOptions | None = None,
+  **option_fields: Any,
 ) -> DecodeResult:
   """Decode N prompts with a method value, in one compiled loop (docs/method.md §3).
 
       rj.decode(model, [[1, 2, 3]], rj.ReFusion(gen_length=64, slot_size=4))
-      rj.decode(model, prompts, rj.AR(gen_length=32), batch_size=8)
+      rj.decode(model, prompts, rj.AR(gen_length=32), rows=8)
+      rj.decode(model, prompts, method, rj.DecodeOptions(rows=8, seed=1, mesh=mesh))
 
   The loop keeps K rows busy over a queue that the host refills between calls (an `Engine`), so the compiled
   program depends on K, the prompt bucket and the method's settings, never on how many prompts there are.
 
   Args:
     prompt_ids: N prompts of integer token ids, any lengths (padded into one bucket).
-    method: `rj.ReFusion(...)`, `rj.AR(...)` or `rj.MDM(...)`.
-    batch_size: K rows kept busy (continuous batching: a finished row takes the next prompt), one compiled
-      program whatever N is; None: all N prompts as one batch (K = N).
-    mesh: decode on this mesh (`refusion_jax.make_mesh`): rows split over its batch-parallel axes (their count
-      padded to a multiple of its batch-parallel devices; padded rows stay idle), parameters and cache by their
-      logical axes (`refusion_jax.decoding.mesh`); None: the default device.
-    seed: the PRNG seed of sampling (temperature > 0): prompt i draws from fold_in(key(seed), i), whatever the
-      batching.
-    mask_id, eos_id, pad_id: the special ids; None: the model config's (the `Sampler` passes its tokenizer's).
-      ReFusion needs a mask and an EOS id, MDM a mask id; pad_id falls back to the EOS, then 0 (never attended).
-    chunk_iterations: run the compiled loop at most this many iterations per call (state in, state out), as a
-      server drives it, with the same results; None: each call runs until the queue needs refilling.
+    method: `rj.ReFusion(...)`, `rj.AR(...)`, `rj.MDM(...)` or any registered method value.
+    options: how to decode (`DecodeOptions`: rows, seed, special ids, mesh, chunk_iterations); its fields may
+      be given as keywords instead, or over it. rows None: all N prompts as one batch (K = N).
 
   Returns:
     A `DecodeResult` in input order whose trace is blanked past each answer; seconds covers placing, padding,
     the loop (and its compilation, when it happens) and the read-back.
   """
+  options = decode_options(options, option_fields, "refusion_jax.decode")
   check_method(method)
   check_prompts(prompt_ids, model.config, method.gen_length)
-  check_positive("batch_size", batch_size, "all prompts as one batch")
-  check_positive("chunk_iterations", chunk_iterations, "run the loop to the end in one call")
+  rows = options.rows or len(prompt_ids)
   engine = Engine(
-    model,
-    method,
-    rows=batch_size or len(prompt_ids),
-    prompt_width=bucket_length(max(len(p) for p in prompt_ids)),
-    mesh=mesh,
-    seed=seed,
-    mask_id=mask_id,
-    eos_id=eos_id,
-    pad_id=pad_id,
+    model, method, dataclasses.replace(options, rows=rows), prompt_width=bucket_length(max(len(p) for p in prompt_ids))
   )
-  return engine.run(prompt_ids, chunk_iterations)
+  return engine.run(prompt_ids)

@@ -23,7 +23,7 @@ import numpy as np
 from refusion_jax.data.special_tokens import SpecialTokens
 from refusion_jax.decoding.batching import count_width, put_row
 from refusion_jax.decoding.checks import check_count, check_special_id, check_temperature, optional_eos_id
-from refusion_jax.decoding.contract import DecodeOutputs, Decoder, Sampling
+from refusion_jax.decoding.contract import DecodeOutputs, Decoder, MethodFacts, Sampling
 from refusion_jax.decoding.result import PHASE_NONE, PHASE_STEP
 from refusion_jax.decoding.scoring import pick_tokens
 from refusion_jax.model.config import ModelConfig
@@ -198,7 +198,7 @@ def start_rows(
 
 
 @dataclasses.dataclass(frozen=True)
-class MDM:
+class MDM(MethodFacts):
   """The masked-diffusion baseline (LLaDA-style low-confidence remasking) as a typed, hashable value:
   `rj.decode(model, ids, MDM(gen_length=64))`.
 
@@ -237,6 +237,16 @@ class MDM:
     check_count("steps", self.steps, self.gen_length)
     check_mdm_schedule(self.gen_length, self.block_length, self.steps)
     check_temperature(self.temperature)
+
+  @property
+  def label(self) -> str:
+    return f"mdm B{self.block_length} {self.steps} steps"
+
+  def resized(self, gen_length: int) -> MDM:
+    """MDM for G = `gen_length`: the block and the steps cut to G where they exceed it."""
+    return dataclasses.replace(
+      self, gen_length=gen_length, block_length=min(self.block_length, gen_length), steps=min(self.steps, gen_length)
+    )
 
   def decoder(self, config: ModelConfig, special: SpecialTokens, *, pick_rows: bool, sample: bool) -> Decoder:
     """The settings and knobs of one decode call (a `contract.Method`); the mask id must be known."""

@@ -1,7 +1,8 @@
 """The decoding methods by name, and a method value from named values (command-line flags, a config section).
 
 Command lines, configs and the lm-eval harness name a method ("refusion",
-"ar", "mdm"); `METHODS` maps the name to its class, and `method_value` builds
+"ar", "mdm"); `METHODS` maps the name to its class (a new method joins with
+`register_method`, from its own file), and `method_value` builds
 the value from whatever values are given for the class's fields, generically:
 a flag or key spelt like a field sets it, everything else is left to the
 class's defaults (`config_method`: a config's `<method>_<field>` key, e.g.
@@ -24,6 +25,32 @@ from refusion_jax.decoding.mdm import MDM
 from refusion_jax.decoding.refusion import ReFusion
 
 METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (ReFusion, AR, MDM)}
+
+# What the loop and the rest of the package ask of a method class (`contract.Method`).
+_CONTRACT = ("name", "width_names", "start_rows", "admit", "step", "decoder", "label", "answer_grid", "token_grid")
+_CONTRACT += ("resized", "official_tpf")
+
+
+def register_method(cls: type[Method]) -> type[Method]:
+  """Make a method class known by its `name` to every command line, config section, the evaluation, the lm-eval
+  harness and the server (a class decorator; `rj.decode`, `Sampler` and `Engine` take any method value without
+  it). Its fields become flags of every command built afterwards (`add_method_flags`).
+
+  Raises:
+    ValueError: the class is not a frozen dataclass with the contract's parts, or another class has its name.
+  """
+  missing = [part for part in _CONTRACT if not hasattr(cls, part)]
+  params = getattr(cls, "__dataclass_params__", None)
+  if missing or params is None or not params.frozen:
+    problem = f"lacks {', '.join(missing)}" if missing else "is not a frozen dataclass"
+    raise ValueError(
+      f"{cls.__name__} {problem}: a method is a frozen dataclass implementing refusion_jax.decoding.contract.Method "
+      "(inherit contract.MethodFacts for the defaults of label, answer_grid, token_grid, resized and official_tpf)."
+    )
+  if METHODS.get(cls.name, cls) is not cls:
+    raise ValueError(f"A method named {cls.name!r} is registered already ({METHODS[cls.name].__qualname__}).")
+  METHODS[cls.name] = cls
+  return cls
 
 
 def method_class(name: str) -> type[Method]:

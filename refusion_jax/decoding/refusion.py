@@ -52,7 +52,7 @@ from refusion_jax.decoding.checks import (
   check_temperature,
   check_threshold,
 )
-from refusion_jax.decoding.contract import DecodeOutputs, Decoder, Sampling
+from refusion_jax.decoding.contract import DecodeOutputs, Decoder, MethodFacts, Sampling
 from refusion_jax.decoding.prompts import prefill
 from refusion_jax.decoding.result import (
   PHASE_INFILL,
@@ -62,6 +62,7 @@ from refusion_jax.decoding.result import (
   STAGE_NAMES,
   STAGE_PLAN,
   STAGE_VERIFY,
+  DecodeResult,
 )
 from refusion_jax.decoding.scheduler import BlockQuery, ForwardLayout, TokenScores, scheduled_forward
 from refusion_jax.decoding.scoring import sampling_noise
@@ -403,7 +404,7 @@ def start_rows(
 
 
 @dataclasses.dataclass(frozen=True)
-class ReFusion:
+class ReFusion(MethodFacts):
   """ReFusion plan-and-infill decoding (docs/method.md §2) as a typed, hashable value: `rj.decode(model, ids,
   ReFusion(...))`. Checked when built; the defaults are the paper's settings scaled to short CPU demos.
 
@@ -452,6 +453,56 @@ class ReFusion:
     check_temperature(self.temperature)
     check_flag("fit_width", self.fit_width)
 
+  @property
+  def label(self) -> str:
+    return f"refusion S{self.slot_size} {self.slot_threshold:g}/{self.token_threshold:g}"
+
+  @property
+  def answer_grid(self) -> int:
+    return self.slot_size * self.serial_blocks
+
+  @property
+  def token_grid(self) -> int:
+    return self.slot_size
+
+  def resized(self, gen_length: int) -> ReFusion:
+    """ReFusion for G = `gen_length`: the same slots, and as many serial blocks as before where G splits into
+    them, else the most fewer that split G's slots evenly (`fitted_serial_blocks`: the paper's gsm8k_cot NB = 4 at
+    G = 64, S = 32 is 2)."""
+    blocks = self.serial_blocks
+    if gen_length % (self.slot_size * blocks) and gen_length % self.slot_size == 0:
+      blocks = fitted_serial_blocks(gen_length // self.slot_size, blocks)
+    return dataclasses.replace(self, gen_length=gen_length, serial_blocks=blocks)
+
+  def official_tpf(self, result: DecodeResult, row: int) -> float:
+    """The official harness's TPF of one answer: the mean over its plan-and-infill cycles of S·slots ÷ the
+    cycle's forwards (docs/method.md §4).
+
+    A cycle is a plan and a global verification, plus a draft and a check per
+    infill iteration when the verification commits nothing: S·slots / 2 or
+    S·slots / (2 + 2n) after n infill iterations (the `sum_TPF` terms of the
+    official generate.py, whose mean over cycles its harness reports as TPF).
+    The decode result gives each cycle's slots and phase, and each answer's
+    infill iterations only in all: they are spread evenly over its infill
+    cycles, which is exact when an answer has at most one infill cycle or all
+    take as many.
+    """
+    length = len(result.tokens[row])
+    cycles = result.commit_iteration[row, :length]
+    phases = result.commit_phase[row, :length]
+    committed = np.unique(cycles[cycles >= 0])
+    if len(committed) == 0:
+      return 0.0
+    # Forwards: the prefill, a plan and a verification per cycle, a draft and a check per infill iteration.
+    infill_iterations = (int(result.num_forwards[row]) - 1 - 2 * int(result.steps[row])) / 2
+    infill = {int(c) for c in committed if phases[cycles == c][0] != PHASE_VERIFY}
+    per_infill_cycle = infill_iterations / max(len(infill), 1)
+    total = 0.0
+    for cycle in committed:
+      slots = len(np.unique(np.flatnonzero(cycles == cycle) // self.slot_size))
+      total += self.slot_size * slots / (2 + 2 * (per_infill_cycle if int(cycle) in infill else 0))
+    return total / len(committed)
+
   def decoder(self, config: ModelConfig, special: SpecialTokens, *, pick_rows: bool, sample: bool) -> Decoder:
     """The settings and knobs of one decode call (a `contract.Method`); the mask and EOS ids must be known."""
     mask_id = check_special_id("mask_id", special.mask, config)
@@ -471,3 +522,8 @@ class ReFusion:
       pick_rows=pick_rows,
     )
     return Decoder(self, settings, knobs, eos_id)
+
+
+def fitted_serial_blocks(slots: int, serial_blocks: int) -> int:
+  """The most serial blocks, at most `serial_blocks`, that split `slots` slots evenly."""
+  return max(n for n in range(1, min(slots, serial_blocks) + 1) if slots % n == 0)

@@ -5,13 +5,14 @@
     sampler(["a", "b"])                                     # -> list[str], one batch
     texts, result = sampler.generate(["a", "b"])            # + the DecodeResult (trace, TPF)
     Sampler(model, tok, method=rj.AR(gen_length=32))        # the baselines, same interface
-    Sampler(model, tok, method=rj.ReFusion(slot_size=8), batch_size=8)(texts)   # 8 rows kept busy
+    Sampler(model, tok, method=rj.ReFusion(slot_size=8), rows=8)(texts)   # 8 rows kept busy
 
 Prompts are padded into the length buckets of `refusion_jax.decoding.prompts`.
 The sampler keeps one `engine.Engine` per (rows, bucket): the parameters are
 placed once, and calls with new prompts of a bucket reuse the compiled
-program: with `batch_size`, whatever the number of texts; without, for the
-same number.
+program: with `rows`, whatever the number of texts; without, for the same
+number. How it decodes (rows, seed, special ids, mesh, chunk_iterations) is
+one `DecodeOptions`, given whole or as keywords, as `rj.decode` takes it.
 """
 
 from __future__ import annotations
@@ -20,21 +21,17 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import jax
-
 from refusion_jax.data.special_tokens import resolve_special_tokens
 from refusion_jax.data.tokenizer import Tokenizer, format_prompt, load_tokenizer
-from refusion_jax.decoding import methods
-from refusion_jax.decoding.checks import check_method, check_positive, check_prompts
+from refusion_jax.decoding.checks import check_method, check_prompts
 from refusion_jax.decoding.contract import Method
 from refusion_jax.decoding.engine import Engine
-from refusion_jax.decoding.methods import method_class, method_value
+from refusion_jax.decoding.options import DecodeOptions, decode_options
 from refusion_jax.decoding.prompts import bucket_length
 from refusion_jax.decoding.refusion import ReFusion
 from refusion_jax.decoding.result import DecodeResult
 from refusion_jax.decoding.stop_strings import check_stop_strings
 from refusion_jax.decoding.text_stream import TextStream
-from refusion_jax.deprecation import moved_names, warn_deprecated
 from refusion_jax.model.transformer import Transformer, inference_view
 
 
@@ -50,46 +47,41 @@ class Sampler:
     self,
     model: Transformer,
     tokenizer: Tokenizer | str,
-    method: Method | str | None = None,
+    method: Method | None = None,
+    options: DecodeOptions | None = None,
     *,
-    batch_size: int | None = None,
-    seed: int = 0,
     chat_template: bool = False,
-    mesh: jax.sharding.Mesh | None = None,
-    mask_id: int | None = None,
-    eos_id: int | None = None,
-    pad_id: int | None = None,
-    chunk_iterations: int | None = None,
-    **fields: Any,
+    **option_fields: Any,
   ):
     """
     Args:
       model: the backbone.
       tokenizer: a `Tokenizer`, or a name/path for `load_tokenizer` ("bytes", a HF directory).
-      method: the method value; None: `ReFusion()`. A name ("refusion", "ar", "mdm") with its fields as
-        keywords is the deprecated 0.2 spelling.
-      batch_size, seed, mesh, chunk_iterations: as `rj.decode` takes them.
+      method: the method value; None: `ReFusion()`.
+      options: how to decode (`DecodeOptions`), its fields also given as keywords (`rows=8`, `seed=1`,
+        `mask_id=...`), as `rj.decode` takes them; special ids left unset are the tokenizer's, then the config's.
       chat_template: wrap every prompt with the tokenizer's chat template first.
-      mask_id, eos_id, pad_id: override the tokenizer's and the config's ids.
     """
     method = ReFusion() if method is None else method
-    if isinstance(method, str) or fields:
-      method = _old_spelling(method, fields)
     check_method(method)
-    check_positive("batch_size", batch_size, "all prompts of a call as one batch")
+    options = decode_options(options, option_fields, "refusion_jax.Sampler")
     self.model = inference_view(model)  # remat off and weights cast once, not per call
     self.method = method
     self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     self.chat_template = chat_template
-    self.batch_size, self.chunk_iterations = batch_size, chunk_iterations
     known = resolve_special_tokens(tokenizer=self.tokenizer, config=model.config)
-    self.special_ids = dict(
-      mask_id=known.mask if mask_id is None else mask_id,
-      eos_id=known.eos if eos_id is None else eos_id,
-      pad_id=known.pad if pad_id is None else pad_id,
+    self.options = dataclasses.replace(
+      options,
+      mask_id=known.mask if options.mask_id is None else options.mask_id,
+      eos_id=known.eos if options.eos_id is None else options.eos_id,
+      pad_id=known.pad if options.pad_id is None else options.pad_id,
     )
-    self._engine_options = dict(mesh=mesh, seed=seed, **self.special_ids)
     self._engines: dict[tuple[int, int], Engine] = {}
+
+  @property
+  def special_ids(self) -> dict[str, int | None]:
+    """The special ids it decodes with: the options', else the tokenizer's, else the model config's."""
+    return self.options.special_ids
 
   def encode(self, text: str) -> list[int]:
     """Prompt ids of one text (after the chat template when it is on)."""
@@ -101,15 +93,16 @@ class Sampler:
   def engine(self, rows: int, prompt_width: int) -> Engine:
     """The sampler's engine for K = `rows` rows and prompt bucket `prompt_width` (built on first use)."""
     if (rows, prompt_width) not in self._engines:
-      engine = Engine(self.model, self.method, rows=rows, prompt_width=prompt_width, **self._engine_options)
+      options = dataclasses.replace(self.options, rows=rows)
+      engine = Engine(self.model, self.method, options, prompt_width=prompt_width)
       self._engines[rows, prompt_width] = engine
     return self._engines[rows, prompt_width]
 
   def decode_ids(self, prompt_ids: Sequence[Sequence[int]]) -> DecodeResult:
     """Decode token-id prompts (one batch) with this sampler's method, as `rj.decode` would."""
     check_prompts(prompt_ids, self.model.config, self.method.gen_length)
-    engine = self.engine(self.batch_size or len(prompt_ids), bucket_length(max(len(p) for p in prompt_ids)))
-    return engine.run(prompt_ids, self.chunk_iterations)
+    engine = self.engine(self.options.rows or len(prompt_ids), bucket_length(max(len(p) for p in prompt_ids)))
+    return engine.run(prompt_ids)
 
   def generate(self, texts: Sequence[str]) -> tuple[list[str], DecodeResult]:
     """Decode a batch of text prompts; returns the answers' texts and the full result."""
@@ -144,34 +137,3 @@ class Sampler:
     if isinstance(texts, str):
       return self.generate([texts])[0][0]
     return self.generate(list(texts))[0]
-
-
-def _old_spelling(method: Method | str, fields: dict[str, Any]) -> Method:
-  """The method value of the 0.2 spelling `Sampler(model, tok, method="ar", gen_length=...)` (with a warning)."""
-  cls = method_class(method) if isinstance(method, str) else type(method)
-  unknown = sorted(set(fields) - set(_decoder_options(cls)))
-  if unknown:
-    raise ValueError(
-      f"method={cls.name!r} takes no {', '.join(unknown)}; its fields are {_decoder_options(cls)}, "
-      f"set on the value: method=refusion_jax.{cls.__name__}(...)."
-    )
-  warn_deprecated(
-    f"Sampler(model, tokenizer, method={cls.name!r}, <fields>=...)",
-    f"Sampler(model, tokenizer, method=refusion_jax.{cls.__name__}(<fields>=...))",
-    stacklevel=4,
-  )
-  return method_value(cls.name, fields) if isinstance(method, str) else dataclasses.replace(method, **fields)
-
-
-def _decoder_options(method: type[Method]) -> list[str]:
-  """The 0.2 `decoder_options`: what a method takes, its fields now."""
-  return [f.name for f in dataclasses.fields(method)]
-
-
-__getattr__ = moved_names(
-  __name__,
-  {
-    "METHODS": ("refusion_jax.decoding.methods.METHODS (name -> method class)", lambda: methods.METHODS),
-    "decoder_options": ("dataclasses.fields(refusion_jax.decoding.methods.METHODS[name])", lambda: _decoder_options),
-  },
-)

@@ -31,6 +31,7 @@ the first call of each group's program on one prompt).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -48,15 +49,12 @@ from tqdm import tqdm
 from refusion_jax.checkpoints.load import load
 from refusion_jax.data.chat import render_messages
 from refusion_jax.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
-from refusion_jax.decoding import paper
-from refusion_jax.decoding.mdm import MDM_BLOCK_LENGTH
-from refusion_jax.decoding.methods import METHODS, method_value
-from refusion_jax.decoding.paper import PAPER_TASKS
+from refusion_jax.decoding.contract import Method
+from refusion_jax.decoding.methods import METHODS, field_names, field_type, method_value
+from refusion_jax.decoding.options import DecodeOptions
+from refusion_jax.decoding.paper import PAPER_TASKS, paper_method
 from refusion_jax.decoding.prompts import bucket_length
-from refusion_jax.decoding.refusion import ReFusion
-from refusion_jax.decoding.result import PHASE_VERIFY, DecodeResult
 from refusion_jax.decoding.sampler import Sampler
-from refusion_jax.deprecation import moved_names
 from refusion_jax.model.config import PRESETS
 from refusion_jax.model.transformer import Transformer
 from refusion_jax.parallel.mesh_spec import parse_mesh_spec
@@ -65,24 +63,14 @@ from refusion_jax.parallel.sharding import make_mesh
 # The official harness's code extraction: the body of the first ```python fenced block.
 PYTHON_FENCE = re.compile(r"```python\n(.*?)\n```", re.DOTALL)
 
-# ReFusion's fields a paper task sets, and the --model_args that set them.
-REFUSION_FIELDS = ("slot_size", "serial_blocks", "slot_threshold", "token_threshold")
-
-
-# What --model_args may set (the constructor's arguments a command line can spell).
-MODEL_ARGS = (
+# What --model_args may set besides the methods' fields (the constructor's arguments a command line can spell).
+HARNESS_ARGS = (
   "checkpoint",
   "tokenizer",
   "dtype",
   "quantize",
   "method",
   "paper_task",
-  "gen_length",
-  "slot_size",
-  "serial_blocks",
-  "slot_threshold",
-  "token_threshold",
-  "temperature",
   "seed",
   "batch_size",
   "mesh",
@@ -90,6 +78,13 @@ MODEL_ARGS = (
   "stats_dir",
   "sample_stats",
 )
+
+
+def model_arg_names() -> list[str]:
+  """Every key --model_args takes: the harness's own and every registered method's fields, as the command
+  lines' flags are derived (`methods.add_method_flags`)."""
+  fields = {field.name: None for cls in METHODS.values() for field in dataclasses.fields(cls)}
+  return [*HARNESS_ARGS, *(name for name in fields if name not in HARNESS_ARGS)]
 
 
 class HarnessArgumentError(ValueError):
@@ -100,11 +95,10 @@ def check_model_args(args: Mapping[str, Any]) -> None:
   """Refuse what cannot work before anything is loaded: unknown keys, an unknown method or paper task, a mesh
   that does not fit the devices, a local checkpoint path that does not exist (the command line checks this
   before lm-eval indexes its tasks)."""
-  unknown = sorted(set(args) - set(MODEL_ARGS) - {"model"})
+  names = model_arg_names()
+  unknown = sorted(set(args) - set(names) - {"model"})
   if unknown:
-    raise HarnessArgumentError(
-      f"Unknown --model_args key(s) {', '.join(unknown)}; the keys are: {', '.join(MODEL_ARGS)}."
-    )
+    raise HarnessArgumentError(f"Unknown --model_args key(s) {', '.join(unknown)}; the keys are: {', '.join(names)}.")
   method, paper_task = args.get("method", "refusion"), args.get("paper_task")
   if method not in METHODS:
     raise HarnessArgumentError(f"method={method!r}: choose one of {', '.join(METHODS)}.")  # the method classes
@@ -138,55 +132,11 @@ def build_mesh(mesh: str | jax.sharding.Mesh | None) -> jax.sharding.Mesh | None
     raise HarnessArgumentError(f"mesh={mesh!r}: {error}") from error
 
 
-def answer_grid(method: str, settings: Mapping[str, Any]) -> int:
-  """The multiple every answer length of `method` must be: S × NB for ReFusion, MDM's block, 1 for AR."""
-  if method == "refusion":
-    return settings["slot_size"] * settings["serial_blocks"]
-  if method == "mdm":
-    return min(MDM_BLOCK_LENGTH, settings["gen_length"])  # MDM's block when it follows G
-  return 1
-
-
 def answer_length(max_gen_toks: int | None, gen_length: int, grid: int) -> int:
   """G of a request: its `max_gen_toks` rounded up to the grid, at most `gen_length` (all of it when unset)."""
   if max_gen_toks is None:
     return gen_length
   return min(gen_length, grid * math.ceil(int(max_gen_toks) / grid))
-
-
-def fitted_serial_blocks(slots: int, serial_blocks: int) -> int:
-  """The most serial blocks, at most `serial_blocks`, that split `slots` slots evenly: a paper task's NB for a
-  shorter answer (gsm8k_cot's NB = 4 at G = 64, S = 32 is 2). Explicit serial_blocks are never changed."""
-  return max(n for n in range(1, min(slots, serial_blocks) + 1) if slots % n == 0)
-
-
-def official_tpf(result: DecodeResult, row: int, slot_size: int) -> float:
-  """The official harness's TPF of one answer: the mean over its plan-and-infill cycles of S·slots ÷ the cycle's
-  forwards.
-
-  A cycle is a plan and a global verification, plus a draft and a check per
-  infill iteration when the verification commits nothing: S·slots / 2 or
-  S·slots / (2 + 2n) after n infill iterations (the `sum_TPF` terms of the
-  official generate.py, whose mean over cycles its harness reports as TPF). The
-  decode result gives each cycle's slots and phase, and each answer's infill
-  iterations only in all: they are spread evenly over its infill cycles, which
-  is exact when an answer has at most one infill cycle or all take as many.
-  """
-  length = len(result.tokens[row])
-  cycles = result.commit_iteration[row, :length]
-  phases = result.commit_phase[row, :length]
-  committed = np.unique(cycles[cycles >= 0])
-  if len(committed) == 0:
-    return 0.0
-  # Forwards: the prefill, a plan and a verification per cycle, a draft and a check per infill iteration.
-  infill_iterations = (int(result.num_forwards[row]) - 1 - 2 * int(result.steps[row])) / 2
-  infill = {int(c) for c in committed if phases[cycles == c][0] != PHASE_VERIFY}
-  per_infill_cycle = infill_iterations / max(len(infill), 1)
-  total = 0.0
-  for cycle in committed:
-    slots = len(np.unique(np.flatnonzero(cycles == cycle) // slot_size))
-    total += slot_size * slots / (2 + 2 * (per_infill_cycle if int(cycle) in infill else 0))
-  return total / len(committed)
 
 
 @dataclasses.dataclass
@@ -227,7 +177,9 @@ class TaskStats:
 class ReFusionLM(LM):
   """lm-evaluation-harness's model `refusion_jax`: generative tasks decoded by ReFusion or a baseline.
 
-  Every argument but `model` can be given in `--model_args` (key=value, comma-separated; `MODEL_ARGS`).
+  Every argument but `model` can be given in `--model_args` (key=value, comma-separated; `model_arg_names`),
+  a method's fields included: whatever a method is asked (its answer grid, its statistics) is asked of its value
+  (`contract.MethodFacts`), so a registered method (`methods.register_method`) runs here unchanged.
   """
 
   def __init__(
@@ -240,12 +192,6 @@ class ReFusionLM(LM):
     quantize: str | None = None,
     method: str = "refusion",
     paper_task: str | None = None,
-    gen_length: int | None = None,
-    slot_size: int | None = None,
-    serial_blocks: int | None = None,
-    slot_threshold: float | None = None,
-    token_threshold: float | None = None,
-    temperature: float = 0.0,
     seed: int = 0,
     batch_size: int | str | None = None,
     mesh: str | jax.sharding.Mesh | None = None,
@@ -254,6 +200,7 @@ class ReFusionLM(LM):
     sample_stats: bool = False,
     max_batch_size: int | None = None,
     device: str | None = None,
+    **fields: Any,
   ):
     """
     Args:
@@ -262,11 +209,14 @@ class ReFusionLM(LM):
       tokenizer: "bytes", a tokenizer directory (replacing the checkpoint's own), or a `Tokenizer`.
       dtype: compute dtype to load the model in (e.g. "bfloat16").
       quantize: "int8" or "int4" projection kernels, quantized while loading (refusion_jax.model.quant).
-      method: "refusion", or the baselines "ar" and "mdm".
-      paper_task: take the paper's settings for this task (`PAPER_TASKS`, G = 512); explicit fields override.
-      gen_length: the longest answer G; a task's `max_gen_toks` shortens it, rounded up to the slot grid.
-      slot_size, serial_blocks, slot_threshold, token_threshold: ReFusion's fields (docs/method.md §2).
-      temperature, seed: sampling of the plan step (0: greedy).
+      method: a registered method's name: "refusion", or the baselines "ar" and "mdm".
+      paper_task: take the paper's settings for this task (`PAPER_TASKS`, G = 512; `paper.paper_method`);
+        explicit fields override.
+      seed: the sampling seed (with a `temperature` above 0).
+      fields: the method's fields (e.g. gen_length, slot_size, serial_blocks, slot_threshold, token_threshold,
+        temperature for ReFusion, docs/method.md §2); unset ones take the paper task's, else the method's
+        defaults. `gen_length` is the longest answer G; a task's `max_gen_toks` shortens it, rounded up to the
+        method's answer grid.
       batch_size: rows kept busy by continuous batching (default: lm-eval's --batch_size, 1 if unset).
       mesh: "axis:size" pairs joined by "+" (e.g. "data:-1", "fsdp:4+tensor:2") or a `Mesh`: the model is
         sharded over it and rows split over its batch axes; default: every device on the data axis.
@@ -278,22 +228,13 @@ class ReFusionLM(LM):
     """
     super().__init__()
     del max_batch_size, device
-    check_model_args(dict(method=method, paper_task=paper_task))
-    fields = dict(slot_size=slot_size, serial_blocks=serial_blocks)
-    fields.update(slot_threshold=slot_threshold, token_threshold=token_threshold)
-    if method != "refusion" and any(v is not None for v in fields.values()):
-      raise HarnessArgumentError(
-        f"{', '.join(k for k, v in fields.items() if v is not None)} apply to method=refusion only."
-      )
+    check_model_args(dict(fields, method=method, paper_task=paper_task))
     if (model is None) == (checkpoint is None):
       raise HarnessArgumentError("Give exactly one of checkpoint=PATH (any format rj.load reads) and model=.")
     self.method = method
-    self.settings = self._settings(method, paper_task, gen_length, fields)
-    self.grid = answer_grid(method, self.settings)
-    if self.settings["gen_length"] % self.grid:
-      raise HarnessArgumentError(
-        f"gen_length={self.settings['gen_length']} is not a multiple of slot_size × serial_blocks = {self.grid}."
-      )
+    self.method_value = self._method_value(method, paper_task, fields)
+    self.settings = dataclasses.asdict(self.method_value)
+    self.grid = self.method_value.answer_grid
     self.rows = _positive_int("batch_size", 1 if batch_size is None else batch_size)
     self.mesh = build_mesh(mesh)
     if model is None:
@@ -303,7 +244,8 @@ class ReFusionLM(LM):
       self.tokenizer = load_tokenizer(tokenizer or "bytes") if isinstance(tokenizer, (str, type(None))) else tokenizer
     self.python_fence = bool(python_fence)
     self.stats_dir, self.sample_stats = stats_dir, bool(sample_stats)
-    self.temperature, self.seed = float(temperature), int(seed)
+    self.seed = int(seed)
+    self.options = DecodeOptions(rows=self.rows, seed=self.seed, mesh=self.mesh)
     self.name = str(checkpoint or "model")
     self._samplers: dict[int, Sampler] = {}
     self._compiled: set[tuple[int, int]] = set()  # (G, prompt bucket) programs already compiled
@@ -323,20 +265,24 @@ class ReFusionLM(LM):
     return cls(**arg_dict, **extra)
 
   @staticmethod
-  def _settings(method: str, paper_task: str | None, gen_length: int | None, fields: dict) -> dict[str, Any]:
-    """The decode settings: the method's defaults, then the paper task's, then the explicit ones."""
-    task = dataclasses.asdict(PAPER_TASKS[paper_task]) if paper_task else {}
-    length = _positive_int("gen_length", gen_length or task.get("gen_length", METHODS[method]().gen_length))
-    settings = dict(gen_length=length)
-    if method == "refusion":
-      default = ReFusion()
-      settings.update({k: task.get(k, getattr(default, k)) for k in REFUSION_FIELDS})
-      settings.update({k: v for k, v in fields.items() if v is not None})
-      for name in ("slot_size", "serial_blocks"):
-        settings[name] = _positive_int(name, settings[name])
-      if fields["serial_blocks"] is None and length % settings["slot_size"] == 0:
-        settings["serial_blocks"] = fitted_serial_blocks(length // settings["slot_size"], settings["serial_blocks"])
-    return settings
+  def _method_value(name: str, paper_task: str | None, fields: dict[str, Any]) -> Method:
+    """The method at the longest answer G: the paper task's settings (ReFusion's) or the method's defaults, the
+    given fields over them; command-line text is converted by each field's type."""
+    cls = METHODS[name]
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+      raise HarnessArgumentError(
+        f"{', '.join(unknown)}: not a field of method={name} (its fields: {', '.join(field_names(name))})."
+      )
+    try:
+      given = {k: field_type(cls, k)(v) if isinstance(v, str) else v for k, v in fields.items() if v is not None}
+      if paper_task is None:
+        return method_value(name, given)
+      if name != PAPER_TASKS[paper_task].name:
+        raise HarnessArgumentError(f"paper_task sets {PAPER_TASKS[paper_task].name}'s settings, not method={name}'s.")
+      return paper_method(paper_task, **given)
+    except (TypeError, ValueError, argparse.ArgumentTypeError) as error:
+      raise HarnessArgumentError(str(error)) from error
 
   def _load(
     self, checkpoint: str, tokenizer: str | None, dtype: str | None, quantize: str | None
@@ -387,10 +333,8 @@ class ReFusionLM(LM):
     """The `rj.Sampler` that decodes answers of `gen_length` tokens with this model's settings (MDM's block and
     steps follow G)."""
     if gen_length not in self._samplers:
-      method = method_value(self.method, dict(self.settings, gen_length=gen_length, temperature=self.temperature))
-      self._samplers[gen_length] = Sampler(
-        self.model, self.tokenizer, method, batch_size=self.rows, seed=self.seed, mesh=self.mesh
-      )
+      method = self.method_value.resized(gen_length)
+      self._samplers[gen_length] = Sampler(self.model, self.tokenizer, method, self.options)
     return self._samplers[gen_length]
 
   def decode_task(
@@ -423,7 +367,7 @@ class ReFusionLM(LM):
       stats.groups.append(group)
       for row, i in enumerate(members):
         texts[i] = self.answer_text(result.tokens[row], until[i])
-        tpf = official_tpf(result, row, self.settings["slot_size"]) if self.method == "refusion" else float("nan")
+        tpf = sampler.method.official_tpf(result, row)
         stats.tokens += len(result.tokens[row])
         stats.official_tpf_sum += 0.0 if math.isnan(tpf) else tpf
         samples[i] = dict(
@@ -458,7 +402,8 @@ class ReFusionLM(LM):
   def _write_stats(self, task: str, samples: list[dict[str, Any]]) -> None:
     directory = os.path.join(self.stats_dir, task)
     os.makedirs(directory, exist_ok=True)
-    summary = dict(self.stats[task].summary(self.rows), method=self.method, settings=self.settings)
+    summary = dict(self.stats[task].summary(self.rows), method=self.method, label=self.method_value.label)
+    summary.update(settings=self.settings)
     with open(os.path.join(directory, "final_stats.json"), "w", encoding="utf-8") as f:
       json.dump(summary, f, indent=2)
     if self.sample_stats:
@@ -493,11 +438,8 @@ def register() -> type[ReFusionLM]:
   return register_model("refusion_jax")(ReFusionLM)  # registering the same class again is a no-op
 
 
-__getattr__ = moved_names(
-  __name__,
-  {
-    "PAPER_GEN_LENGTH": ("refusion_jax.decoding.paper.PAPER_GEN_LENGTH", lambda: paper.PAPER_GEN_LENGTH),
-    "REFUSION_KNOBS": ("refusion_jax.evaluation.harness.REFUSION_FIELDS", lambda: REFUSION_FIELDS),
-    "parse_mesh": ("refusion_jax.parallel.mesh_spec.parse_mesh_spec", lambda: parse_mesh_spec),
-  },
-)
+def __getattr__(name: str) -> Any:
+  # MODEL_ARGS follows the registered methods, so it is computed when read.
+  if name == "MODEL_ARGS":
+    return tuple(model_arg_names())
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

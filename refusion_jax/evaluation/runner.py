@@ -23,10 +23,9 @@ import tqdm
 from refusion_jax.data.tokenizer import Tokenizer
 from refusion_jax.decoding.compilations import compilations
 from refusion_jax.decoding.contract import Method
-from refusion_jax.decoding.methods import method_value
+from refusion_jax.decoding.options import DecodeOptions
 from refusion_jax.decoding.result import DecodeResult
 from refusion_jax.decoding.sampler import Sampler
-from refusion_jax.deprecation import warn_deprecated
 from refusion_jax.model.transformer import Transformer
 from refusion_jax.training.validation import Answer, check_answers
 
@@ -97,39 +96,32 @@ def run(
   tokenizer: Tokenizer,
   examples: Sequence[dict],
   *,
-  method: Method | str,
-  batch_size: int,
-  knobs: dict | None = None,
+  method: Method,
+  options: DecodeOptions,
   chat_template: bool = False,
   repeats: int = 1,
-  seed: int = 0,
   progress: bool = True,
 ) -> EvalRun:
   """Decode every example ({query, response[, task]}) with `method` and check its answer.
 
   Args:
-    method: the method value (`rj.ReFusion(...)`, `rj.AR(...)`, `rj.MDM(...)`); a name with its fields as
-      `knobs` is the deprecated 0.2 spelling.
-    batch_size: rows decoded at once (continuous batching over each call's prompts).
+    method: the method value (`rj.ReFusion(...)`, `rj.AR(...)`, `rj.MDM(...)`, or any registered one).
+    options: how to decode (`rj.DecodeOptions`; its `rows`, K, required: continuous batching over each call's
+      prompts).
     chat_template: wrap queries in the tokenizer's chat template, as training did.
     repeats: time each batch this many times and keep the fastest (see `timed_decode`).
-    seed: the PRNG seed of sampling (a method with temperature > 0).
     progress: show a progress bar.
   """
-  if isinstance(method, str):
-    warn_deprecated(
-      "refusion_jax.evaluation.runner.run(method=name, knobs=...)", "run(method=refusion_jax.ReFusion(...))"
-    )
-    seed = (knobs or {}).get("seed", seed)
-    method = method_value(method, knobs or {})
   if not examples:
     raise ValueError("The test set is empty; give a split with examples or a JSON file with records.")
   answers: list[Answer | None] = [None] * len(examples)
   timings = []
   bar = tqdm.tqdm(total=len(examples), unit="answer", disable=not progress, dynamic_ncols=True)
   done = correct = 0
-  sampler = Sampler(model, tokenizer, method, batch_size=batch_size, seed=seed, chat_template=chat_template)
-  for rows in task_batches(examples, batch_size * PROMPTS_PER_ROW):
+  if options.rows is None:
+    raise ValueError("The evaluation decodes in rows: give DecodeOptions(rows=K).")
+  sampler = Sampler(model, tokenizer, method, options, chat_template=chat_template)
+  for rows in task_batches(examples, options.rows * PROMPTS_PER_ROW):
     prompts = [sampler.encode(examples[i]["query"]) for i in rows]
     call = functools.partial(sampler.decode_ids, prompts)
     result, seconds, compile_seconds = timed_decode(call, repeats)

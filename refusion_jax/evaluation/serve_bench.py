@@ -24,6 +24,7 @@ import numpy as np
 
 from refusion_jax.data.tokenizer import Tokenizer
 from refusion_jax.decoding.contract import Method
+from refusion_jax.decoding.options import DecodeOptions
 from refusion_jax.decoding.prompts import bucket_length
 from refusion_jax.decoding.sampler import Sampler
 from refusion_jax.evaluation.bench_models import log
@@ -105,10 +106,9 @@ def _serve(
   port = _free_port()
   server_options = ServerOptions(
     method=method,
-    rows=options.rows,
+    decode=DecodeOptions(rows=options.rows, chunk_iterations=options.chunk_iterations),
     max_prompt_tokens=options.max_prompt_tokens,
     max_queue=options.prompts,
-    chunk_iterations=options.chunk_iterations,
     model_name="bench",
     seed=options.seed,
     log_level="warning",
@@ -159,7 +159,7 @@ def run_serve_bench(
   tokens = sum(len(result.tokens[0]) for _, result in reference)
   rows = [ServeBenchRow("sampler one by one", seconds, tokens, tuple(latencies), same_texts=len(prompts))]
 
-  batched = Sampler(model, tokenizer, method, batch_size=options.rows, seed=options.seed)
+  batched = Sampler(model, tokenizer, method, rows=options.rows, seed=options.seed)
   batched(prompts)  # compiles the K-row program
   log(f"sampler with K={options.rows} rows")
   start = time.perf_counter()

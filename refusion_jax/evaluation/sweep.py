@@ -16,9 +16,7 @@ from typing import Any
 import ml_collections
 
 from refusion_jax.decoding.contract import Method
-from refusion_jax.decoding.mdm import MDM
 from refusion_jax.decoding.methods import method_class, method_value
-from refusion_jax.decoding.refusion import ReFusion
 from refusion_jax.evaluation import runner
 
 
@@ -28,31 +26,24 @@ def method_sweep(
   """Every combination of method `name`'s field values: `values[field]` where given, else the config section's
   (`<name>_<field>`, then `<field>`), else the method's default.
 
-  The config's MDM block and steps are cut to a shorter `gen_length` given on the command line.
+  The config's settings are moved to a `gen_length` given on the command line by the method itself
+  (`Method.resized`: e.g. MDM's block and steps cut to a shorter answer), then the other given values set.
   """
-  grid = {}
+  grid, configured = {}, {}
   for field in dataclasses.fields(method_class(name)):
     given = values.get(field.name)
-    if given is None:
-      given = section.get(f"{name}_{field.name}", section.get(field.name))
     if given is not None:
       grid[field.name] = list(given) if isinstance(given, (list, tuple)) else [given]
-  combinations = [dict(zip(grid, combination)) for combination in itertools.product(*grid.values())]
-  if name == MDM.name:
-    for fields in combinations:
-      for field in ("block_length", "steps"):
-        if fields.get(field) is not None and values.get(field) is None:
-          fields[field] = min(fields[field], fields["gen_length"])
-  return [method_value(name, fields) for fields in combinations]
-
-
-def default_label(method: Method) -> str:
-  """A short name for reports, e.g. `refusion S8 0.9/0.5` or `mdm B16 24 steps`."""
-  if isinstance(method, ReFusion):
-    return f"refusion S{method.slot_size} {method.slot_threshold:g}/{method.token_threshold:g}"
-  if isinstance(method, MDM):
-    return f"mdm B{method.block_length} {method.steps} steps"
-  return method.name
+    else:
+      configured[field.name] = section.get(f"{name}_{field.name}", section.get(field.name))
+  methods = []
+  for combination in itertools.product(*grid.values()):
+    given = dict(zip(grid, combination))
+    method = method_value(name, configured)
+    if "gen_length" in given:
+      method = method.resized(given.pop("gen_length"))
+    methods.append(dataclasses.replace(method, **given))
+  return methods
 
 
 def result_record(run: runner.EvalRun, method: Method, **about: Any) -> dict:

@@ -17,7 +17,6 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-import jax
 import uvicorn
 
 from refusion_jax.data.tokenizer import Tokenizer
@@ -25,6 +24,7 @@ from refusion_jax.decoding.compilations import compilations
 from refusion_jax.decoding.contract import Method
 from refusion_jax.decoding.engine import Engine
 from refusion_jax.decoding.loop import compile_count
+from refusion_jax.decoding.options import DecodeOptions
 from refusion_jax.decoding.prompts import bucket_length
 from refusion_jax.decoding.sampler import Sampler
 from refusion_jax.model.transformer import Transformer
@@ -36,16 +36,19 @@ logger = logging.getLogger("refusion_jax.serving")
 
 @dataclasses.dataclass(frozen=True)
 class ServerOptions:
-  """What `python -m refusion_jax.serve` sets (its flags say what each means)."""
+  """What `python -m refusion_jax.serve` sets (its flags say what each means).
+
+  `decode` is how the engine decodes (`DecodeOptions`: its rows K, special ids, mesh and `chunk_iterations`, the
+  loop iterations per call, are required to be set here); `seed` is the sampling seed of requests that give none
+  (None: a new random one for each).
+  """
 
   method: Method
-  rows: int
+  decode: DecodeOptions
   max_prompt_tokens: int
   max_queue: int
-  chunk_iterations: int
   model_name: str
   seed: int | None = None
-  special_ids: dict[str, int | None] = dataclasses.field(default_factory=dict)
   api_key: str | None = None
   max_body_bytes: int = 1 << 20
   shutdown_seconds: int = 30
@@ -86,23 +89,17 @@ def warm_up(worker: DecodeWorker, vocab_size: int) -> None:
     done.acquire()
 
 
-def start_worker(
-  model: Transformer, tokenizer: Tokenizer, options: ServerOptions, mesh: jax.sharding.Mesh | None = None
-) -> DecodeWorker:
-  """The started, warmed decode worker: `options.rows` rows for prompts up to `options.max_prompt_tokens`,
+def start_worker(model: Transformer, tokenizer: Tokenizer, options: ServerOptions) -> DecodeWorker:
+  """The started, warmed decode worker: `options.decode.rows` rows for prompts up to `options.max_prompt_tokens`,
   with the special ids a `Sampler` of this tokenizer uses."""
-  special_ids = Sampler(model, tokenizer, options.method, **options.special_ids).special_ids
-  engine = Engine(
-    model,
-    options.method,
-    rows=options.rows,
-    prompt_width=bucket_length(options.max_prompt_tokens),
-    mesh=mesh,
-    sampling=True,  # requests bring their own temperatures
-    **special_ids,
-  )
+  decode = options.decode
+  if decode.rows is None or decode.chunk_iterations is None:
+    raise ValueError("A server's decode options need rows and chunk_iterations set (e.g. rows=8, chunk_iterations=8).")
+  decode = Sampler(model, tokenizer, options.method, decode).options  # special ids: the tokenizer's where unset
+  prompt_width = bucket_length(options.max_prompt_tokens)
+  engine = Engine(model, options.method, decode, prompt_width=prompt_width, sampling=True)  # requests' temperatures
   worker = DecodeWorker(
-    engine, tokenizer, max_queue=options.max_queue, chunk_iterations=options.chunk_iterations, seed=options.seed
+    engine, tokenizer, max_queue=options.max_queue, chunk_iterations=decode.chunk_iterations, seed=options.seed
   )
   worker.start()
   warm_up(worker, model.config.vocab_size)
@@ -114,12 +111,11 @@ def build_server(
   tokenizer: Tokenizer,
   options: ServerOptions,
   *,
-  mesh: jax.sharding.Mesh | None = None,
   host: str = "127.0.0.1",
   port: int = 8000,
 ) -> Server:
   """The server, ready to `run()`: engine compiled and warmed, app built, what it serves logged."""
-  worker = start_worker(model, tokenizer, options, mesh)
+  worker = start_worker(model, tokenizer, options)
   warm_loop, warm_all = compile_count(), compilations()
   gauges = {
     "compilations_since_warmup": (

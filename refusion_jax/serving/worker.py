@@ -103,8 +103,7 @@ class DecodeWorker:
     method = engine.decoder.method
     self.temperature = method.temperature
     self.gen_length = method.gen_length
-    # Answers are committed slot by slot (ReFusion), else token by token.
-    self.token_grid = getattr(method, "slot_size", 1)
+    self.token_grid = method.token_grid  # what a token limit is rounded up to (a ReFusion slot)
     self._lock = threading.Condition()
     self._inbox: collections.deque[Job] = collections.deque()
     self._running: list[Job] = []

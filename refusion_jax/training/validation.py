@@ -104,7 +104,7 @@ def evaluate_decoding(
     model,
     tokenizer,
     eval_method(config),
-    batch_size=config.eval.batch_size,
+    rows=config.eval.batch_size,
     chat_template=config.data.chat_template,
     mesh=mesh,
   )
@@ -184,7 +184,7 @@ def format_report(step: int, metrics: Mapping[str, float], samples: Sequence[Map
 
 @deprecated(
   old="refusion_jax.training.validation.decode_answers",
-  new="refusion_jax.decode(model, prompts, validation.eval_method(config), batch_size=..., mesh=...)",
+  new="refusion_jax.decode(model, prompts, validation.eval_method(config), rows=..., mesh=...)",
 )
 def decode_answers(
   model: Transformer,
@@ -194,7 +194,7 @@ def decode_answers(
   mesh: jax.sharding.Mesh | None = None,
 ) -> DecodeResult:
   """The 0.2 call: the objective's method with `config.eval`'s fields, the model config's special ids."""
-  return decode(model, prompts, eval_method(config), batch_size=batch_size, mesh=mesh)
+  return decode(model, prompts, eval_method(config), rows=batch_size, mesh=mesh)
 
 
 def _eval_knobs(method: str, eval_config: ml_collections.ConfigDict) -> dict[str, Any]:
