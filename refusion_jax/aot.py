@@ -34,15 +34,10 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from refusion_jax.cli import report_errors
-from refusion_jax.deprecation import moved_names
 from refusion_jax.model import quant
 from refusion_jax.parallel import compiled
 from refusion_jax.parallel.mesh_spec import parse_mesh_spec
 from refusion_jax.training.aot_report import decode_mesh_ways, decode_reports, train_reports
-
-__getattr__ = moved_names(
-  __name__, {"parse_mesh": ("refusion_jax.parallel.mesh_spec.parse_mesh_spec", lambda: parse_mesh_spec)}
-)
 
 
 def _print_each(reports: Iterator[compiled.Report]) -> list[compiled.Report]:

@@ -19,14 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from refusion_jax.data.special_tokens import SpecialTokens
-from refusion_jax.decoding import driver
 from refusion_jax.decoding.batching import count_width, host_zeros, put_row
 from refusion_jax.decoding.checks import check_count, check_temperature, optional_eos_id
 from refusion_jax.decoding.contract import DecodeOutputs, Decoder, Sampling
 from refusion_jax.decoding.prompts import prefill
 from refusion_jax.decoding.result import PHASE_STEP
 from refusion_jax.decoding.scoring import pick_tokens
-from refusion_jax.deprecation import deprecated
 from refusion_jax.model import cache as kv_cache
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer
@@ -170,8 +168,3 @@ class AR:
     del pick_rows
     eos = optional_eos_id(special.eos, config)
     return Decoder(self, ARSettings(self.gen_length, sample=sample), ARKnobs(eos_id=np.int32(eos)), eos)
-
-
-ar_generate = deprecated(
-  old="refusion_jax.ar_generate", new="refusion_jax.decode(model, prompt_ids, refusion_jax.AR(...))"
-)(driver.keyword_decode(AR))

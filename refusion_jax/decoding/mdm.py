@@ -21,13 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from refusion_jax.data.special_tokens import SpecialTokens
-from refusion_jax.decoding import driver
 from refusion_jax.decoding.batching import count_width, put_row
 from refusion_jax.decoding.checks import check_count, check_special_id, check_temperature, optional_eos_id
 from refusion_jax.decoding.contract import DecodeOutputs, Decoder, Sampling
 from refusion_jax.decoding.result import PHASE_NONE, PHASE_STEP
 from refusion_jax.decoding.scoring import pick_tokens
-from refusion_jax.deprecation import deprecated, moved_names
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer
 
@@ -248,11 +246,3 @@ class MDM:
     knobs = MDMKnobs(mask_id=np.int32(mask))
     settings = MDMSettings(self.gen_length, self.block_length, self.steps, sample=sample)
     return Decoder(self, settings, knobs, eos)
-
-
-mdm_generate = deprecated(
-  old="refusion_jax.mdm_generate", new="refusion_jax.decode(model, prompt_ids, refusion_jax.MDM(...))"
-)(driver.keyword_decode(MDM))
-
-
-__getattr__ = moved_names(__name__, {"MDMSchedule": ("refusion_jax.decoding.mdm.MDMSettings", lambda: MDMSettings)})

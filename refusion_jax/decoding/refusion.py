@@ -43,7 +43,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from refusion_jax.data.special_tokens import SpecialTokens
-from refusion_jax.decoding import driver
 from refusion_jax.decoding.batching import count_width, host_zeros, put_row
 from refusion_jax.decoding.checks import (
   check_count,
@@ -66,13 +65,12 @@ from refusion_jax.decoding.result import (
 )
 from refusion_jax.decoding.scheduler import BlockQuery, ForwardLayout, TokenScores, scheduled_forward
 from refusion_jax.decoding.scoring import sampling_noise
-from refusion_jax.deprecation import deprecated, moved_names
 from refusion_jax.model import cache as kv_cache
 from refusion_jax.model.cache import KVCache
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer
 
-__all__ = ["ReFusion", "ReFusionKnobs", "ReFusionSettings", "generate", "start_rows"]
+__all__ = ["ReFusion", "ReFusionKnobs", "ReFusionSettings", "start_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -473,18 +471,3 @@ class ReFusion:
       pick_rows=pick_rows,
     )
     return Decoder(self, settings, knobs, eos_id)
-
-
-generate = deprecated(
-  old="refusion_jax.generate", new="refusion_jax.decode(model, prompt_ids, refusion_jax.ReFusion(...))"
-)(driver.keyword_decode(ReFusion))
-
-
-__getattr__ = moved_names(
-  __name__,
-  {
-    "REFUSION": ("refusion_jax.decoding.refusion.ReFusion (the method's class runs in the loop)", lambda: ReFusion),
-    "pick_rows_on": ("refusion_jax.decoding.driver.pick_rows_on", lambda: driver.pick_rows_on),
-    "picks_rows": ("refusion_jax.decoding.driver.pick_rows_on", lambda: driver.pick_rows_on),
-  },
-)

@@ -16,25 +16,20 @@ same number.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import jax
 
 from refusion_jax.data.special_tokens import resolve_special_tokens
 from refusion_jax.data.tokenizer import Tokenizer, format_prompt, load_tokenizer
-from refusion_jax.decoding import methods
 from refusion_jax.decoding.checks import check_positive, check_prompts
 from refusion_jax.decoding.contract import Method
 from refusion_jax.decoding.driver import Engine, check_method
-from refusion_jax.decoding.methods import method_class, method_value
 from refusion_jax.decoding.prompts import bucket_length
 from refusion_jax.decoding.refusion import ReFusion
 from refusion_jax.decoding.result import DecodeResult
 from refusion_jax.decoding.stop_strings import check_stop_strings
 from refusion_jax.decoding.text_stream import TextStream
-from refusion_jax.deprecation import moved_names, warn_deprecated
 from refusion_jax.model.transformer import Transformer, inference_view
 
 
@@ -50,7 +45,7 @@ class Sampler:
     self,
     model: Transformer,
     tokenizer: Tokenizer | str,
-    method: Method | str | None = None,
+    method: Method | None = None,
     *,
     batch_size: int | None = None,
     seed: int = 0,
@@ -60,21 +55,17 @@ class Sampler:
     eos_id: int | None = None,
     pad_id: int | None = None,
     chunk_iterations: int | None = None,
-    **fields: Any,
   ):
     """
     Args:
       model: the backbone.
       tokenizer: a `Tokenizer`, or a name/path for `load_tokenizer` ("bytes", a HF directory).
-      method: the method value; None: `ReFusion()`. A name ("refusion", "ar", "mdm") with its fields as
-        keywords is the deprecated 0.2 spelling.
+      method: the method value; None: `ReFusion()`.
       batch_size, seed, mesh, chunk_iterations: as `rj.decode` takes them.
       chat_template: wrap every prompt with the tokenizer's chat template first.
       mask_id, eos_id, pad_id: override the tokenizer's and the config's ids.
     """
     method = ReFusion() if method is None else method
-    if isinstance(method, str) or fields:
-      method = _old_spelling(method, fields)
     check_method(method)
     check_positive("batch_size", batch_size, "all prompts of a call as one batch")
     self.model = inference_view(model)  # remat off and weights cast once, not per call
@@ -144,34 +135,3 @@ class Sampler:
     if isinstance(texts, str):
       return self.generate([texts])[0][0]
     return self.generate(list(texts))[0]
-
-
-def _old_spelling(method: Method | str, fields: dict[str, Any]) -> Method:
-  """The method value of the 0.2 spelling `Sampler(model, tok, method="ar", gen_length=...)` (with a warning)."""
-  cls = method_class(method) if isinstance(method, str) else type(method)
-  unknown = sorted(set(fields) - set(_decoder_options(cls)))
-  if unknown:
-    raise ValueError(
-      f"method={cls.name!r} takes no {', '.join(unknown)}; its fields are {_decoder_options(cls)}, "
-      f"set on the value: method=refusion_jax.{cls.__name__}(...)."
-    )
-  warn_deprecated(
-    f"Sampler(model, tokenizer, method={cls.name!r}, <fields>=...)",
-    f"Sampler(model, tokenizer, method=refusion_jax.{cls.__name__}(<fields>=...))",
-    stacklevel=4,
-  )
-  return method_value(cls.name, fields) if isinstance(method, str) else dataclasses.replace(method, **fields)
-
-
-def _decoder_options(method: type[Method]) -> list[str]:
-  """The 0.2 `decoder_options`: what a method takes, its fields now."""
-  return [f.name for f in dataclasses.fields(method)]
-
-
-__getattr__ = moved_names(
-  __name__,
-  {
-    "METHODS": ("refusion_jax.decoding.methods.METHODS (name -> method class)", lambda: methods.METHODS),
-    "decoder_options": ("dataclasses.fields(refusion_jax.decoding.methods.METHODS[name])", lambda: _decoder_options),
-  },
-)

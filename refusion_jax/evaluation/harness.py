@@ -48,7 +48,6 @@ from tqdm import tqdm
 from refusion_jax.checkpoints.load import load
 from refusion_jax.data.chat import render_messages
 from refusion_jax.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
-from refusion_jax.decoding import paper
 from refusion_jax.decoding.mdm import MDM_BLOCK_LENGTH
 from refusion_jax.decoding.methods import METHODS, method_value
 from refusion_jax.decoding.paper import PAPER_TASKS
@@ -56,7 +55,6 @@ from refusion_jax.decoding.prompts import bucket_length
 from refusion_jax.decoding.refusion import ReFusion
 from refusion_jax.decoding.result import PHASE_VERIFY, DecodeResult
 from refusion_jax.decoding.sampler import Sampler
-from refusion_jax.deprecation import moved_names
 from refusion_jax.model.config import PRESETS
 from refusion_jax.model.transformer import Transformer
 from refusion_jax.parallel.mesh_spec import parse_mesh_spec
@@ -491,13 +489,3 @@ def register() -> type[ReFusionLM]:
   from lm_eval.api.registry import register_model
 
   return register_model("refusion_jax")(ReFusionLM)  # registering the same class again is a no-op
-
-
-__getattr__ = moved_names(
-  __name__,
-  {
-    "PAPER_GEN_LENGTH": ("refusion_jax.decoding.paper.PAPER_GEN_LENGTH", lambda: paper.PAPER_GEN_LENGTH),
-    "REFUSION_KNOBS": ("refusion_jax.evaluation.harness.REFUSION_FIELDS", lambda: REFUSION_FIELDS),
-    "parse_mesh": ("refusion_jax.parallel.mesh_spec.parse_mesh_spec", lambda: parse_mesh_spec),
-  },
-)

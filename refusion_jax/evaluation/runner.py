@@ -23,10 +23,8 @@ import tqdm
 from refusion_jax.data.tokenizer import Tokenizer
 from refusion_jax.decoding.compilations import compilations
 from refusion_jax.decoding.contract import Method
-from refusion_jax.decoding.methods import method_value
 from refusion_jax.decoding.result import DecodeResult
 from refusion_jax.decoding.sampler import Sampler
-from refusion_jax.deprecation import warn_deprecated
 from refusion_jax.model.transformer import Transformer
 from refusion_jax.training.validation import Answer, check_answers
 
@@ -97,9 +95,8 @@ def run(
   tokenizer: Tokenizer,
   examples: Sequence[dict],
   *,
-  method: Method | str,
+  method: Method,
   batch_size: int,
-  knobs: dict | None = None,
   chat_template: bool = False,
   repeats: int = 1,
   seed: int = 0,
@@ -108,20 +105,13 @@ def run(
   """Decode every example ({query, response[, task]}) with `method` and check its answer.
 
   Args:
-    method: the method value (`rj.ReFusion(...)`, `rj.AR(...)`, `rj.MDM(...)`); a name with its fields as
-      `knobs` is the deprecated 0.2 spelling.
+    method: the method value (`rj.ReFusion(...)`, `rj.AR(...)`, `rj.MDM(...)`).
     batch_size: rows decoded at once (continuous batching over each call's prompts).
     chat_template: wrap queries in the tokenizer's chat template, as training did.
     repeats: time each batch this many times and keep the fastest (see `timed_decode`).
     seed: the PRNG seed of sampling (a method with temperature > 0).
     progress: show a progress bar.
   """
-  if isinstance(method, str):
-    warn_deprecated(
-      "refusion_jax.evaluation.runner.run(method=name, knobs=...)", "run(method=refusion_jax.ReFusion(...))"
-    )
-    seed = (knobs or {}).get("seed", seed)
-    method = method_value(method, knobs or {})
   if not examples:
     raise ValueError("The test set is empty; give a split with examples or a JSON file with records.")
   answers: list[Answer | None] = [None] * len(examples)
