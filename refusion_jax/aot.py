@@ -7,7 +7,7 @@
     python -m refusion_jax.aot --config configs/refusion_qwen3_8b.py --topology v5p:2x2x2 --programs train \\
         --remat_policies=full,projections_except_mlp,projections        # one row per remat policy
     python -m refusion_jax.aot --config configs/refusion_qwen3_8b.py --topology v5e:2x2 --config.mesh.data=1 \
-        --programs decode --decode_mesh=data=1 --decode_batch=1,8 --quantize int8   # int8 decode on one v5e chip
+        --programs decode --decode_mesh=data:1 --decode_batch=1,8 --quantize int8   # int8 decode on one v5e chip
 
 Compiles (a) the training step at the config's batch, sequence length,
 gradient accumulation and mesh (once per `--remat_policies` entry, one row
