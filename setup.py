@@ -5,9 +5,10 @@ import runpy
 
 from setuptools import find_packages, setup
 
-# The jax lines, the flax of each and the tokamax release live in refusion_jax/versions.py, which the package
-# checks at import: read here without importing the package (nothing is installed yet). The accelerator extras
-# pin the same jax, so `pip install -e ".[cuda12]"` never moves jax off the line the package was tested on.
+# The package's version, the jax lines, the flax of each and the tokamax release live in refusion_jax/versions.py,
+# which the package checks at import: read here without importing the package (nothing is installed yet). The
+# accelerator extras pin the same jax, so `pip install -e ".[cuda12]"` never moves jax off the line the package
+# was tested on.
 VERSIONS = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "refusion_jax", "versions.py"))
 JAX_LINES = VERSIONS["JAX_LINES"]
 # tokamax needs Python >= 3.12 and jax >= 0.11.1: the GPU's fused attention on jax >= 0.12.1 (model/flash.py).
@@ -26,7 +27,7 @@ def jax_requirements(extra: str = "") -> list[str]:
 
 setup(
   name="refusion_jax",
-  version="0.1.0",
+  version=VERSIONS["__version__"],
   description="ReFusion slot-parallel diffusion LM in JAX: training, jitted plan-and-infill decoding, HF interop.",
   long_description=open("README.md", encoding="utf-8").read(),
   long_description_content_type="text/markdown",

@@ -8,7 +8,7 @@ reached by its module path (see the module map in docs/modules.md).
 
 import importlib
 
-from refusion_jax.deprecation import moved_names
+from refusion_jax.versions import __version__ as __version__  # the one place the version is said
 from refusion_jax.versions import check_jax
 
 check_jax()  # a jax outside the window is named here, not deep in a kernel
@@ -56,30 +56,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def _load_hf(path, dtype="float32", param_dtype=None, config_overrides=None, mesh=None, rules=None):
-  """The 0.1 `load_hf`: a Hugging Face directory in `dtype`, config.json's fields replaced by `config_overrides`."""
-  from refusion_jax.checkpoints.hf import load_hf_config
-  from refusion_jax.checkpoints.load import load_model
-
-  config = load_hf_config(path, **config_overrides) if config_overrides else None
-  return load_model(
-    str(path), format="hf", config=config, dtype=dtype, param_dtype=param_dtype or dtype, mesh=mesh, rules=rules
-  )
-
-
-_moved = moved_names(
-  __name__,
-  {
-    "load_checkpoint": ("refusion_jax.load_model(path, ...) (same arguments)", lambda: __getattr__("load_model")),
-    "load_hf": (
-      'refusion_jax.load_model(path, format="hf", dtype=..., config=...) (config replaces config_overrides)',
-      lambda: _load_hf,
-    ),
-  },
-)
-
-
 def __getattr__(name):
   if name in _EXPORTS:
     return getattr(importlib.import_module(_EXPORTS[name]), name)
-  return _moved(name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

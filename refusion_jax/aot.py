@@ -7,7 +7,7 @@
     python -m refusion_jax.aot --config configs/refusion_qwen3_8b.py --topology v5p:2x2x2 --programs train \\
         --remat_policies=full,projections_except_mlp,projections        # one row per remat policy
     python -m refusion_jax.aot --config configs/refusion_qwen3_8b.py --topology v5e:2x2 --config.mesh.data=1 \
-        --programs decode --decode_mesh=data=1 --decode_batch=1,8 --quantize int8   # int8 decode on one v5e chip
+        --programs decode --decode_mesh=data:1 --decode_batch=1,8 --quantize int8   # int8 decode on one v5e chip
 
 Compiles (a) the training step at the config's batch, sequence length,
 gradient accumulation and mesh (once per `--remat_policies` entry, one row
@@ -34,15 +34,10 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from refusion_jax.cli import report_errors
-from refusion_jax.deprecation import moved_names
 from refusion_jax.model import quant
 from refusion_jax.parallel import compiled
 from refusion_jax.parallel.mesh_spec import parse_mesh_spec
 from refusion_jax.training.aot_report import decode_mesh_ways, decode_reports, train_reports
-
-__getattr__ = moved_names(
-  __name__, {"parse_mesh": ("refusion_jax.parallel.mesh_spec.parse_mesh_spec", lambda: parse_mesh_spec)}
-)
 
 
 def _print_each(reports: Iterator[compiled.Report]) -> list[compiled.Report]:

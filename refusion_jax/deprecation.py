@@ -2,14 +2,17 @@
 
 Public names are a promise. When one is renamed, the old spelling keeps
 working until `REMOVED_IN`, and every use of it raises a `DeprecationWarning`
-that names the replacement. Two shapes cover every case:
+that names the replacement; CHANGELOG.md lists it under the release that
+removes it. Two shapes cover every case:
 
     # a module attribute that was renamed or moved
-    __getattr__ = moved_names(__name__, {"picks_rows": ("pick_rows_on", lambda: pick_rows_on)})
+    __getattr__ = moved_names(__name__, {"old_name": ("refusion_jax.module.new_name", lambda: new_name)})
 
     # a function whose call changed: the old body translates the call to the new one
-    @deprecated(old="refusion_jax.generate", new="refusion_jax.decode(model, ids, refusion_jax.ReFusion(...))")
-    def generate(model, prompt_ids, **knobs): ...
+    @deprecated(old="refusion_jax.old_call", new="refusion_jax.new_call(model, ids, refusion_jax.ReFusion(...))")
+    def old_call(model, prompt_ids, **fields): ...
+
+Nothing is deprecated in 0.3 (it removed what 0.2 deprecated); the next rename goes through here.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 # The release that removes every name deprecated through this module (the README says so).
-REMOVED_IN = "0.3"
+REMOVED_IN = "0.4"
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -19,7 +19,6 @@ exit status 2.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -29,8 +28,7 @@ import ml_collections
 
 from refusion_jax.checkpoints.load import load
 from refusion_jax.cli import UsageError, add_decode_flags, add_model_flags, decode_options, model_request, run_argparse
-from refusion_jax.decoding.methods import add_method_flags, method_value
-from refusion_jax.deprecation import deprecated, moved_names
+from refusion_jax.decoding.methods import add_method_flags
 from refusion_jax.evaluation import curve, report, runner, sweep, test_sets
 from refusion_jax.training.config_file import load_config
 
@@ -187,24 +185,6 @@ def format_summary(record: dict) -> str:
   return "\n".join(lines)
 
 
-@deprecated(old="refusion_jax.eval.decode_settings", new="refusion_jax.evaluation.sweep.method_sweep")
-def decode_settings(args: argparse.Namespace, config: ml_collections.ConfigDict) -> list[dict]:
-  """The 0.2 call: the sweep's method values as dicts of their fields."""
-  return [dataclasses.asdict(method) for method in sweep.method_sweep(args.method, vars(args), config.eval)]
-
-
-@deprecated(old="refusion_jax.eval.load_examples", new="refusion_jax.evaluation.test_sets.load_examples")
-def _load_examples(args: argparse.Namespace, config: ml_collections.ConfigDict) -> tuple[list[dict], dict]:
-  """The 0.2 call, from the parsed flags."""
-  return test_sets.load_examples(config, split=args.split, data=args.data, num_examples=args.num_examples)
-
-
-@deprecated(old="refusion_jax.eval.default_label", new="refusion_jax.evaluation.sweep.default_label(method_value)")
-def _default_label(method: str, fields: dict) -> str:
-  """The 0.2 call, from a method name and its fields."""
-  return sweep.default_label(method_value(method, fields))
-
-
 def run_report(args: argparse.Namespace) -> None:
   paths = report.write_report(args.results_dir, args.out_dir or args.results_dir, title=args.title)
   print("\n".join(f"wrote {path}" for path in paths))
@@ -226,14 +206,6 @@ def main(argv: Sequence[str] | None = None) -> int:
   build, action = subcommand or (build_parser, evaluate)
   return run_argparse(build(), action, argv[1:] if subcommand else argv)
 
-
-__getattr__ = moved_names(
-  __name__,
-  {
-    "load_examples": ("refusion_jax.evaluation.test_sets.load_examples", lambda: _load_examples),
-    "default_label": ("refusion_jax.evaluation.sweep.default_label", lambda: _default_label),
-  },
-)
 
 if __name__ == "__main__":
   sys.exit(main())

@@ -1,6 +1,6 @@
-"""The jax versions this package runs on, said once: setup.py installs from these lines, `import refusion_jax`
-checks the installed jax against them, and .ci/run tests both ends (jax 0.10.2 on Python 3.11, the newest the
-registry serves on Python 3.12).
+"""The package's own version and the jax versions it runs on, said once: setup.py reads its version and installs
+from these lines, `import refusion_jax` checks the installed jax against them (and exports `__version__`), and
+.ci/run tests both ends (jax 0.10.2 on Python 3.11, the newest the registry serves on Python 3.12).
 
 Imports nothing but the standard library: setup.py reads this file before anything is installed, and
 `import refusion_jax` stays cheap (the check reads jax/version.py as text, not jax: 0.2 ms where reading
@@ -12,6 +12,9 @@ import os
 import re
 import sys
 import warnings
+
+# This release (CHANGELOG.md says what each one changed).
+__version__ = "0.3.0"
 
 # jax 0.11 dropped Python 3.11, so each Python gets the jax line it can run, and the flax that imports under
 # it: flax 0.12.8 is the newest for Python 3.11 (and fails to import under jax >= 0.11.1); on Python >= 3.12,

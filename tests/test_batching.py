@@ -7,6 +7,8 @@ own B = 1 decode. The tests share a few program shapes (K rows, prompts of
 one bucket) so that they compile once each.
 """
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -16,7 +18,8 @@ from helpers.hand_cases import HAND_CASES, bigram_model, hand_knobs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refusion_jax.decoding import ar, mdm, refusion, scheduler
+import refusion_jax as rj
+from refusion_jax.decoding import scheduler
 from refusion_jax.decoding.compilations import compilations
 from refusion_jax.decoding.loop import compile_count
 from refusion_jax.decoding.result import STAGE_NAMES
@@ -39,16 +42,16 @@ def random_setup(seed: int, count: int = 8, max_prompt: int = 16):
   return model, prompts, int(rng.integers(0, VOCAB - 1)), rng
 
 
-def refusion_knobs(rng, **changes):
-  knobs = dict(
+def refusion_method(rng, **changes) -> rj.ReFusion:
+  """ReFusion at G = 16, S = 4, two serial blocks and random thresholds; `changes` set other fields."""
+  fields = dict(
     gen_length=16,
     slot_size=4,
     serial_blocks=2,
     slot_threshold=float(rng.uniform(0.1, 0.9)),
     token_threshold=float(rng.uniform(0.1, 0.9)),
-    mask_id=MASK,
   )
-  return {**knobs, **changes}
+  return rj.ReFusion(**{**fields, **changes})
 
 
 def assert_each_row_is_its_own_decode(batched, singles):
@@ -66,9 +69,9 @@ def assert_same_rows(a, b):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_refusion_continuous_batching_gives_each_prompt_its_single_decode(seed):
   model, prompts, eos, rng = random_setup(seed)
-  knobs = refusion_knobs(rng, eos_id=eos)
-  singles = [refusion.generate(model, [p], **knobs) for p in prompts]
-  continuous = refusion.generate(model, prompts, **knobs, batch_size=ROWS)
+  method, ids = refusion_method(rng), dict(mask_id=MASK, eos_id=eos)
+  singles = [rj.decode(model, [p], method, **ids) for p in prompts]
+  continuous = rj.decode(model, prompts, method, **ids, batch_size=ROWS)
   assert_each_row_is_its_own_decode(continuous, singles)
   # Rows finish at different iterations, so a finished row really took a new prompt.
   assert len({int(s.num_forwards[0]) for s in singles}) > 1
@@ -78,43 +81,44 @@ def test_refusion_continuous_batching_gives_each_prompt_its_single_decode(seed):
 
 def test_sampled_refusion_draws_noise_by_prompt_not_by_row():
   model, prompts, eos, rng = random_setup(2)
-  knobs = refusion_knobs(rng, eos_id=eos, temperature=1.3, seed=11)
-  static = refusion.generate(model, prompts, **knobs)
-  assert_same_rows(refusion.generate(model, prompts, **knobs, batch_size=ROWS), static)
+  method, options = refusion_method(rng, temperature=1.3), dict(mask_id=MASK, eos_id=eos, seed=11)
+  static = rj.decode(model, prompts, method, **options)
+  assert_same_rows(rj.decode(model, prompts, method, **options, batch_size=ROWS), static)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_ar_continuous_batching_matches_static_and_single_decodes(temperature):
   model, prompts, eos, _ = random_setup(3)
-  knobs = dict(gen_length=10, eos_id=eos, temperature=temperature, seed=5)
-  continuous = ar.ar_generate(model, prompts, **knobs, batch_size=ROWS)
+  method, options = rj.AR(gen_length=10, temperature=temperature), dict(eos_id=eos, seed=5)
+  continuous = rj.decode(model, prompts, method, **options, batch_size=ROWS)
   if temperature == 0:
-    assert_each_row_is_its_own_decode(continuous, [ar.ar_generate(model, [p], **knobs) for p in prompts])
+    assert_each_row_is_its_own_decode(continuous, [rj.decode(model, [p], method, **options) for p in prompts])
   else:
-    assert_same_rows(continuous, ar.ar_generate(model, prompts, **knobs))
+    assert_same_rows(continuous, rj.decode(model, prompts, method, **options))
   assert len(set(continuous.num_forwards.tolist())) > 1  # rows stopped at their own EOS
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_mdm_continuous_batching_matches_static_and_single_decodes(temperature):
   model, prompts, eos, _ = random_setup(4)
-  knobs = dict(gen_length=8, block_length=4, steps=4, mask_id=MASK, eos_id=eos, temperature=temperature, seed=2)
-  continuous = mdm.mdm_generate(model, prompts, **knobs, batch_size=ROWS)
+  method = rj.MDM(gen_length=8, block_length=4, steps=4, temperature=temperature)
+  options = dict(mask_id=MASK, eos_id=eos, seed=2)
+  continuous = rj.decode(model, prompts, method, **options, batch_size=ROWS)
   if temperature == 0:
-    assert_each_row_is_its_own_decode(continuous, [mdm.mdm_generate(model, [p], **knobs) for p in prompts])
+    assert_each_row_is_its_own_decode(continuous, [rj.decode(model, [p], method, **options) for p in prompts])
   else:
-    assert_same_rows(continuous, mdm.mdm_generate(model, prompts, **knobs))
+    assert_same_rows(continuous, rj.decode(model, prompts, method, **options))
 
 
 def chunkable(method, model, eos, rng):
-  """The method's decoder with the knobs of the tests above, as prompts -> DecodeResult."""
+  """The method's value and special ids of the tests above, as (prompts, **decode options) -> DecodeResult."""
   if method == "refusion":
-    knobs = refusion_knobs(rng, eos_id=eos)
-    return lambda prompts, **options: refusion.generate(model, prompts, **knobs, **options)
-  if method == "ar":
-    return lambda prompts, **options: ar.ar_generate(model, prompts, gen_length=10, eos_id=eos, **options)
-  knobs = dict(gen_length=8, block_length=4, steps=4, mask_id=MASK, eos_id=eos)
-  return lambda prompts, **options: mdm.mdm_generate(model, prompts, **knobs, **options)
+    value, ids = refusion_method(rng), dict(mask_id=MASK, eos_id=eos)
+  elif method == "ar":
+    value, ids = rj.AR(gen_length=10), dict(eos_id=eos)
+  else:
+    value, ids = rj.MDM(gen_length=8, block_length=4, steps=4), dict(mask_id=MASK, eos_id=eos)
+  return lambda prompts, **options: rj.decode(model, prompts, value, **ids, **options)
 
 
 @pytest.mark.parametrize("method", ["refusion", "ar", "mdm"])
@@ -151,14 +155,14 @@ def test_one_compile_for_any_prompt_count_at_one_batch_size():
   graphdef, params = nnx.split(model)
   model = nnx.merge(graphdef, jax.device_put(params, jax.devices()[0]))
   # A slot layout no other test compiles at 8 rows, so the count below starts from zero.
-  knobs = refusion_knobs(rng, eos_id=eos, gen_length=20, slot_size=5)
-  singles = [refusion.generate(model, [p], **knobs) for p in prompts]
+  method, ids = refusion_method(rng, gen_length=20, slot_size=5), dict(mask_id=MASK, eos_id=eos)
+  singles = [rj.decode(model, [p], method, **ids) for p in prompts]
   before = compile_count("refusion")
-  assert_each_row_is_its_own_decode(refusion.generate(model, prompts[:16], **knobs, batch_size=8), singles[:16])
+  assert_each_row_is_its_own_decode(rj.decode(model, prompts[:16], method, **ids, batch_size=8), singles[:16])
   assert compile_count("refusion") == before + 1
   every_compile = compilations()
   for count in (64, 100, 5):
-    assert_each_row_is_its_own_decode(refusion.generate(model, prompts[:count], **knobs, batch_size=8), singles[:count])
+    assert_each_row_is_its_own_decode(rj.decode(model, prompts[:count], method, **ids, batch_size=8), singles[:count])
   assert compilations() == every_compile
 
 
@@ -176,9 +180,9 @@ HAND_WIDTHS = {
 def test_forwards_run_only_as_wide_as_the_active_slots(name):
   case = HAND_CASES[name]
   model = bigram_model(*case["model"])
-  knobs = hand_knobs(case)
-  fitted = refusion.generate(model, [[2, 3, 4]], **knobs)
-  full = refusion.generate(model, [[2, 3, 4]], **knobs, fit_width=False)
+  method = rj.ReFusion(**hand_knobs(case))
+  fitted = rj.decode(model, [[2, 3, 4]], method)
+  full = rj.decode(model, [[2, 3, 4]], dataclasses.replace(method, fit_width=False))
   assert fitted.tokens == full.tokens == [case["tokens"]]
   assert {name: counts for name, counts in fitted.widths.items() if counts} == HAND_WIDTHS[name]
   block = 8 // case["serial_blocks"]
@@ -188,9 +192,10 @@ def test_forwards_run_only_as_wide_as_the_active_slots(name):
 def test_rows_wait_for_a_forward_of_their_width_and_stay_exact():
   model, prompts, eos, rng = random_setup(6, count=4)
   # Blocks of 4 slots (widths 4, 8, 16); a high slot threshold makes plans choose few slots.
-  knobs = refusion_knobs(rng, eos_id=eos, serial_blocks=1, slot_threshold=0.95, token_threshold=0.3)
-  fitted = refusion.generate(model, prompts, **knobs)
-  full = refusion.generate(model, prompts, **knobs, fit_width=False)
+  method = refusion_method(rng, serial_blocks=1, slot_threshold=0.95, token_threshold=0.3)
+  ids = dict(mask_id=MASK, eos_id=eos)
+  fitted = rj.decode(model, prompts, method, **ids)
+  full = rj.decode(model, prompts, dataclasses.replace(method, fit_width=False), **ids)
   assert_same_rows(fitted, full)
   assert set(fitted.widths["forward"]) <= {4, 8, 16} and min(fitted.widths["forward"]) < 16
   # Full width: every iteration is one forward of every unfinished row.
@@ -227,7 +232,7 @@ def test_compact_order_is_the_stable_partition_and_its_inverse(active):
 
 def test_sampler_passes_batch_size_through():
   model, prompts, eos, rng = random_setup(8)
-  knobs = refusion_knobs(rng, eos_id=eos)
+  method, ids = refusion_method(rng), dict(mask_id=MASK, eos_id=eos)
 
   class Ids:  # a tokenizer whose texts are comma-separated ids
     mask_id = eos_id = pad_id = bos_id = None
@@ -239,8 +244,8 @@ def test_sampler_passes_batch_size_through():
       return ",".join(map(str, ids))
 
   texts = [",".join(map(str, p)) for p in prompts]
-  answers = Sampler(model, Ids(), **knobs, batch_size=ROWS)(texts)
-  singles = [refusion.generate(model, [p], **knobs).tokens[0] for p in prompts]
+  answers = Sampler(model, Ids(), method, **ids, batch_size=ROWS)(texts)
+  singles = [rj.decode(model, [p], method, **ids).tokens[0] for p in prompts]
   assert answers == [Ids().decode(t) for t in singles]
 
 
@@ -249,4 +254,4 @@ def test_sampler_passes_batch_size_through():
 def test_bad_batch_size_or_chunk_is_rejected(name, value):
   model, prompts, eos, rng = random_setup(9, count=2)
   with pytest.raises(ValueError, match=f"{name}=.* must be a positive integer"):
-    refusion.generate(model, prompts, **refusion_knobs(rng, eos_id=eos), **{name: value})
+    rj.decode(model, prompts, refusion_method(rng), mask_id=MASK, eos_id=eos, **{name: value})

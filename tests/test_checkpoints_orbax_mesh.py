@@ -37,9 +37,9 @@ _MOVE_MESH = textwrap.dedent("""
     model, _ = load(os.path.join(root, "moved"))  # onto one device
     leaves = jax.tree.leaves(nnx.state(model))
     prompts = [[5, 6, 7], [8, 9]]
-    kwargs = dict(gen_length=8, slot_size=4, serial_blocks=1, slot_threshold=0.5, token_threshold=0.3)
-    single = rj.generate(model, prompts, **kwargs)
-    sharded = rj.generate(model, prompts, mesh=rj.make_mesh({"fsdp": 2, "tensor": 4}), **kwargs)
+    method = rj.ReFusion(gen_length=8, slot_size=4, serial_blocks=1, slot_threshold=0.5, token_threshold=0.3)
+    single = rj.decode(model, prompts, method)
+    sharded = rj.decode(model, prompts, method, mesh=rj.make_mesh({"fsdp": 2, "tensor": 4}))
     print(json.dumps(dict(
         moved={int(k): v for k, v in moved.items()}, straight={int(k): v for k, v in straight.items()},
         single_device=all(len(x.sharding.device_set) == 1 for x in leaves),

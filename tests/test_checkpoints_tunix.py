@@ -18,11 +18,11 @@ from helpers.closeness import relative_error
 from helpers.train_utils import smoke_config
 from helpers.tunix_layout import save_tunix_layout
 
+import refusion_jax as rj
 from refusion_jax import sample
 from refusion_jax.checkpoints.hf import config_to_hf
 from refusion_jax.checkpoints.load import inspect_checkpoint, load, load_model
 from refusion_jax.data.tokenizer import ByteTokenizer
-from refusion_jax.decoding.ar import ar_generate
 from refusion_jax.model.transformer import init_model
 from refusion_jax.training.loop import train_and_evaluate
 from refusion_jax.training.run_config import model_config_from
@@ -112,7 +112,7 @@ def test_sample_cli_decodes_from_a_tunix_checkpoint(tmp_path, capsys):
   assert sample.main([str(a) for a in [*argv, "--method", "ar", "--gen_length", 6, "--json"]]) == 0
   tokens = json.loads(capsys.readouterr().out)["tokens"]
   model = load_model(str(TUNIX / "qwen3"), config=config)
-  assert tokens == ar_generate(model, [[5, 9, 2]], gen_length=6, eos_id=47, pad_id=46).tokens[0]
+  assert tokens == rj.decode(model, [[5, 9, 2]], rj.AR(gen_length=6), eos_id=47, pad_id=46).tokens[0]
   assert sample.main([str(a) for a in argv[:2] + ["--prompt_ids", "5"]]) == 2
   assert "does not store the model's config" in capsys.readouterr().err
 

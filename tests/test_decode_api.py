@@ -115,27 +115,6 @@ def test_decode_gives_each_method_the_tokens_of_its_eager_reference():
   assert mdm.tokens == [t[: t.index(EOS) + 1] if EOS in t else t for t in llada], f"seed {seed}"
 
 
-@pytest.mark.parametrize(
-  "old, method, knobs",
-  [
-    (
-      "generate",
-      rj.ReFusion(gen_length=8, slot_size=4, slot_threshold=0.5, token_threshold=0.5),
-      dict(gen_length=8, slot_size=4, serial_blocks=1, slot_threshold=0.5, token_threshold=0.5),
-    ),
-    ("ar_generate", rj.AR(gen_length=8, temperature=0.7), dict(gen_length=8, temperature=0.7)),
-    ("mdm_generate", rj.MDM(gen_length=8, block_length=4), dict(gen_length=8, block_length=4, steps=8)),
-  ],
-)
-def test_the_old_calls_warn_and_give_the_tokens_of_decode(old, method, knobs):
-  rng = np.random.default_rng()
-  model, prompts, seed = random_model(int(rng.integers(1 << 20))), random_prompts(rng, 2), int(rng.integers(100))
-  ids = dict(eos_id=EOS) if old == "ar_generate" else dict(mask_id=MASK, eos_id=EOS)
-  with pytest.warns(DeprecationWarning, match=rf"refusion_jax.{old} is deprecated .* use refusion_jax.decode\("):
-    before = getattr(rj, old)(model, prompts, seed=seed, **ids, **knobs)
-  assert before.tokens == rj.decode(model, prompts, method, seed=seed, **ids).tokens
-
-
 # ----------------------------------------------------------------------------- the engine
 
 
@@ -230,17 +209,6 @@ def test_the_sampler_takes_a_method_value_and_its_special_ids_from_the_tokenizer
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     sampler(["again"])  # the new spelling warns about nothing
-
-
-def test_the_old_sampler_spelling_warns_and_builds_the_method_value():
-  model = init_model(tiny(vocab_size=ByteTokenizer().vocab_size))
-  with pytest.warns(DeprecationWarning, match=r"method=refusion_jax.AR\(<fields>=...\)"):
-    sampler = rj.Sampler(model, "bytes", method="ar", gen_length=6)
-  assert sampler.method == rj.AR(gen_length=6)
-  with pytest.warns(DeprecationWarning, match=r"refusion_jax.ReFusion"):
-    assert rj.Sampler(model, "bytes", gen_length=16).method == rj.ReFusion(gen_length=16)
-  with pytest.raises(ValueError, match="method='ar' takes no slot_size"):
-    rj.Sampler(model, "bytes", method="ar", slot_size=4)
 
 
 @pytest.mark.parametrize(("batch_size", "loop_forwards"), [(None, 7), (1, 21)])

@@ -1,7 +1,7 @@
 """The jitted decoder gives the eager reference's decode, token for token.
 
 Hundreds of random cases (random tiny models, prompts, thresholds, slot
-layouts and EOS ids) are decoded by both `refusion_jax.decoding.refusion.generate` and
+layouts and EOS ids) are decoded by both `rj.decode` and
 `refusion_jax.decoding.reference.decode_reference`; tokens, forwards, plan
 steps and the commit trace must agree exactly. Branch counters collected from
 the reference prove that every path of docs/method.md §2 was exercised.
@@ -11,11 +11,10 @@ import collections
 
 import numpy as np
 import pytest
-from helpers.decode_cases import Group, random_case, same_decode
+from helpers.decode_cases import Group, decode_as_reference, random_case, same_decode
 
 from refusion_jax.decoding.loop import compile_count
 from refusion_jax.decoding.reference import decode_reference
-from refusion_jax.decoding.refusion import generate
 
 GROUPS = [
   Group("one block", vocab_size=16, gen_length=16, slot_size=4, serial_blocks=1, cases=35),
@@ -50,7 +49,7 @@ def sweep():
     mismatches[group.name] = []
     for index in range(group.cases):
       case = random_case(group, template, rng)
-      jitted = generate(case.model, case.prompts, **case.knobs)
+      jitted = decode_as_reference(case.model, case.prompts, case.knobs)
       for row, prompt in enumerate(case.prompts):
         reference = decode_reference(case.model, prompt, stats=stats, **case.knobs)
         diffs = same_decode(jitted, reference, row_a=row)

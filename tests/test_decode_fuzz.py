@@ -3,7 +3,7 @@
 Hypothesis draws tiny models (fresh random weights, LM heads from flat to
 peaked), three prompts of random lengths and random settings (thresholds, EOS
 id, temperature, seed). The three prompts are decoded together (B = 3) and
-one by one (B = 1) with `refusion_jax.decoding.refusion.generate`, and one by
+one by one (B = 1) with `rj.decode`, and one by
 one with the eager `refusion_jax.decoding.reference.decode_reference`. Every
 decode must:
 
@@ -28,11 +28,11 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from helpers.decode_cases import decode_as_reference
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from refusion_jax.decoding.reference import decode_reference
-from refusion_jax.decoding.refusion import generate
 from refusion_jax.decoding.result import PHASE_INFILL, PHASE_NONE, PHASE_VERIFY
 from refusion_jax.model.config import tiny
 from refusion_jax.model.transformer import Transformer, init_model
@@ -66,7 +66,7 @@ def random_model(architecture: str, seed: int, weight_scale: float, head_scale: 
 
 
 def cases(architectures: list[str], layouts: list[tuple[int, int, int]]) -> st.SearchStrategy:
-  """(model, prompts, decode knobs) for `generate` and `decode_reference` alike."""
+  """(model, prompts, decode knobs) for `decode_as_reference` and `decode_reference` alike."""
   thresholds = st.one_of(st.floats(0.02, 0.98), st.sampled_from([0.5, 0.9, 1.0]))
   return st.builds(
     lambda architecture, seed, weight_scale, head_scale, layout, prompts, knobs: (
@@ -142,10 +142,10 @@ def on_a_tie(model: Transformer, prompt: list[int], knobs: dict) -> bool:
 
 def check_case(model: Transformer, prompts: list[list[int]], knobs: dict) -> None:
   assume(not any(on_a_tie(model, prompt, knobs) for prompt in prompts))
-  batched = generate(model, prompts, **knobs)
+  batched = decode_as_reference(model, prompts, knobs)
   for row, prompt in enumerate(prompts):
     check_row(batched, row, knobs)
-    alone = generate(model, [prompt], **knobs)
+    alone = decode_as_reference(model, [prompt], knobs)
     check_row(alone, 0, knobs)
     if knobs["temperature"] == 0.0 or row == 0:
       assert same_row(batched, alone, row), f"row {row}: batched {batched.tokens[row]} alone {alone.tokens[0]}"

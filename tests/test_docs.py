@@ -1,12 +1,11 @@
 """The docs keep their promises: the README is short, opens with the two set-up commands and links pages that
 exist; the module map (docs/modules.md) names every module, config and launch script, and the public API it lists
-is the real one."""
+is the real one; nothing the package ships uses a name or call form that a release removed (CHANGELOG.md)."""
 
 import ast
 import inspect
 import pathlib
 import re
-import warnings
 
 import refusion_jax as rj
 from refusion_jax.deprecation import REMOVED_IN
@@ -57,13 +56,75 @@ def test_the_module_map_lists_the_public_api():
   )
 
 
-def test_the_docs_name_only_public_names_or_deprecated_ones_that_still_work():
+def test_the_docs_name_only_public_names():
   for page in [README, *sorted((ROOT / "docs").glob("*.md"))]:
-    for name in sorted(set(re.findall(r"\brj\.(\w+)", page.read_text())) - set(rj.__all__)):
-      with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert hasattr(rj, name), f"{page.name} names rj.{name}, which refusion_jax does not export"
-      assert any(issubclass(w.category, DeprecationWarning) for w in caught), f"{page.name}: rj.{name} is not public"
+    unknown = sorted(set(re.findall(r"\brj\.(\w+)", page.read_text())) - set(rj.__all__))
+    assert not unknown, f"{page.name} names rj.{', rj.'.join(unknown)}, which refusion_jax does not export"
+
+
+# What 0.3 removed (CHANGELOG.md), as it would be written -> what replaces it. A pattern names a removed spelling and
+# nothing current (`parse_mesh` but not `parse_mesh_spec`, `batching.Batch` but not a docstring's "Batch:"), and
+# opens with literal text, which `re` finds fast; a match counts where it starts a word.
+_METHOD_FIELDS = "gen_length|slot_size|serial_blocks|slot_threshold|token_threshold|block_length|steps|temperature"
+REMOVED_IN_0_3 = {
+  r"rj\.generate\b": "rj.decode(model, ids, rj.ReFusion(...))",
+  r"refusion_jax\.generate\b": "rj.decode(model, ids, rj.ReFusion(...))",
+  r"refusion\.generate\b": "rj.decode(model, ids, rj.ReFusion(...))",
+  r"ar_generate\b": "rj.decode(model, ids, rj.AR(...))",
+  r"mdm_generate\b": "rj.decode(model, ids, rj.MDM(...))",
+  r"load_checkpoint\b": "rj.load_model",
+  r"load_hf\b": 'rj.load_model(path, format="hf")',
+  r"refusion\.REFUSION\b": "rj.ReFusion",
+  r"refusion\.pick_rows_on\b": "decoding.mesh.pick_rows_on",
+  r"picks_rows\b": "decoding.mesh.pick_rows_on",
+  r"MDMSchedule\b": "decoding.mdm.MDMSettings",
+  r"batching\.Batch\b": "decoding.batching.LoopState",
+  r"mesh\.batch_shardings\b": "decoding.mesh.loop_shardings",
+  r"sampler\.METHODS\b": "decoding.methods.METHODS",
+  r"decoder_options\b": "dataclasses.fields(method_class)",
+  r"decoding[./]driver\b": "decoding/engine.py (Engine, decode), loop.py (the compiled loop), programs.py (caches)",
+  r"\bServingEngine\b": "serving.worker.DecodeWorker",
+  r"decoding[./]defaults\b": "the method classes' defaults (rj.ReFusion(), rj.MDM(gen_length=G))",
+  r"decoding import [\w, ]*\bdefaults\b": "the method classes' defaults (rj.ReFusion(), rj.MDM(gen_length=G))",
+  r"defaults\.(?:GEN_LENGTH|REFUSION|MDM_BLOCK_LENGTH|mdm_block_length|mdm_steps)\b": "the method classes' defaults",
+  r"method_defaults\b": "dataclasses.asdict(decoding.methods.method_value(name, ...))",
+  r"harness\.PAPER_GEN_LENGTH\b": "decoding.paper.PAPER_GEN_LENGTH",
+  r"REFUSION_KNOBS\b": "evaluation.harness.REFUSION_FIELDS",
+  r"parse_mesh\b": "parallel.mesh_spec.parse_mesh_spec",
+  r"ReFusionOptions\b": "rj.ReFusion",
+  r"decode_settings\b": "evaluation.sweep.method_sweep",
+  r"eval\.(?:load_examples|default_label)\b": "evaluation.test_sets.load_examples, evaluation.sweep.default_label",
+  r"decode_answers\b": "rj.decode(model, prompts, validation.eval_method(config))",
+  r"eval_knobs\b": "dataclasses.asdict(decoding.methods.config_method(kind, config.eval))",
+  r"EVAL_KNOBS\b": "decoding.methods.config_method",
+  # The call forms: a method name or loose method fields for the Sampler, a name and knobs for eval's runner,
+  # and 0.2's aot mesh spelling.
+  r"Sampler\([^()]*\bmethod=[\"']": "Sampler(model, tok, rj.AR(...))",
+  rf"Sampler\([^()]*\b(?:{_METHOD_FIELDS})=": "Sampler(model, tok, rj.ReFusion(gen_length=...))",
+  r"run\([^()]*\bknobs=": "evaluation.runner.run(..., method=rj.ReFusion(...))",
+  r"(?:data|fsdp|tensor)=-?\d+,(?:data|fsdp|tensor)=": "the mesh syntax: axis:size joined by + (data:2+tensor:4)",
+  r"--decode_mesh[= ][\"']?(?:data|fsdp|tensor)=": "the mesh syntax: axis:size joined by + (data:2+tensor:4)",
+}
+
+
+def test_nothing_shipped_uses_a_name_or_spelling_that_0_3_removed():
+  files = [README, *(path for folder in ("docs", "results", "refusion_jax") for path in (ROOT / folder).rglob("*"))]
+  found = []
+  for path in sorted(p for p in files if p.suffix in (".md", ".py", ".ipynb", ".json", ".jsonl", ".sh")):
+    text = path.read_text(encoding="utf-8")
+    for pattern, replacement in REMOVED_IN_0_3.items():
+      for match in re.finditer(pattern, text):
+        before = text[match.start() - 1 : match.start()]
+        if before.isalnum() or before == "_":
+          continue  # inside a longer name
+        line = text.count("\n", 0, match.start()) + 1
+        found.append(f"{path.relative_to(ROOT)}:{line}: {match.group(0)!r} was removed in 0.3; use {replacement}")
+  assert not found, "\n".join(found)
+
+
+def test_the_changelog_opens_with_this_release():
+  changelog = (ROOT / "CHANGELOG.md").read_text()
+  assert re.findall(r"^## (\S+)", changelog, re.M)[0] == rj.__version__
 
 
 def test_the_readme_is_short_and_opens_with_the_two_set_up_commands():

@@ -10,12 +10,11 @@ import pytest
 from helpers.decode_cases import byte_model
 from helpers.train_utils import REPO
 
+import refusion_jax as rj
 from refusion_jax import eval as eval_cli
 from refusion_jax.checkpoints import hf as hf_io
 from refusion_jax.data.tasks import TASKS, check_answer, generate_examples
 from refusion_jax.data.tokenizer import ByteTokenizer
-from refusion_jax.decoding import refusion as decode
-from refusion_jax.decoding.ar import ar_generate
 from refusion_jax.evaluation import report, runner
 
 TOK = ByteTokenizer()
@@ -149,7 +148,7 @@ def test_cli_builtin_split_matches_the_decoder_and_the_checker(capsys, tmp_path,
   assert {k: record["knobs"][k] for k in knobs} == knobs
   for answer, example in zip(record["answers"], examples):
     # each task is a batch of its own here: decode it alone and compare
-    expected = decode.generate(model, [TOK.encode(example["query"])], **knobs)
+    expected = rj.decode(model, [TOK.encode(example["query"])], rj.ReFusion(**knobs))
     assert answer["answer"] == TOK.decode(expected.tokens[0])
     assert answer["num_forwards"] == int(expected.num_forwards[0])
     assert answer["correct"] == check_answer(example["task"], example["query"], answer["answer"])
@@ -163,7 +162,7 @@ def test_cli_json_test_set_exact_match_and_batches(capsys, tmp_path, hf_model):
   model, hf_dir = hf_model
   queries = ["ab c", "xyz", "hello", "q r"]
   prompts = [TOK.encode(q) for q in queries]
-  expected = ar_generate(model, prompts, gen_length=16)
+  expected = rj.decode(model, prompts, rj.AR(gen_length=16))
   answers = [TOK.decode(t) for t in expected.tokens]
   # the first two references are the model's own answers with extra whitespace: exact match after normalising
   records = [{"query": q, "response": "  " + a.replace(" ", "   ") + " "} for q, a in zip(queries[:2], answers)]

@@ -93,7 +93,7 @@ def read_jsonl(path) -> list[dict]:
 
 def reference_texts(model, tokenizer, prompts: list[str], until: list[str]) -> list[str]:
   """What `rj.Sampler` answers, cut at the stop strings (one queue: every prompt padded to the longest's bucket)."""
-  texts, _ = rj.Sampler(model, tokenizer, gen_length=16, slot_size=4, batch_size=4).generate(prompts)
+  texts, _ = rj.Sampler(model, tokenizer, rj.ReFusion(gen_length=16, slot_size=4), batch_size=4).generate(prompts)
   for stop in until:
     texts = [t.split(stop)[0] for t in texts]
   return texts
@@ -268,7 +268,7 @@ def test_a_baseline_answers_within_max_gen_toks_as_its_sampler_does(byte_model):
   texts = lm.generate_until(requests)
   (group,) = lm.stats["generate_until"].groups
   assert group["gen_length"] == 10  # AR's grid is one token
-  assert texts == rj.Sampler(model, tokenizer, method="ar", gen_length=10, batch_size=2).generate(queries)[0]
+  assert texts == rj.Sampler(model, tokenizer, rj.AR(gen_length=10), batch_size=2).generate(queries)[0]
 
 
 def test_answers_are_cut_at_each_stop_string_then_the_python_fence_is_taken(bpe):

@@ -7,16 +7,15 @@ import pytest
 from flax import nnx
 from helpers.decode_cases import random_weights
 
-from refusion_jax.decoding.ar import ar_generate
-from refusion_jax.decoding.mdm import mdm_generate
+import refusion_jax as rj
 from refusion_jax.decoding.reference import decode_reference
-from refusion_jax.decoding.refusion import generate
 from refusion_jax.decoding.sampler import Sampler
 from refusion_jax.model.config import tiny
 from refusion_jax.model.transformer import inference_view, init_model
 
 VOCAB, MASK, EOS = 64, 63, 5
-KNOBS = dict(gen_length=16, slot_size=4, serial_blocks=2, slot_threshold=0.3, token_threshold=0.2)
+FIELDS = dict(gen_length=16, slot_size=4, serial_blocks=2, slot_threshold=0.3, token_threshold=0.2)
+METHOD = rj.ReFusion(**FIELDS)
 
 
 def with_remat(model, remat: str, scan_layers: bool = False):
@@ -39,11 +38,11 @@ def test_remat_model_decodes_to_the_tokens_of_the_remat_free_one(models):
   plain, remat, prompts = models
   assert (remat.config.remat, plain.config.remat) == ("full", "none") and remat.config.scan_layers
   decoders = {
-    "refusion": lambda m: generate(m, prompts, **KNOBS).tokens,
-    "ar": lambda m: ar_generate(m, prompts, gen_length=12).tokens,
-    "mdm": lambda m: mdm_generate(m, prompts, gen_length=8, block_length=4, steps=4).tokens,
-    "reference": lambda m: decode_reference(m, prompts[1], mask_id=MASK, eos_id=EOS, **KNOBS).tokens,
-    "sampler": lambda m: Sampler(m, "bytes", mask_id=MASK, eos_id=EOS, pad_id=0, **KNOBS).decode_ids(prompts).tokens,
+    "refusion": lambda m: rj.decode(m, prompts, METHOD).tokens,
+    "ar": lambda m: rj.decode(m, prompts, rj.AR(gen_length=12)).tokens,
+    "mdm": lambda m: rj.decode(m, prompts, rj.MDM(gen_length=8, block_length=4, steps=4)).tokens,
+    "reference": lambda m: decode_reference(m, prompts[1], mask_id=MASK, eos_id=EOS, **FIELDS).tokens,
+    "sampler": lambda m: Sampler(m, "bytes", METHOD, mask_id=MASK, eos_id=EOS, pad_id=0).decode_ids(prompts).tokens,
   }
   for name, decode in decoders.items():
     expected = decode(plain)
@@ -76,7 +75,7 @@ def test_wide_weights_are_cast_once_to_the_compute_dtype(models):
   assert {leaf.dtype for leaf in jax.tree.leaves(nnx.state(mixed))} == {jnp.dtype(jnp.float32)}
   assert inference_view(view) is view  # nothing left to cast: decoders reuse it as it is
   # Casting once outside the decoder gives the tokens of casting at every use inside it.
-  assert generate(view, prompts, **KNOBS).tokens == generate(mixed, prompts, **KNOBS).tokens
+  assert rj.decode(view, prompts, METHOD).tokens == rj.decode(mixed, prompts, METHOD).tokens
   np.testing.assert_array_equal(
     np.asarray(view.lm_head.get_value()), np.asarray(plain.lm_head.get_value().astype(jnp.bfloat16))
   )

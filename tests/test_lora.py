@@ -18,7 +18,6 @@ from refusion_jax import train_bench
 from refusion_jax.checkpoints import lora_run, orbax_tree
 from refusion_jax.checkpoints.hf import save_hf
 from refusion_jax.checkpoints.load import load, load_model
-from refusion_jax.decoding.refusion import generate
 from refusion_jax.model import flops, lora
 from refusion_jax.model.config import tiny
 from refusion_jax.model.transformer import Transformer, init_model
@@ -240,10 +239,10 @@ def test_decoding_with_adapters_unmerged_or_merged_gives_the_same_tokens():
   config = tiny(vocab_size=96, mask_token_id=95, eos_token_id=94, pad_token_id=0)
   model = _randomise_adapters(lora.add_lora(init_model(config, seed=8), lora.LoraConfig(rank=4, targets=ALL)), 2)
   prompts = [list(np.random.default_rng(i).integers(1, 90, 5 + i)) for i in range(3)]
-  knobs = dict(gen_length=16, slot_size=4, serial_blocks=1, slot_threshold=0.5, token_threshold=0.3)
-  unmerged = generate(model, prompts, **knobs)
-  merged = generate(lora.merge_lora(model), prompts, **knobs)
-  base = generate(init_model(config, seed=8), prompts, **knobs)
+  method = rj.ReFusion(gen_length=16, slot_size=4, serial_blocks=1, slot_threshold=0.5, token_threshold=0.3)
+  unmerged = rj.decode(model, prompts, method)
+  merged = rj.decode(lora.merge_lora(model), prompts, method)
+  base = rj.decode(init_model(config, seed=8), prompts, method)
   assert [list(t) for t in unmerged.tokens] == [list(t) for t in merged.tokens]
   assert [list(t) for t in unmerged.tokens] != [list(t) for t in base.tokens]
 

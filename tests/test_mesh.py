@@ -18,7 +18,6 @@ _SHARDED_VS_SINGLE = textwrap.dedent("""
     import numpy as np
     from flax import nnx
     import refusion_jax as rj
-    from refusion_jax.decoding import ar, mdm, refusion
     from refusion_jax.decoding.loop import compile_count
     from refusion_jax.decoding.prompts import prefill
     from refusion_jax.decoding.mesh import place_params
@@ -31,14 +30,13 @@ _SHARDED_VS_SINGLE = textwrap.dedent("""
     model = init_model(config, seed=seed)
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, 256, rng.integers(2, 12)).tolist() for _ in range(5)]  # 5 rows: padded on every mesh
-    knobs = dict(gen_length=16, slot_size=4, serial_blocks=2, slot_threshold=0.5, token_threshold=0.3)
+    refusion = rj.ReFusion(gen_length=16, slot_size=4, serial_blocks=2, slot_threshold=0.5, token_threshold=0.3)
     decoders = dict(
-      refusion=lambda mesh: refusion.generate(model, prompts, **knobs, mesh=mesh),
+      refusion=lambda mesh: rj.decode(model, prompts, refusion, mesh=mesh),
       # One row asked for (padded to the mesh), the loop's state in and out of the mesh every 3 iterations.
-      refusion_chunked=lambda mesh: refusion.generate(model, prompts, **knobs, mesh=mesh, batch_size=1,
-                                                      chunk_iterations=3),
-      ar=lambda mesh: ar.ar_generate(model, prompts, gen_length=8, mesh=mesh),
-      mdm=lambda mesh: mdm.mdm_generate(model, prompts, gen_length=8, block_length=4, steps=4, mesh=mesh),
+      refusion_chunked=lambda mesh: rj.decode(model, prompts, refusion, mesh=mesh, batch_size=1, chunk_iterations=3),
+      ar=lambda mesh: rj.decode(model, prompts, rj.AR(gen_length=8), mesh=mesh),
+      mdm=lambda mesh: rj.decode(model, prompts, rj.MDM(gen_length=8, block_length=4, steps=4), mesh=mesh),
     )
 
     def summary(result):

@@ -11,8 +11,9 @@ import os
 
 import numpy as np
 import pytest
+from helpers.decode_cases import decode_as_reference
 
-from refusion_jax.decoding.refusion import ReFusion, generate
+from refusion_jax.decoding.refusion import ReFusion
 from refusion_jax.evaluation.bench_models import random_bench_model
 from refusion_jax.evaluation.bench_tables import same_answers
 from refusion_jax.evaluation.throughput import ThroughputOptions, run_throughput_bench
@@ -42,7 +43,7 @@ def test_official_decoder_gives_our_tokens(slot_size, serial_blocks, slot_thresh
     eos_id=model.eos_id,
   )
   official = OfficialDecoder(model.model, REPO).decode(model.prompts, **knobs)
-  ours = generate(model.model, model.prompts, pad_id=model.pad_id, **knobs)
+  ours = decode_as_reference(model.model, model.prompts, dict(knobs, pad_id=model.pad_id))
   assert official.tokens == ours.tokens, f"seed {seed}"
   assert all(len(t) > 0 for t in official.tokens)
   # Every official forward is counted by its query width; their sum is the forwards per prompt.

@@ -7,10 +7,7 @@ import pathlib
 import subprocess
 import sys
 
-import jax
-import numpy as np
 import pytest
-from flax import nnx
 
 import refusion_jax as rj
 
@@ -31,26 +28,11 @@ def test_every_exported_name_is_the_object_its_module_defines(name):
   assert callable(exported) and exported.__module__.startswith("refusion_jax.")
 
 
-def test_renamed_loaders_still_work_and_say_what_replaced_them(tmp_path):
-  from refusion_jax.checkpoints.hf import save_hf
-  from refusion_jax.model.transformer import init_model
+def test_the_version_is_said_once():
+  from refusion_jax import versions
 
-  seed = int(np.random.default_rng().integers(1 << 16))
-  saved = init_model(rj.preset("tiny", num_layers=1), seed)
-  save_hf(saved, tmp_path)
-  with pytest.warns(
-    DeprecationWarning, match=r"refusion_jax.load_checkpoint is deprecated .* use refusion_jax.load_model"
-  ):
-    load_checkpoint = rj.load_checkpoint
-  assert load_checkpoint is rj.load_model
-  with pytest.warns(DeprecationWarning, match=r"removed in 0.3: use refusion_jax.load_model\(path, format=\"hf\""):
-    load_hf = rj.load_hf
-  # The 0.1 signature: dtype positional, config_overrides for config.json's fields.
-  model = load_hf(str(tmp_path), "bfloat16", config_overrides=dict(rms_norm_eps=1e-5))
-  assert (model.config.dtype, model.config.param_dtype, model.config.rms_norm_eps) == ("bfloat16", "bfloat16", 1e-5)
-  expected = rj.load_model(str(tmp_path), dtype="bfloat16")
-  for got, want in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(expected))):
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32), err_msg=f"seed {seed}")
+  assert rj.__version__ == versions.__version__ == "0.3.0"
+  assert "__version__" not in rj.__all__  # a module attribute, not an exported name
 
 
 def test_internals_are_not_exported():
@@ -116,58 +98,6 @@ def test_no_module_imports_an_entry_point():
 def test_sub_packages_import_on_their_own():
   for package in LIBRARY_PACKAGES:
     importlib.import_module(f"refusion_jax.{package}")
-
-
-def test_the_old_decode_defaults_warn_and_equal_the_method_classes_defaults():
-  from refusion_jax.decoding import defaults, sampler
-
-  with pytest.warns(DeprecationWarning, match="refusion_jax.ReFusion"):
-    assert defaults.GEN_LENGTH == rj.ReFusion().gen_length
-  with pytest.warns(DeprecationWarning, match="ReFusion"):
-    assert defaults.REFUSION_KNOBS == dict(slot_size=4, serial_blocks=1, slot_threshold=0.9, token_threshold=0.9)
-  with pytest.warns(DeprecationWarning, match="ReFusion"):
-    assert defaults.REFUSION == defaults.REFUSION_KNOBS
-  with pytest.warns(DeprecationWarning, match=r"MDM\(gen_length=G\)"):
-    assert (defaults.mdm_block_length(48), defaults.mdm_steps(48)) == (32, 48)
-  with pytest.warns(DeprecationWarning, match="method_value"):
-    assert defaults.method_defaults("mdm", 16) == dict(gen_length=16, block_length=16, steps=16)
-  with pytest.warns(DeprecationWarning, match="method_value"):
-    assert defaults.method_defaults("refusion") == dict(
-      gen_length=64, slot_size=4, serial_blocks=1, slot_threshold=0.9, token_threshold=0.9
-    )
-  with pytest.warns(DeprecationWarning, match="dataclasses.fields"):
-    assert sampler.decoder_options(rj.AR) == ["gen_length", "temperature"]
-
-
-def test_the_renamed_evaluation_names_warn_and_work():
-  import ml_collections
-
-  from refusion_jax import eval as eval_cli
-  from refusion_jax.evaluation import bench_models
-  from refusion_jax.training import validation
-
-  section = ml_collections.ConfigDict(dict(gen_length=16, slot_size=8, mdm_block_length=8, mdm_steps=8))
-  with pytest.warns(DeprecationWarning, match="config_method"):
-    assert validation.eval_knobs("mdm", section) == dict(gen_length=16, block_length=8, steps=8)
-  with pytest.warns(DeprecationWarning, match="config_method"):
-    assert validation.EVAL_KNOBS["steps"] == "mdm_steps"
-  with pytest.warns(DeprecationWarning, match=r"refusion_jax.ReFusion \(same fields"):
-    assert bench_models.ReFusionOptions(32, 8, 2, 0.9, 0.5) == rj.ReFusion(32, 8, 2, 0.9, 0.5)
-  with pytest.warns(DeprecationWarning, match="evaluation.sweep.default_label"):
-    assert eval_cli.default_label("mdm", dict(gen_length=16, steps=8)) == "mdm B16 8 steps"
-
-
-def test_the_renamed_harness_names_warn_and_work():
-  pytest.importorskip("lm_eval", reason="the harness needs the [eval] extra (lm-eval)")
-  from refusion_jax.evaluation import harness
-  from refusion_jax.parallel.mesh_spec import parse_mesh_spec
-
-  with pytest.warns(DeprecationWarning, match="harness.REFUSION_FIELDS"):
-    assert harness.REFUSION_KNOBS == harness.REFUSION_FIELDS
-  with pytest.warns(DeprecationWarning, match="paper.PAPER_GEN_LENGTH"):
-    assert harness.PAPER_GEN_LENGTH == 512
-  with pytest.warns(DeprecationWarning, match="mesh_spec.parse_mesh_spec"):
-    assert harness.parse_mesh is parse_mesh_spec
 
 
 def _imports(path: pathlib.Path, module: str) -> list[tuple[str, int]]:

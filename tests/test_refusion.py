@@ -1,17 +1,18 @@
 """ReFusion decoder behaviour: hand-built cases with a known outcome, compilation, sampling, input checks."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from helpers.decode_cases import random_weights
 from helpers.hand_cases import EOS, HAND_CASES, MASK, WORD, bigram_model, hand_knobs
 
+import refusion_jax as rj
 from refusion_jax.data.tokenizer import ByteTokenizer
-from refusion_jax.decoding.ar import ar_generate
 from refusion_jax.decoding.loop import compile_count
-from refusion_jax.decoding.mdm import mdm_generate
+from refusion_jax.decoding.methods import METHODS
 from refusion_jax.decoding.reference import decode_reference
-from refusion_jax.decoding.refusion import generate
-from refusion_jax.decoding.sampler import METHODS, Sampler
+from refusion_jax.decoding.sampler import Sampler
 from refusion_jax.model.config import tiny
 from refusion_jax.model.transformer import init_model
 
@@ -22,7 +23,7 @@ def test_hand_built_model_decodes_as_derived(name):
   model = bigram_model(*case["model"])
   knobs = hand_knobs(case)
   prompts = [[2, 3, 4], [5] * 20]  # the prompt is invisible to this model: both rows decode alike
-  result = generate(model, prompts, **knobs)
+  result = rj.decode(model, prompts, rj.ReFusion(**knobs))
   reference = decode_reference(model, prompts[0], mask_id=MASK, eos_id=EOS, **knobs)
   for got in (result, reference):
     for row in range(len(got.tokens)):
@@ -33,7 +34,9 @@ def test_hand_built_model_decodes_as_derived(name):
       assert got.commit_phase[row].tolist() == case["phase"]
 
 
-KNOBS = dict(gen_length=8, slot_size=2, serial_blocks=2, slot_threshold=0.6, token_threshold=0.4, mask_id=15, eos_id=14)
+FIELDS = dict(gen_length=8, slot_size=2, serial_blocks=2, slot_threshold=0.6, token_threshold=0.4)
+METHOD = rj.ReFusion(**FIELDS)
+IDS = dict(mask_id=15, eos_id=14)
 
 
 def random_model(seed: int, head_std: float = 0.5):
@@ -42,20 +45,22 @@ def random_model(seed: int, head_std: float = 0.5):
 
 def test_new_prompts_and_weights_in_one_bucket_compile_once():
   rng = np.random.default_rng(0)
-  knobs = dict(KNOBS, gen_length=12, slot_size=3)  # a layout no other test compiles
+  method = dataclasses.replace(METHOD, gen_length=12, slot_size=3)  # a layout no other test compiles
   before = compile_count("refusion")
-  generate(random_model(0), [rng.integers(0, 14, 3).tolist()], **knobs)
+  rj.decode(random_model(0), [rng.integers(0, 14, 3).tolist()], method, **IDS)
   assert compile_count("refusion") == before + 1
   for index in range(10):
     prompt = rng.integers(0, 14, int(rng.integers(1, 17))).tolist()
-    generate(random_model(index + 1), [prompt], **dict(knobs, slot_threshold=float(rng.uniform(0.1, 0.9))))
+    threshold = float(rng.uniform(0.1, 0.9))
+    rj.decode(random_model(index + 1), [prompt], dataclasses.replace(method, slot_threshold=threshold), **IDS)
   assert compile_count("refusion") == before + 1
 
 
 def test_sampling_is_reproducible_per_seed():
   model = random_model(1, head_std=0.05)  # nearly flat logits: samples vary a lot
   prompts = [[1, 2, 3], [4, 5]]
-  sample = lambda seed: generate(model, prompts, **KNOBS, temperature=1.0, seed=seed).tokens
+  method = dataclasses.replace(METHOD, temperature=1.0)
+  sample = lambda seed: rj.decode(model, prompts, method, **IDS, seed=seed).tokens
   first = sample(7)
   assert sample(7) == first
   assert any(sample(seed) != first for seed in (8, 9, 10))
@@ -66,10 +71,11 @@ def test_batched_rows_equal_their_single_calls():
   for case in range(3):
     model = random_model(100 + case, head_std=float(rng.uniform(0.2, 1.5)))
     prompts = [rng.integers(0, 14, int(n)).tolist() for n in (2, 9, 16, 5)]
-    knobs = dict(KNOBS, token_threshold=float(rng.uniform(0.1, 0.9)), eos_id=int(rng.integers(0, 14)))
-    batched = generate(model, prompts, **knobs)
+    method = dataclasses.replace(METHOD, token_threshold=float(rng.uniform(0.1, 0.9)))
+    ids = dict(IDS, eos_id=int(rng.integers(0, 14)))
+    batched = rj.decode(model, prompts, method, **ids)
     for row, prompt in enumerate(prompts):
-      single = generate(model, [prompt], **knobs)
+      single = rj.decode(model, [prompt], method, **ids)
       assert batched.tokens[row] == single.tokens[0]
       assert batched.num_forwards[row] == single.num_forwards[0]
       np.testing.assert_array_equal(batched.commit_iteration[row], single.commit_iteration[0])
@@ -77,9 +83,8 @@ def test_batched_rows_equal_their_single_calls():
 
 def test_defaults_come_from_the_model_config():
   model = bigram_model(WORD, WORD)
-  result = generate(
-    model, [[1, 2]], gen_length=8, slot_size=4, serial_blocks=1, slot_threshold=0.5, token_threshold=0.5
-  )
+  method = rj.ReFusion(gen_length=8, slot_size=4, serial_blocks=1, slot_threshold=0.5, token_threshold=0.5)
+  result = rj.decode(model, [[1, 2]], method)
   assert result.tokens == [[WORD] * 8]
 
 
@@ -104,11 +109,12 @@ BAD_INPUTS = [
 @pytest.mark.parametrize("change,message", BAD_INPUTS, ids=[m for _, m in BAD_INPUTS])
 def test_bad_input_is_rejected_before_compiling(change, message):
   model = init_model(tiny(vocab_size=16))  # no mask or EOS id in the config
-  args = dict(KNOBS, prompt_ids=[[1, 2, 3]])
+  args = dict(FIELDS, **IDS, prompt_ids=[[1, 2, 3]])
   args.update(change)
+  prompt_ids, ids = args.pop("prompt_ids"), {name: args.pop(name) for name in IDS}
   before = compile_count("refusion")
   with pytest.raises(ValueError, match=message):
-    generate(model, **args)
+    rj.decode(model, prompt_ids, rj.ReFusion(**args), **ids)
   assert compile_count("refusion") == before
 
 
@@ -127,12 +133,12 @@ NOT_INTEGER_IDS = {
 def test_non_integer_token_ids_are_refused_by_every_decoder(ids):
   tok = ByteTokenizer()
   model = init_model(tiny(vocab_size=tok.vocab_size, mask_token_id=tok.mask_id, eos_token_id=tok.eos_id))
-  refusion = dict(gen_length=8, slot_size=4, serial_blocks=1, slot_threshold=0.5, token_threshold=0.5)
+  refusion = rj.ReFusion(gen_length=8, slot_size=4, serial_blocks=1, slot_threshold=0.5, token_threshold=0.5)
   decoders = [
-    lambda: generate(model, ids, **refusion),
-    lambda: ar_generate(model, ids, gen_length=8),
-    lambda: mdm_generate(model, ids, gen_length=8, block_length=8, steps=8),
-    lambda: Sampler(model, tok, **refusion).decode_ids(ids),
+    lambda: rj.decode(model, ids, refusion),
+    lambda: rj.decode(model, ids, rj.AR(gen_length=8)),
+    lambda: rj.decode(model, ids, rj.MDM(gen_length=8, block_length=8, steps=8)),
+    lambda: Sampler(model, tok, refusion).decode_ids(ids),
   ]
   before = [compile_count(method) for method in METHODS]
   for decode in decoders:

@@ -8,20 +8,18 @@ import pytest
 from flax import nnx
 from helpers.decode_cases import byte_model
 
+import refusion_jax as rj
 from refusion_jax import sample
 from refusion_jax.checkpoints import hf as hf_io
 from refusion_jax.checkpoints import orbax as checkpoint
 from refusion_jax.data.tokenizer import ByteTokenizer
-from refusion_jax.decoding import ar, mdm
-from refusion_jax.decoding import refusion as decode
 from refusion_jax.decoding.loop import compile_count
 from refusion_jax.decoding.sampler import Sampler
 from refusion_jax.model import config
 from refusion_jax.model import transformer as model_lib
 
 TOK = ByteTokenizer()
-REFUSION = dict(gen_length=8, slot_size=4, serial_blocks=1, slot_threshold=0.5, token_threshold=0.5)
-BASELINES = {"ar": ar.ar_generate, "mdm": mdm.mdm_generate}
+METHOD = rj.ReFusion(gen_length=8, slot_size=4, serial_blocks=1, slot_threshold=0.5, token_threshold=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -46,17 +44,17 @@ def run_cli(capsys, *argv):
 
 
 def test_sampler_text_in_text_out(model):
-  sampler = Sampler(model, "bytes", **REFUSION)
+  sampler = Sampler(model, "bytes", METHOD)
   texts, result = sampler.generate(["hello", "a longer prompt"])
   assert texts == [TOK.decode(t) for t in result.tokens]
   assert sampler("hello") == texts[0]
   assert sampler(["hello", "a longer prompt"]) == texts
-  expected = decode.generate(model, [TOK.encode("hello")], eos_id=TOK.eos_id, mask_id=TOK.mask_id, **REFUSION)
+  expected = rj.decode(model, [TOK.encode("hello")], METHOD, eos_id=TOK.eos_id, mask_id=TOK.mask_id)
   assert result.tokens[0] == expected.tokens[0]
 
 
 def test_sampler_compiles_once_per_bucket(model):
-  sampler = Sampler(model, TOK, gen_length=12, slot_size=4, slot_threshold=0.7)  # settings no other test uses
+  sampler = Sampler(model, TOK, rj.ReFusion(gen_length=12, slot_size=4, slot_threshold=0.7))  # no other test's
   before = compile_count("refusion")
   sampler(["first prompt"])
   assert compile_count("refusion") == before + 1
@@ -64,19 +62,17 @@ def test_sampler_compiles_once_per_bucket(model):
   assert compile_count("refusion") == before + 1
 
 
-@pytest.mark.parametrize(
-  "method,kwargs", [("ar", dict(gen_length=6)), ("mdm", dict(gen_length=8, block_length=4, steps=4))]
-)
-def test_sampler_dispatches_to_the_baselines(model, method, kwargs):
+@pytest.mark.parametrize("method", [rj.AR(gen_length=6), rj.MDM(gen_length=8, block_length=4, steps=4)])
+def test_sampler_decodes_the_baselines_as_decode_does(model, method):
   rng = np.random.default_rng(0)
   prompts = ["".join(chr(c) for c in rng.integers(97, 123, size=n)) for n in (3, 9)]
-  _, result = Sampler(model, TOK, method=method, **kwargs).generate(prompts)
-  direct = BASELINES[method](model, [TOK.encode(p) for p in prompts], **kwargs)
+  _, result = Sampler(model, TOK, method=method).generate(prompts)
+  direct = rj.decode(model, [TOK.encode(p) for p in prompts], method)
   assert result.tokens == direct.tokens
 
 
 def test_sampler_mdm_defaults_follow_gen_length(model):
-  sampler = Sampler(model, TOK, method=mdm.MDM(gen_length=16))
+  sampler = Sampler(model, TOK, method=rj.MDM(gen_length=16))
   assert (sampler.method.block_length, sampler.method.steps) == (16, 16)
 
 
@@ -88,11 +84,13 @@ def test_sampler_chat_template_changes_the_prompt(model):
   assert Sampler(model, Bracketing(), chat_template=True).encode("hi") == TOK.encode("[hi]")
 
 
-def test_sampler_rejects_unknown_options(model):
-  with pytest.raises(ValueError, match="takes no slot_size"):
-    Sampler(model, TOK, method="ar", slot_size=4)
-  with pytest.raises(ValueError, match="Unknown method"):
-    Sampler(model, TOK, method="beam")
+def test_sampler_refuses_a_method_name_or_loose_method_fields(model):
+  """A method is a value that carries its fields: 0.3 removed 0.2's `Sampler(model, tok, method="ar", gen_length=6)`."""
+  for bad in ("ar", "beam", rj.AR):
+    with pytest.raises(ValueError, match=r"not a decoding method value.*refusion_jax.AR\(gen_length=64\)"):
+      Sampler(model, TOK, method=bad)
+  with pytest.raises(TypeError, match="gen_length"):
+    Sampler(model, TOK, gen_length=6)
 
 
 # ----------------------------------------------------------------------- CLI
@@ -120,7 +118,7 @@ def test_cli_json_on_a_hf_checkpoint(capsys, hf_dir, model):
   assert code == 0, err
   rows = [json.loads(line) for line in out.strip().splitlines()]
   assert len(rows) == 2
-  expected = decode.generate(model, [TOK.encode("hello"), [5, 6, 7, 8, 9]], eos_id=TOK.eos_id, **REFUSION)
+  expected = rj.decode(model, [TOK.encode("hello"), [5, 6, 7, 8, 9]], METHOD, eos_id=TOK.eos_id)
   for row, data in enumerate(rows):
     assert set(data) == {"tokens", "text", "num_forwards", "tpf", "seconds"}
     assert data["tokens"] == expected.tokens[row]
@@ -135,8 +133,8 @@ def test_cli_baseline_methods(capsys, hf_dir, model, method):
     capsys, "--hf_checkpoint", hf_dir, "--prompt_ids", "3,1,4", "--method", method, "--gen_length", 8, "--json"
   )
   assert code == 0, err
-  kwargs = dict(gen_length=8) if method == "ar" else dict(gen_length=8, block_length=8, steps=8)
-  expected = BASELINES[method](model, [[3, 1, 4]], **kwargs)
+  value = rj.AR(gen_length=8) if method == "ar" else rj.MDM(gen_length=8, block_length=8, steps=8)
+  expected = rj.decode(model, [[3, 1, 4]], value)
   assert json.loads(out)["tokens"] == expected.tokens[0]
 
 
@@ -178,7 +176,7 @@ def test_cli_names_a_hf_checkpoint_without_a_tokenizer_and_accepts_ids(capsys, t
   code, out, err = run_cli(capsys, "--hf_checkpoint", tmp_path, "--prompt_ids", "300,7,450", "--method", "ar", "--json")
   assert code == 0, err
   tokens = json.loads(out)["tokens"]
-  assert tokens == ar.ar_generate(big, [[300, 7, 450]], gen_length=64, eos_id=510, pad_id=509).tokens[0]
+  assert tokens == rj.decode(big, [[300, 7, 450]], rj.AR(gen_length=64), eos_id=510, pad_id=509).tokens[0]
   assert json.loads(out)["text"] == ",".join(map(str, tokens))
 
 
@@ -198,7 +196,7 @@ def test_cli_orbax_checkpoint(capsys, tmp_path):
     capsys, "--checkpoint", tmp_path, "--prompt_ids", "9,8,7", "--method", "ar", "--gen_length", 6, "--json"
   )
   assert code == 0, err
-  assert json.loads(out)["tokens"] == ar.ar_generate(trained, [[9, 8, 7]], gen_length=6).tokens[0]
+  assert json.loads(out)["tokens"] == rj.decode(trained, [[9, 8, 7]], rj.AR(gen_length=6)).tokens[0]
   code, out, err = run_cli(
     capsys,
     "--checkpoint",

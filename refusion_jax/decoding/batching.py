@@ -33,7 +33,6 @@ import numpy as np
 
 from refusion_jax.decoding.contract import DecodeOutputs, Method, Sampling, Settings
 from refusion_jax.decoding.mesh import constrain_rows
-from refusion_jax.deprecation import moved_names
 from refusion_jax.model.cache import KVCache
 from refusion_jax.model.transformer import Transformer
 
@@ -216,6 +215,3 @@ def host_zeros(build: Callable[..., Any], *args: Any) -> Any:
   """The pytree `build(*args)` would return, as numpy zeros: no device work, and its shapes are traced
   once per distinct (hashable) `build` and `args`, since starting a batch is on every decode call's path."""
   return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), _shapes(build, *args))
-
-
-__getattr__ = moved_names(__name__, {"Batch": ("refusion_jax.decoding.batching.LoopState", lambda: LoopState)})

@@ -28,7 +28,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from refusion_jax.deprecation import moved_names
 from refusion_jax.model.cache import KVCache
 from refusion_jax.parallel.activations import constrain, normalize_rules
 from refusion_jax.parallel.hosts import default_device
@@ -96,11 +95,6 @@ def loop_shardings(batch: Any, mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES) ->
   counters replicated."""
   rules = normalize_rules(rules)
   return batch.shardings(functools.partial(row_shardings, mesh=mesh, rules=rules), NamedSharding(mesh, PartitionSpec()))
-
-
-__getattr__ = moved_names(
-  __name__, {"batch_shardings": ("refusion_jax.decoding.mesh.loop_shardings", lambda: loop_shardings)}
-)
 
 
 def padded_rows(rows: int, mesh: jax.sharding.Mesh | None, rules: Rules = LOGICAL_AXIS_RULES) -> int:

@@ -22,8 +22,6 @@ from refusion_jax.checkpoints.load import load
 from refusion_jax.data import tasks
 from refusion_jax.data.special_tokens import SpecialTokens, resolve_special_tokens
 from refusion_jax.data.tokenizer import format_prompt
-from refusion_jax.decoding.refusion import ReFusion
-from refusion_jax.deprecation import moved_names
 from refusion_jax.model import config as config_lib
 from refusion_jax.model.transformer import Transformer, init_model
 
@@ -132,8 +130,3 @@ def measure(label: str, call: Callable[[], Result], repeats: int) -> tuple[Resul
     log(f"{label}: run {i + 1}/{repeats} {runs[-1]:.2f}s")
   median = statistics.median(runs)
   return result, max(first - median, 0.0), median
-
-
-__getattr__ = moved_names(
-  __name__, {"ReFusionOptions": ("refusion_jax.ReFusion (same fields, checked when built)", lambda: ReFusion)}
-)

@@ -8,8 +8,7 @@ has size 1 and one axis may be -1, "every remaining device". The same text
 works wherever a mesh is asked for: `python -m refusion_jax.aot --decode_mesh`,
 the lm-eval harness's `--model_args mesh=...` (whose own syntax splits on `,`
 and `=`, which is why neither appears here), and `format_mesh_spec` prints a
-mesh back in it. The spelling of 0.2's `aot --decode_mesh` (`data=2,tensor=4`)
-is still read, with a `DeprecationWarning` (refusion_jax/deprecation.py).
+mesh back in it.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from refusion_jax.deprecation import warn_deprecated
 from refusion_jax.parallel.sharding import MESH_AXES
 
 _SIZE = re.compile(r"-1|[1-9]\d*")
@@ -30,10 +28,7 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
   Raises:
     ValueError: naming the part that is wrong and showing the syntax.
   """
-  text = spec.strip()
-  old = "=" in text or "," in text
-  parts = [part for part in text.split(",") if part] if old else text.split("+")  # 0.2's aot skipped empty items
-  pairs = [part.partition("=" if old else ":") for part in parts]
+  pairs = [part.partition(":") for part in spec.strip().split("+")]
   shape: dict[str, int] = {}
   for name, colon, size in pairs:
     name, size = name.strip(), size.strip()
@@ -44,8 +39,6 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
     shape[name] = int(size)
   if list(shape.values()).count(-1) > 1:
     raise ValueError(f"mesh {spec!r}: at most one axis may be -1 (every remaining device), {_EXAMPLES}.")
-  if old:
-    warn_deprecated(f"the mesh spelling {spec!r} (axis=size pairs joined by ',')", repr(format_mesh_spec(shape)))
   return shape
 
 

@@ -24,11 +24,9 @@ from refusion_jax.data import pipeline
 from refusion_jax.data.tasks import is_correct
 from refusion_jax.data.tokenizer import Tokenizer
 from refusion_jax.decoding.contract import Method
-from refusion_jax.decoding.engine import decode
 from refusion_jax.decoding.methods import config_method
 from refusion_jax.decoding.result import DecodeResult
 from refusion_jax.decoding.sampler import Sampler
-from refusion_jax.deprecation import deprecated, moved_names
 from refusion_jax.model.transformer import Transformer
 from refusion_jax.training.state import Placement
 
@@ -180,47 +178,3 @@ def format_report(step: int, metrics: Mapping[str, float], samples: Sequence[Map
       REPRODUCIBILITY,
     ]
   )
-
-
-@deprecated(
-  old="refusion_jax.training.validation.decode_answers",
-  new="refusion_jax.decode(model, prompts, validation.eval_method(config), rows=..., mesh=...)",
-)
-def decode_answers(
-  model: Transformer,
-  prompts: list[list[int]],
-  config: ml_collections.ConfigDict,
-  batch_size: int | None = None,
-  mesh: jax.sharding.Mesh | None = None,
-) -> DecodeResult:
-  """The 0.2 call: the objective's method with `config.eval`'s fields, the model config's special ids."""
-  return decode(model, prompts, eval_method(config), rows=batch_size, mesh=mesh)
-
-
-def _eval_knobs(method: str, eval_config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """The 0.2 `eval_knobs`: the method's fields from `eval_config` but its temperature and fit_width."""
-  fields = dataclasses.asdict(config_method(method, eval_config))
-  return {name: value for name, value in fields.items() if name not in ("temperature", "fit_width")}
-
-
-__getattr__ = moved_names(
-  __name__,
-  {
-    "eval_knobs": (
-      "dataclasses.asdict(refusion_jax.decoding.methods.config_method(kind, config.eval))",
-      lambda: _eval_knobs,
-    ),
-    "EVAL_KNOBS": (
-      "refusion_jax.decoding.methods.config_method (a field's config key is <method>_<field>, else <field>)",
-      lambda: dict(
-        gen_length="gen_length",
-        slot_size="slot_size",
-        serial_blocks="serial_blocks",
-        slot_threshold="slot_threshold",
-        token_threshold="token_threshold",
-        block_length="mdm_block_length",
-        steps="mdm_steps",
-      ),
-    ),
-  },
-)

@@ -15,7 +15,9 @@ import jax
 import numpy as np
 from flax import nnx
 
+import refusion_jax as rj
 from refusion_jax.data.tokenizer import ByteTokenizer
+from refusion_jax.decoding.result import DecodeResult
 from refusion_jax.model.config import tiny
 from refusion_jax.model.transformer import Transformer, init_model
 
@@ -43,7 +45,7 @@ class Group:
 class Case:
   model: Transformer
   prompts: list[list[int]]
-  knobs: dict  # keyword arguments shared by `generate` and `decode_reference`
+  knobs: dict  # `decode_reference`'s keyword arguments, which `decode_as_reference` takes too
 
 
 def random_weights(template: Transformer, seed: int, weight_std: float, head_std: float) -> Transformer:
@@ -68,6 +70,17 @@ def random_weights(template: Transformer, seed: int, weight_std: float, head_std
     return x * weight_std
 
   return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(scale, params))
+
+
+REFUSION_FIELDS = frozenset(field.name for field in dataclasses.fields(rj.ReFusion))
+
+
+def decode_as_reference(model: Transformer, prompts: list[list[int]], knobs: dict) -> DecodeResult:
+  """`rj.decode` of the keywords `decode_reference` takes: ReFusion's fields make the method value, the others
+  (special ids, seed) are decode's options."""
+  fields = {name: value for name, value in knobs.items() if name in REFUSION_FIELDS}
+  options = {name: value for name, value in knobs.items() if name not in REFUSION_FIELDS}
+  return rj.decode(model, prompts, rj.ReFusion(**fields), **options)
 
 
 def random_case(group: Group, template: Transformer, rng: np.random.Generator) -> Case:
