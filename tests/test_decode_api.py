@@ -3,6 +3,7 @@
 import dataclasses
 import warnings
 
+import jax
 import numpy as np
 import pytest
 from helpers.decode_cases import random_weights
@@ -167,6 +168,28 @@ def test_decode_places_a_model_once_and_sees_its_weights_change():
   model.config = model.config.replace(tie_embeddings=not model.config.tie_embeddings)
   after = rj.decode(model, prompts, method, eos_id=EOS).tokens
   assert after == rj.decode(nnx.clone(model), prompts, method, eos_id=EOS).tokens and after != before
+
+
+def test_the_loop_donates_its_state_so_an_engine_holds_one_kv_cache():
+  rng = np.random.default_rng()
+  model, prompts = random_model(int(rng.integers(1 << 20))), random_prompts(rng, 3)
+  # Without an EOS id no answer ends before its 8 tokens.
+  engine = Engine(model, rj.AR(gen_length=8), rows=3, prompt_width=16)
+  requests = [engine.submit(prompt) for prompt in prompts]
+  engine.advance(iterations=2)
+  given = engine._state  # the first call's output, the second call's input
+  engine.advance(iterations=2)
+  # Its KV cache became the second call's output (the queue fields the host refilled were never handed over).
+  assert all(leaf.is_deleted() for leaf in jax.tree.leaves(given.rows))
+  # The compiled program aliases every byte of the state it takes to the state it returns.
+  state = engine._state
+  lowered = engine._loop.lower(engine._params, state, engine._iterations(2), engine._knobs)
+  assert lowered.compile().memory_analysis().alias_size_in_bytes == sum(x.nbytes for x in jax.tree.leaves(state))
+  while not engine.idle:
+    engine.advance()
+  # Later engines of the program start from the process's idle start, which no call consumed.
+  decodes = [rj.decode(model, prompts, rj.AR(gen_length=8)).tokens for _ in range(2)]
+  assert decodes == [engine.pop(requests).tokens] * 2
 
 
 def test_a_cancelled_request_frees_its_row_for_the_others():

@@ -30,7 +30,7 @@ from refusion_jax.decoding.checks import (
 from refusion_jax.decoding.contract import DecodeOutputs, Method
 from refusion_jax.decoding.mesh import padded_rows, pick_rows_on
 from refusion_jax.decoding.options import DecodeOptions, decode_options
-from refusion_jax.decoding.programs import placed_program, placed_start
+from refusion_jax.decoding.programs import placed_program, start_for
 from refusion_jax.decoding.prompts import bucket_length
 from refusion_jax.decoding.result import PHASE_NONE, DecodeResult
 from refusion_jax.model.transformer import Transformer, inference_view
@@ -111,8 +111,10 @@ class Engine:
     placed = placed_program(model, self.decoder, mesh, rules, (method, special, sample))
     self._loop, self._params, self._knobs = placed.loop, placed.params, placed.knobs
     self._chunks = placed.chunks  # placed iteration counts by `advance`'s iterations
-    start = placed_start(self._loop, self.decoder, config, self.rows, prompt_width)
-    self._state_shardings, self._state, state = start.shardings, start.placed, start.host
+    start = start_for(self._loop, self.decoder, config, self.rows, prompt_width)
+    # The host start, placed by the first `advance` with the queue: the loop donates the state, so no placed one
+    # is shared.
+    self._state_shardings, self._state, state = start.shardings, start.host, start.host
     # The host's copy of the queue, and what the last loop call left in it (read back after every call).
     self._tokens, self._lengths = np.array(state.queue_tokens), np.array(state.queue_lengths)
     self._prompt, self._waiting = np.array(state.queue_prompt), np.array(state.waiting)

@@ -58,8 +58,10 @@ def _decode_rows(
 # decode_loop(graphdef, params, state, max_iterations, knobs, program=(method class, settings), placement) -> the
 # LoopState after up to max_iterations iterations. Weights, the state, the iteration count and the knobs are traced:
 # only the graph, the program, the placement, the shapes (rows, queue entries, prompt bucket) and the inputs'
-# shardings compile anew, so `Loop` hands every input over placed the same way on every call.
-decode_loop = jax.jit(_decode_rows, static_argnames=("graphdef", "program", "placement"))
+# shardings compile anew, so `Loop` hands every input over placed the same way on every call. The state is donated:
+# the returned state takes its buffers (the KV cache updated in place), so a caller holds one copy of it and must
+# use only the returned state. The rest is kept: an engine passes the same weights, knobs and counts to every call.
+decode_loop = jax.jit(_decode_rows, static_argnames=("graphdef", "program", "placement"), donate_argnames=("state",))
 
 _LOOP_TAG = "decode_loop"
 
@@ -113,7 +115,7 @@ class Loop:
     return place(state, self.state_shardings(state) if shardings is None else shardings)
 
   def __call__(self, params: Any, state: LoopState, max_iterations: Any, knobs: Any) -> LoopState:
-    """One loop call on placed inputs."""
+    """One loop call on placed inputs; `state` is donated (its arrays are deleted): use the returned state."""
     name = self.program[0].name
     with tagged(_LOOP_TAG, f"{_LOOP_TAG}/{name}"):  # the loop's compiles
       return decode_loop(

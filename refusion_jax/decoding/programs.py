@@ -12,9 +12,10 @@ Policy:
     at most `PROGRAMS_PER_MODEL` per model, oldest first out; a program whose
     parameters had to be copied to reach their devices (a mesh, another
     device) is never kept, so the cache never holds a second copy of the weights;
-  * idle start states are kept only while small (`START_BYTES`, at most
-    `STARTS_KEPT`): a big model's idle KV caches would hold device memory
-    between calls.
+  * idle start states are kept on the host, and only while small
+    (`START_BYTES`, at most `STARTS_KEPT`): the loop donates its state, so a
+    placed one would serve a single engine (each engine's first call places
+    its own), and a big model's idle KV caches would hold memory between calls.
 `clear_caches()` (`rj.clear_caches`) drops both (e.g. before measuring memory, or after changing the
 default device).
 """
@@ -97,28 +98,26 @@ def placed_program(
 
 @dataclasses.dataclass(frozen=True)
 class StartState:
-  """An engine's idle start state: on the host (the engine's copy of the queue is made from it), on its
-  devices, and the shardings of the state, whose structure never changes."""
+  """An engine's idle start state on the host (the engine's copy of the queue is made from it, and its first loop
+  call places it), and the shardings of the state, whose structure never changes."""
 
   host: LoopState
-  placed: LoopState
   shardings: Any
 
 
-# Idle start states by everything that fixes them: arrays are immutable and the loop donates none, so every engine
-# of a program starts from the same ones (a decode call builds and places only its queue). A few small ones are
-# kept: a big model's idle caches would hold device memory between calls.
+# Idle start states by everything that fixes them, on the host: the loop donates its state, so a placed one would
+# serve one engine only.
 _STARTS: dict[tuple, StartState] = {}
 STARTS_KEPT, START_BYTES = 8, 64 * 2**20
 
 
-def placed_start(loop: Loop, decoder: Decoder, config: ModelConfig, rows: int, prompt_width: int) -> StartState:
+def start_for(loop: Loop, decoder: Decoder, config: ModelConfig, rows: int, prompt_width: int) -> StartState:
+  """The idle start state of `loop` for K = `rows` rows and prompt bucket `prompt_width` (cached while small)."""
   key = (loop.program, loop.placement, config, rows, prompt_width, jax.config.jax_default_prng_impl)
   if key in _STARTS:
     return _STARTS[key]
   host = start_state(decoder, config, rows, prompt_width)
-  shardings = loop.state_shardings(host)
-  start = StartState(host, loop.place_state(host, shardings), shardings)
+  start = StartState(host, loop.state_shardings(host))
   if sum(leaf.nbytes for leaf in jax.tree.leaves(host)) <= START_BYTES:  # a big model's caches are not kept idle
     if len(_STARTS) >= STARTS_KEPT:
       _STARTS.pop(next(iter(_STARTS)))
