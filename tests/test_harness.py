@@ -17,8 +17,9 @@ import types
 
 import numpy as np
 import pytest
+from helpers.extras import module_needs
 
-pytest.importorskip("lm_eval")
+pytestmark = module_needs("eval")
 
 import refusion_jax as rj  # noqa: E402
 from refusion_jax import harness as cli  # noqa: E402

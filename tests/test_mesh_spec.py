@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 import refusion_jax
-from refusion_jax.evaluation import harness
 from refusion_jax.parallel.mesh_spec import format_mesh_spec, parse_mesh_spec
 from refusion_jax.parallel.sharding import MESH_AXES
 
@@ -52,15 +51,20 @@ def test_the_old_aot_spelling_still_reads_and_says_the_new_one():
     assert parse_mesh_spec("data=2,tensor=4,") == {"data": 2, "tensor": 4}
 
 
+@pytest.mark.extra("eval")
 def test_the_old_parser_names_forward_to_the_one_parser():
   from refusion_jax import aot
+  from refusion_jax.evaluation import harness
 
   for module in (aot, harness):
     with pytest.warns(DeprecationWarning, match=r"parse_mesh is deprecated .* use refusion_jax.parallel.mesh_spec"):
       assert module.parse_mesh is parse_mesh_spec
 
 
+@pytest.mark.extra("eval")
 def test_the_harness_reports_a_bad_mesh_as_a_model_argument_error():
+  from refusion_jax.evaluation import harness
+
   with pytest.raises(harness.HarnessArgumentError, match="mesh 'fsdp:4\\+gpu:2': gpu:2 names no mesh axis"):
     harness.build_mesh("fsdp:4+gpu:2")
 

@@ -183,8 +183,8 @@ def test_the_renamed_evaluation_names_warn_and_work():
     assert eval_cli.default_label("mdm", dict(gen_length=16, steps=8)) == "mdm B16 8 steps"
 
 
+@pytest.mark.extra("eval")
 def test_the_renamed_harness_names_warn_and_work():
-  pytest.importorskip("lm_eval", reason="the harness needs the [eval] extra (lm-eval)")
   from refusion_jax.evaluation import harness
   from refusion_jax.parallel.mesh_spec import parse_mesh_spec
 
