@@ -73,7 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
   decoding.add_argument(
     "--batch_size", type=int, help="rows decoded at once, by continuous batching (default: config eval.batch_size)."
   )
-  decoding.add_argument("--repeats", type=int, default=1, help="time each batch this many times, keep the fastest.")
+  decoding.add_argument(
+    "--repeats",
+    type=int,
+    default=1,
+    help="timed runs of each batch (after a compiling first call); the median is reported.",
+  )
   decoding.add_argument("--seed", type=int, default=0)
 
   output = parser.add_argument_group("output")

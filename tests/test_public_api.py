@@ -14,7 +14,17 @@ from flax import nnx
 
 import refusion_jax as rj
 
-LIBRARY_PACKAGES = ("model", "checkpoints", "decoding", "training", "evaluation", "serving", "data", "parallel")
+LIBRARY_PACKAGES = (
+  "model",
+  "checkpoints",
+  "decoding",
+  "training",
+  "evaluation",
+  "benchmarks",
+  "serving",
+  "data",
+  "parallel",
+)
 
 
 ENTRY_POINTS = ("train", "sample", "bench", "train_bench", "eval", "aot", "convert", "harness", "serve")
@@ -60,9 +70,9 @@ def test_internals_are_not_exported():
       getattr(rj, internal)
 
 
-# Which packages each library package may import: entry points -> evaluation -> serving -> training/decoding ->
-# checkpoints/data -> model/parallel, never back up. `deprecation.py` (old names forwarded with a warning) sits
-# below them all.
+# Which packages each library package may import: entry points -> evaluation -> benchmarks -> serving ->
+# training/decoding -> checkpoints/data -> model/parallel, never back up (eval's runner times its batches with the
+# benchmarks' timer). `deprecation.py` (old names forwarded with a warning) sits below them all.
 BELOW_EVERY_PACKAGE = {"deprecation"}
 ALLOWED_IMPORTS = {
   "model": {"model", "parallel"},
@@ -72,7 +82,18 @@ ALLOWED_IMPORTS = {
   "decoding": {"decoding", "data", "model", "parallel"},
   "training": {"training", "decoding", "checkpoints", "data", "model", "parallel"},
   "serving": {"serving", "decoding", "data", "model", "parallel"},
-  "evaluation": {"evaluation", "serving", "training", "decoding", "checkpoints", "data", "model", "parallel"},
+  "benchmarks": {"benchmarks", "serving", "training", "decoding", "checkpoints", "data", "model", "parallel"},
+  "evaluation": {
+    "evaluation",
+    "benchmarks",
+    "serving",
+    "training",
+    "decoding",
+    "checkpoints",
+    "data",
+    "model",
+    "parallel",
+  },
 }
 
 
@@ -169,7 +190,6 @@ def test_the_renamed_evaluation_names_warn_and_work():
   import ml_collections
 
   from refusion_jax import eval as eval_cli
-  from refusion_jax.evaluation import bench_models
   from refusion_jax.training import validation
 
   section = ml_collections.ConfigDict(dict(gen_length=16, slot_size=8, mdm_block_length=8, mdm_steps=8))
@@ -177,8 +197,6 @@ def test_the_renamed_evaluation_names_warn_and_work():
     assert validation.eval_knobs("mdm", section) == dict(gen_length=16, block_length=8, steps=8)
   with pytest.warns(DeprecationWarning, match="config_method"):
     assert validation.EVAL_KNOBS["steps"] == "mdm_steps"
-  with pytest.warns(DeprecationWarning, match=r"refusion_jax.ReFusion \(same fields"):
-    assert bench_models.ReFusionOptions(32, 8, 2, 0.9, 0.5) == rj.ReFusion(32, 8, 2, 0.9, 0.5)
   with pytest.warns(DeprecationWarning, match="evaluation.sweep.default_label"):
     assert eval_cli.default_label("mdm", dict(gen_length=16, steps=8)) == "mdm B16 8 steps"
 
