@@ -100,6 +100,28 @@ def test_default_decode_bench_on_tiny():
   assert rows[("refusion", 1)].tokens == rows[(EAGER, 1)].tokens
 
 
+def test_the_timer_warms_up_each_variant_then_interleaves_rounds(monkeypatch):
+  now, order = [0.0], []
+  monkeypatch.setattr(timer, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+  durations = {"a": iter([9.0, 1.0, 3.0, 2.0]), "b": iter([9.0, 2.0, 2.0, 8.0])}  # warm-up, then 3 rounds
+
+  def variant(key):
+    def call():
+      order.append(key)
+      now[0] += next(durations[key])
+      return len(order)
+
+    return call
+
+  results, timings = timer.time_rounds({"a": variant("a"), "b": variant("b")}, repeats=3, progress=False)
+  assert order == ["a", "b"] * 4 and results == {"a": 7, "b": 8}  # each variant's last result
+  a = timings["a"]
+  assert (a.warm_up, a.rounds, a.median, a.compile_seconds, a.spread) == (9.0, (1.0, 3.0, 2.0), 2.0, 7.0, 1.0)
+  assert a.ratio_to(timings["b"]) == 0.5  # the median of same-round ratios 1/2, 3/2, 2/8
+  with pytest.raises(ValueError, match="at least 1"):
+    timer.time_rounds({"a": variant("a")}, repeats=0)
+
+
 def test_train_bench_times_every_objective_in_interleaved_rounds(monkeypatch):
   # A clock whose n-th reading is n²: the k-th timed step lasts 4k + 1, so each objective's times say which
   # turns it had.

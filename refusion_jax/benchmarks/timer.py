@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Hashable, Mapping
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import jax
 
@@ -56,12 +56,17 @@ class Timing:
 
 
 def time_rounds(
-  calls: Mapping[Key, Callable[[], Result]], repeats: int, *, warm_up: str = "always", progress: bool = True
+  calls: Mapping[Key, Callable[[], Result]],
+  repeats: int,
+  *,
+  warm_up: Literal["always", "if_compiled"] = "always",
+  progress: bool = True,
 ) -> tuple[dict[Key, Result], dict[Key, Timing]]:
   """Each variant's last result and its `Timing`: a warm-up call each, then `repeats` interleaved rounds.
 
   warm_up: "always" (every variant's first call is the warm-up) or "if_compiled" (a first call that compiled
-    no XLA program, `decoding.compilations`, ran what the rounds run and counts as the first round).
+    no XLA program, `decoding.compilations`, ran what the rounds run and counts as the first round: for one
+    variant timed again and again, as eval's runner times its batches).
   progress: a line on stderr per warm-up and per round.
   """
   say = log if progress else lambda message: None
@@ -85,8 +90,7 @@ def time_rounds(
       if len(rounds[key]) < repeats:  # a first call that compiled nothing was this variant's first round
         results[key], seconds = _timed(call)
         rounds[key].append(seconds)
-    if len(calls) > 1 or repeats > 1:
-      say(f"timed round {round_ + 1} of {repeats}")
+    say(f"timed round {round_ + 1} of {repeats}")
   return results, {key: Timing(tuple(rounds[key]), warm.get(key, 0.0)) for key in calls}
 
 
