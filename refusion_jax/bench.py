@@ -14,13 +14,12 @@ forward); `serve`: the OpenAI-compatible server under concurrent clients against
     python -m refusion_jax.bench quant --checkpoint WORKDIR   # int8 / int4 vs bf16 (results/quantization.md)
     python -m refusion_jax.bench serve --random_init tiny --prompts 64 --clients 16 --rows 8   # the HTTP server
 
-`decode` runs `refusion_jax.evaluation.decode_bench`, `throughput` runs
-`refusion_jax.evaluation.throughput`, `lora` runs `refusion_jax.evaluation.lora_cost`, `quant` runs
-`refusion_jax.evaluation.quant_bench`, `serve` runs `refusion_jax.evaluation.serve_bench` (what each measures
-is said there); the random models of `decode` and
-`throughput` are sharpened (`evaluation.bench_models`: --sharpen scales the LM head, EOS is never predicted)
-so that slots pass verification as a trained model's do. Pass --hf_checkpoint / --checkpoint to measure
-trained weights.
+Each mode runs its module of `refusion_jax.benchmarks` (`decode`, `throughput`, `lora`, `quant`, `serve`: what
+each measures is said there), which formats its own table under the machine's name. All are timed alike
+(`benchmarks.timer`): a warm-up call per variant (compilation excluded), then `--repeats` rounds interleaved
+across the variants, the median and the spread reported. The random models of `decode` and `throughput` are
+sharpened (`benchmarks.models`: --sharpen scales the LM head, EOS is never predicted) so that slots pass
+verification as a trained model's do. Pass --hf_checkpoint / --checkpoint to measure trained weights.
 """
 
 from __future__ import annotations
@@ -31,20 +30,17 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-import jax
-
+from refusion_jax.benchmarks.decode import DecodeBenchOptions, format_table, run_decode_bench, summary
+from refusion_jax.benchmarks.lora import LoraCostOptions, run_lora_cost
+from refusion_jax.benchmarks.models import TrainedSource
+from refusion_jax.benchmarks.quant import QuantBenchOptions, format_quant, run_quant_bench
+from refusion_jax.benchmarks.serve import ServeBenchOptions, format_serve, run_serve_bench
+from refusion_jax.benchmarks.throughput import ThroughputOptions, format_throughput, run_throughput_bench
 from refusion_jax.checkpoints.load import load
 from refusion_jax.cli import UsageError, add_model_flags, has_model, model_request, run_argparse
 from refusion_jax.decoding.mdm import MDM
 from refusion_jax.decoding.methods import add_method_flags, field_names, flag_values, method_value
 from refusion_jax.decoding.refusion import ReFusion
-from refusion_jax.evaluation.bench_models import TrainedSource
-from refusion_jax.evaluation.bench_tables import format_quant, format_serve, format_table, format_throughput, summary
-from refusion_jax.evaluation.decode_bench import DecodeBenchOptions, run_decode_bench
-from refusion_jax.evaluation.lora_cost import LoraCostOptions, run_lora_cost
-from refusion_jax.evaluation.quant_bench import QuantBenchOptions, run_quant_bench
-from refusion_jax.evaluation.serve_bench import ServeBenchOptions, run_serve_bench
-from refusion_jax.evaluation.throughput import ThroughputOptions, run_throughput_bench
 from refusion_jax.model import config as config_lib
 
 
@@ -62,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
   )
   p.add_argument("--sizes", default="tiny,small", help="comma-separated model presets (random weights).")
   p.add_argument("--batch", type=int, default=16, help="the large batch (batch 1 is always measured too).")
-  p.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up; the median is reported.")
+  p.add_argument("--repeats", type=int, default=3, help=REPEATS_HELP)
   _add_refusion_flags(p, serial_blocks=ReFusion().serial_blocks)
   p.add_argument("--mdm_block_length", type=int, help="MDM tokens per block (default min(32, gen_length)).")
   p.add_argument("--mdm_steps", type=int, help="MDM unmasking steps in all (default gen_length: one token per step).")
@@ -79,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--batch_sizes", type=ints, default=[1, 8, 16], help="comma-separated K of the batched modes.")
   t.add_argument("--size", default="tiny", choices=sorted(config_lib.PRESETS), help="random model preset.")
   t.add_argument("--num_layers", type=int, default=3, help="random model: its layers (the preset's with 0).")
-  t.add_argument("--repeats", type=int, default=3, help="interleaved timed rounds after the warm-up; medians.")
+  t.add_argument("--repeats", type=int, default=3, help=REPEATS_HELP)
   _add_refusion_flags(t, serial_blocks=2)
   t.add_argument("--sharpen", type=float, default=64.0, help="LM-head scale of the random model.")
   t.add_argument(
@@ -98,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
   for field in dataclasses.fields(LoraCostOptions):
-    lora.add_argument(f"--{field.name}", type=type(field.default), default=field.default)
+    lora.add_argument(
+      f"--{field.name}", type=type(field.default), default=field.default, help=REPEATS_HELP * (field.name == "repeats")
+    )
 
   q = commands.add_parser(
     "quant",
@@ -114,19 +112,23 @@ def build_parser() -> argparse.ArgumentParser:
     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
   for name, field in ((f.name, f) for f in dataclasses.fields(ServeBenchOptions)):
-    s.add_argument(f"--{name}", type=int, default=field.default, help="see refusion_jax.evaluation.serve_bench.")
+    s.add_argument(
+      f"--{name}", type=int, default=field.default, help=REPEATS_HELP if name == "repeats" else "see benchmarks.serve."
+    )
   add_model_flags(s)
   add_method_flags(s.add_argument_group("decoding"))
   return parser
 
 
+# What --repeats means in every mode (and in eval): benchmarks.timer's rounds.
+REPEATS_HELP = "timed rounds after a warm-up call per variant, interleaved across the variants; median and spread."
 QUANT_HELP = {
   "checkpoint": "a trained run of the built-in tasks (its validation rows and queries); '': random weights.",
   "preset": "without a checkpoint: the preset whose one random draw every variant holds.",
   "count": "teacher-forced rows (a quarter of them, at most, are the decode prompts without a checkpoint).",
   "length": "tokens per teacher-forced row.",
   "gen_length": "answer tokens of the greedy AR and the timed ReFusion decodes.",
-  "repeats": "interleaved timed rounds; the median per variant.",
+  "repeats": REPEATS_HELP,
   "seed": "the random weights and tokens.",
   "variants": "which to build (comma-separated); float32 and bfloat16 always run.",
 }
@@ -180,17 +182,14 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
   if args.command == "quant":
     options = QuantBenchOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(QuantBenchOptions)})
     print(format_quant(*run_quant_bench(options)))
-    print(f"backend: {jax.default_backend()}; reproduce with: {reproduce_command(argv)}")
+    print(f"reproduce with: {reproduce_command(argv)}")
     return
   if args.command == "serve":
     model, tokenizer = load(**model_request(args))
     method = method_value(args.method, flag_values(args, field_names(args.method)))
     options = ServeBenchOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServeBenchOptions)})
-    report = format_serve(run_serve_bench(model, tokenizer, method, options))
-    print(report)
-    print(
-      f"backend: {jax.default_backend()} ({jax.device_count()} device(s)); reproduce with: {reproduce_command(argv)}"
-    )
+    print(format_serve(run_serve_bench(model, tokenizer, method, options)))
+    print(f"reproduce with: {reproduce_command(argv)}")
     return
   trained = _trained_source(args)
   if args.command == "throughput":
@@ -221,7 +220,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
     rows = run_decode_bench(options, trained)
     report = "\n\n".join([format_table(rows), summary(rows)])
   print(report)
-  print(f"backend: {jax.default_backend()} ({jax.device_count()} device(s)); reproduce with: {reproduce_command(argv)}")
+  print(f"reproduce with: {reproduce_command(argv)}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

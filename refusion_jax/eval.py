@@ -68,7 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     "values sweep every combination)"
   )
   add_method_flags(decoding, values=_values)
-  decoding.add_argument("--repeats", type=int, default=1, help="time each batch this many times, keep the fastest.")
+  decoding.add_argument(
+    "--repeats",
+    type=int,
+    default=1,
+    help="timed runs of each batch (after a compiling first call); the median is reported.",
+  )
   add_decode_flags(parser.add_argument_group("decode options (`rj.DecodeOptions`)"), rows_help="config eval.batch_size")
 
   output = parser.add_argument_group("output")

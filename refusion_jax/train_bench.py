@@ -7,10 +7,11 @@
 
 The model, batch size, sequence length, packing and mesh come from the
 config (a config without a tokenizer, like the recipe's, whose tokenizer
-comes from `init_from`, is timed on byte tokens); the synthetic batches and
-the interleaved rounds are `refusion_jax.evaluation.step_timing`'s. Per
-objective it prints the median step time, its median same-round ratio to the
-first objective, the pad fraction, and per chip: real (example) tokens per
+comes from `init_from`, is timed on byte tokens); the synthetic batches are
+`refusion_jax.benchmarks.train_step`'s, the warm-up step and the interleaved
+rounds `refusion_jax.benchmarks.timer`'s (`--steps` rounds). Per objective it
+prints the median step time and the rounds' spread, its median same-round
+ratio to the first objective, the pad fraction, and per chip: real (example) tokens per
 second, model TFLOP/s and MFU against the chip's bf16 peak
 (`parallel/compiled.py`; "n/a" where the peak is unknown, e.g. on CPU). Model
 FLOPs count real tokens only (model/flops.py).
@@ -24,7 +25,6 @@ state) and the compiler's temporaries.
 
 from __future__ import annotations
 
-import statistics
 import sys
 from collections.abc import Sequence
 
@@ -33,9 +33,10 @@ import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
+from refusion_jax.benchmarks.timer import machine
+from refusion_jax.benchmarks.train_step import time_objectives
 from refusion_jax.cli import report_errors
 from refusion_jax.data.tokenizer import load_tokenizer
-from refusion_jax.evaluation.step_timing import time_objectives
 from refusion_jax.model import flops
 from refusion_jax.parallel import compiled
 from refusion_jax.training.run_config import model_config_from
@@ -55,37 +56,34 @@ def report(
 ) -> None:
   """Time the objectives' steps and print one line per objective (and LoRA rank): time, ratio to the first,
   per-chip throughput, memory."""
-  timings = time_objectives(config, objectives, steps, lora_ranks)
-  device = jax.devices()[0]
-  peak = compiled.peak_flops(device)
+  measured = time_objectives(config, objectives, steps, lora_ranks)
+  peak = compiled.peak_flops(jax.devices()[0])
   model_config = model_config_from(config, load_tokenizer(config.tokenizer or "bytes"))
   print(
     f"batch {config.batch_size} x {config.data.seq_len} tokens, packing {config.data.packing}, "
     f"{model_config.num_layers} layers of hidden {model_config.hidden_size}, vocab {model_config.vocab_size}, "
     f"{model_config.dtype} compute, remat {model_config.remat}, attention {model_config.attention_impl}; "
-    f"{jax.device_count()} x {device.device_kind} "
-    f"(peak {'unknown' if peak is None else f'{peak / 1e12:.0f} TFLOP/s bf16'}), {steps} interleaved rounds"
+    f"machine: {machine()} (peak {'unknown' if peak is None else f'{peak / 1e12:.0f} TFLOP/s bf16'}), "
+    f"{steps} interleaved rounds after a warm-up step"
   )
-  first = next(iter(timings))
-  reference = timings[first].seconds
-  for kind, timing in timings.items():
-    # The ratio is the median over rounds of same-round ratios, steadier than a ratio of medians.
-    ratio = statistics.median(s / r for s, r in zip(timing.seconds, reference))
-    seconds = statistics.median(timing.seconds)
-    chip = flops.per_chip(timing.model_flops, timing.tokens, seconds, jax.device_count(), peak)
+  first = next(iter(measured))
+  for kind, step in measured.items():
+    seconds = step.timing.median
+    chip = flops.per_chip(step.model_flops, step.tokens, seconds, jax.device_count(), peak)
     mfu = f"{chip['mfu']:.1%}" if "mfu" in chip else "n/a"
-    temps = "n/a" if timing.temp_bytes is None else f"{timing.temp_bytes / 1e6:,.1f} MB"
+    temps = "n/a" if step.temp_bytes is None else f"{step.temp_bytes / 1e6:,.1f} MB"
     print(
-      f"{kind:>9}: {seconds * 1e3:8.1f} ms/step (median)  x{ratio:.2f} vs {first}  "
-      f"pad {timing.pad_fraction:.2f}  {chip['tokens_per_second_per_chip']:,.0f} real tokens/s/chip  "
+      f"{kind:>9}: {seconds * 1e3:8.1f} ms/step (median, spread {100 * step.timing.spread:.0f}%)  "
+      f"x{step.timing.ratio_to(measured[first].timing):.2f} vs {first}  "
+      f"pad {step.pad_fraction:.2f}  {chip['tokens_per_second_per_chip']:,.0f} real tokens/s/chip  "
       f"{chip['model_tflops_per_chip']:.1f} TFLOP/s/chip  MFU {mfu}  "
-      f"state {timing.state_bytes / 1e6:,.2f} MB  temporaries {temps}"
+      f"state {step.state_bytes / 1e6:,.2f} MB  temporaries {temps}"
     )
 
 
 if __name__ == "__main__":
   config_flags.DEFINE_config_file("config", None, "Training config file (see configs/).", lock_config=True)
-  flags.DEFINE_integer("steps", 10, "Timed steps per objective.")
+  flags.DEFINE_integer("steps", 10, "Timed rounds (one step per objective each) after the warm-up step.")
   flags.DEFINE_list("objectives", ["ar", "refusion", "mdm"], "Objectives to time; ratios are to the first.")
   flags.DEFINE_list("lora_ranks", [], "Time each objective per LoRA rank (0: full fine-tuning); '': config.lora.")
   flags.mark_flags_as_required(["config"])

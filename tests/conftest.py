@@ -4,9 +4,22 @@ import gc
 
 import jax
 import pytest
+from helpers import extras
 
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+  """A test marked `@pytest.mark.extra(name)` skips, naming the extra, when that extra is not installed."""
+  for mark in item.iter_markers("extra"):
+    (extra,) = mark.args
+    if extra not in extras.EXTRAS:
+      raise ValueError(
+        f"{item.nodeid}: unknown extra {extra!r}; tests/helpers/extras.py knows {sorted(extras.EXTRAS)}."
+      )
+    if extras.missing(extra):
+      pytest.skip(extras.reason(extra))
 
 
 @pytest.fixture(scope="module", autouse=True)

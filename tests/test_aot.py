@@ -1,6 +1,5 @@
 """Activation sharding and the ahead-of-time report, on 8 fake CPU devices (and a TPU topology when libtpu is here)."""
 
-import importlib.util
 import json
 import os
 import re
@@ -244,7 +243,7 @@ def test_constraints_are_the_identity_without_a_mesh_and_skip_axes_that_do_not_d
   np.testing.assert_array_equal(y, x)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason='needs libtpu: pip install "jax[tpu]"')
+@pytest.mark.extra("tpu")
 def test_compiles_for_a_tpu_topology():
   out = run_python(["-m", "refusion_jax.aot", *SMOKE, "--topology=v5p:2x2x1", "--decode_batch=4"], devices=1)
   assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
@@ -256,7 +255,7 @@ def test_compiles_for_a_tpu_topology():
   assert train_mfu and all(0 < mfu <= 100 for mfu in train_mfu), rows
 
 
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason='needs libtpu: pip install "jax[tpu]"')
+@pytest.mark.extra("tpu")
 def test_a_batched_refusion_decode_at_the_papers_block_compiles_for_one_v5e_chip():
   # Row picks at a block of 128 (G = 512, S = 8, 4 blocks) abort XLA's TPU compiler (a failed check in its gather
   # emitter, which kills the process): the decoder must not pick rows on a TPU.

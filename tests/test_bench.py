@@ -10,19 +10,17 @@ import types
 import pytest
 from helpers.train_utils import REPO, load_config
 
+from refusion_jax.benchmarks import timer, train_step
+from refusion_jax.benchmarks.decode import EAGER, DecodeBenchOptions, format_table, run_decode_bench, summary
+from refusion_jax.benchmarks.quant import QuantBenchOptions, format_quant, run_quant_bench
+from refusion_jax.benchmarks.throughput import (
+  ThroughputOptions,
+  different_from_sequential,
+  format_throughput,
+  run_throughput_bench,
+)
 from refusion_jax.decoding.mdm import MDM
 from refusion_jax.decoding.refusion import ReFusion
-from refusion_jax.evaluation import step_timing
-from refusion_jax.evaluation.bench_tables import (
-  different_from_sequential,
-  format_quant,
-  format_table,
-  format_throughput,
-  summary,
-)
-from refusion_jax.evaluation.decode_bench import EAGER, DecodeBenchOptions, run_decode_bench
-from refusion_jax.evaluation.quant_bench import QuantBenchOptions, run_quant_bench
-from refusion_jax.evaluation.throughput import ThroughputOptions, run_throughput_bench
 
 ROWS = [("refusion", 1), (EAGER, 1), ("ar", 1), ("mdm", 1), ("refusion", 2), ("ar", 2), ("mdm", 2)]
 
@@ -42,10 +40,11 @@ def test_minimal_decode_bench_measures_every_method_and_batch():
   assert all(len(t) == 8 for r in rows.values() for t in r.tokens)
   assert rows[("mdm", 2)].kv_cache_bytes is None and rows[(EAGER, 1)].kv_cache_bytes is None  # no fixed cache
   assert rows[("refusion", 2)].kv_cache_bytes == 2 * rows[("refusion", 1)].kv_cache_bytes > 0
-  assert all(r.run_s > 0 and r.compile_s >= 0 and r.tokens_per_s > 0 for r in rows.values())
-  # The formatters take the rows as they are.
+  assert all(r.run_s > 0 and r.timing.compile_seconds >= 0 and r.tokens_per_s > 0 for r in rows.values())
+  # The formatters take the rows as they are; the table names the machine.
   table, text = format_table(list(rows.values())), summary(list(rows.values()))
-  assert len(table.splitlines()) == 2 + len(ROWS) and "KiB" in table
+  assert len(table.splitlines()) == 3 + len(ROWS) and "KiB" in table
+  assert table.splitlines()[0] == f"machine: {timer.machine()}" and "CPU" in table.splitlines()[0]
   assert "(same tokens)" in text and "tokens/s at batch 2 over batch 1" in text
 
 
@@ -101,24 +100,47 @@ def test_default_decode_bench_on_tiny():
   assert rows[("refusion", 1)].tokens == rows[(EAGER, 1)].tokens
 
 
+def test_the_timer_warms_up_each_variant_then_interleaves_rounds(monkeypatch):
+  now, order = [0.0], []
+  monkeypatch.setattr(timer, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+  durations = {"a": iter([9.0, 1.0, 3.0, 2.0]), "b": iter([9.0, 2.0, 2.0, 8.0])}  # warm-up, then 3 rounds
+
+  def variant(key):
+    def call():
+      order.append(key)
+      now[0] += next(durations[key])
+      return len(order)
+
+    return call
+
+  results, timings = timer.time_rounds({"a": variant("a"), "b": variant("b")}, repeats=3, progress=False)
+  assert order == ["a", "b"] * 4 and results == {"a": 7, "b": 8}  # each variant's last result
+  a = timings["a"]
+  assert (a.warm_up, a.rounds, a.median, a.compile_seconds, a.spread) == (9.0, (1.0, 3.0, 2.0), 2.0, 7.0, 1.0)
+  assert a.ratio_to(timings["b"]) == 0.5  # the median of same-round ratios 1/2, 3/2, 2/8
+  with pytest.raises(ValueError, match="at least 1"):
+    timer.time_rounds({"a": variant("a")}, repeats=0)
+
+
 def test_train_bench_times_every_objective_in_interleaved_rounds(monkeypatch):
   # A clock whose n-th reading is n²: the k-th timed step lasts 4k + 1, so each objective's times say which
   # turns it had.
   readings = iter(n * n for n in range(100))
-  monkeypatch.setattr(step_timing, "time", types.SimpleNamespace(perf_counter=lambda: float(next(readings))))
+  monkeypatch.setattr(timer, "time", types.SimpleNamespace(perf_counter=lambda: float(next(readings))))
   config = load_config("demo")
-  timings = step_timing.time_objectives(config, ["ar", "refusion", "mdm"], steps=3)
-  # One step per objective per round, in turn: ar, refusion, mdm, ar, ...
-  times = {kind: timing.seconds for kind, timing in timings.items()}
-  assert times == {"ar": [1.0, 13.0, 25.0], "refusion": [5.0, 17.0, 29.0], "mdm": [9.0, 21.0, 33.0]}
+  steps = train_step.time_objectives(config, ["ar", "refusion", "mdm"], steps=3)
+  # A warm-up step each, then one step per objective per round, in turn: ar, refusion, mdm, ar, ...
+  assert {kind: step.timing.warm_up for kind, step in steps.items()} == {"ar": 1.0, "refusion": 5.0, "mdm": 9.0}
+  times = {kind: step.timing.rounds for kind, step in steps.items()}
+  assert times == {"ar": (13.0, 25.0, 37.0), "refusion": (17.0, 29.0, 41.0), "mdm": (21.0, 33.0, 45.0)}
   # ReFusion and AR train on the same packed rows; MDM cannot pack, so it gets rows of one example each.
-  assert timings["ar"].tokens == timings["refusion"].tokens and timings["ar"].model_flops > 0
-  assert timings["refusion"].pad_fraction < timings["mdm"].pad_fraction
+  assert steps["ar"].tokens == steps["refusion"].tokens and steps["ar"].model_flops > 0
+  assert steps["refusion"].pad_fraction < steps["mdm"].pad_fraction
 
 
 @pytest.mark.parametrize("packing", [True, False])
 def test_synthetic_batch_has_the_training_layout(packing):
-  batch = step_timing.synthetic_batch(4, 512, pad_id=300, packing=packing, max_segments=6, seed=1)
+  batch = train_step.synthetic_batch(4, 512, pad_id=300, packing=packing, max_segments=6, seed=1)
   assert batch["tokens"].shape == (4, 512)
   assert batch["prompt_len"].shape == ((4, 6) if packing else (4,)) == batch["answer_len"].shape
   lengths = (batch["prompt_len"] + batch["answer_len"]).reshape(4, -1).sum(axis=1)
@@ -163,6 +185,6 @@ def test_the_quantization_bench_compares_every_variant_with_bfloat16_on_one_draw
   assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == 4
   assert all(row.seconds_per_forward > 0 for row in rows.values())
   table = format_quant(list(rows.values()), source)
-  assert table.count("\n| ") == 2 + len(rows) and "1.00x" in table and "KiB" in table
+  assert table.count("\n| ") == 2 + len(rows) and "1.00x" in table and "KiB" in table and timer.machine() in table
   with pytest.raises(ValueError, match="Unknown variants"):
     run_quant_bench(dataclasses.replace(options, variants="int3"))

@@ -236,7 +236,7 @@ def test_the_sampler_takes_a_method_value_and_its_special_ids_from_the_tokenizer
 
 @pytest.mark.parametrize(("batch_size", "loop_forwards"), [(None, 7), (1, 21)])
 def test_batched_forwards_count_the_loop_and_one_prefill_per_prompt(batch_size, loop_forwards):
-  from refusion_jax.evaluation.bench_models import random_bench_model
+  from refusion_jax.benchmarks.models import random_bench_model
 
   bench = random_bench_model("tiny", 3, 128.0, int(np.random.default_rng().integers(1 << 20)))  # EOS never predicted
   result = rj.decode(bench.model, bench.prompts, rj.AR(gen_length=8), eos_id=bench.eos_id, rows=batch_size)

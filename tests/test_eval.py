@@ -12,6 +12,7 @@ from helpers.train_utils import REPO
 
 import refusion_jax as rj
 from refusion_jax import eval as eval_cli
+from refusion_jax.benchmarks import timer
 from refusion_jax.checkpoints import hf as hf_io
 from refusion_jax.data.tasks import TASKS, check_answer, generate_examples
 from refusion_jax.data.tokenizer import ByteTokenizer
@@ -62,11 +63,11 @@ def test_timed_decode_reruns_only_calls_that_compiled(monkeypatch, repeats):
   compiled = [0]
   calls = []
   now = [0.0]
-  monkeypatch.setattr(runner, "compilations", lambda: compiled[0])
-  monkeypatch.setattr(runner, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+  monkeypatch.setattr(timer, "compilations", lambda: compiled[0])
+  monkeypatch.setattr(timer, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
 
   def call(compiles: bool):
-    # A run takes 1 s plus 0.5 s per earlier call (the fastest run is the first measured one); compiling, 5 s more.
+    # A run takes 1 s plus 0.5 s per earlier call; compiling, 5 s more.
     now[0] += 1.0 + 0.5 * len(calls) + (5.0 if compiles and not calls else 0.0)
     calls.append(compiles)
     if compiles and len(calls) == 1:
@@ -75,12 +76,12 @@ def test_timed_decode_reruns_only_calls_that_compiled(monkeypatch, repeats):
 
   result, run_seconds, compile_seconds = runner.timed_decode(lambda: call(True), repeats)
   assert len(calls) == 1 + repeats and result == 1 + repeats  # the compiling call is not a measured run
-  # The compiling call took 6 s, the fastest run 1.5 s: compilation is the difference.
-  assert run_seconds == 1.5 and compile_seconds == 4.5
+  # The compiling call took 6 s, the runs 1.5, 2 and 2.5 s: the median is reported, compilation the difference.
+  assert run_seconds == 1.0 + 0.5 * (repeats + 1) / 2 and compile_seconds == 6.0 - run_seconds
   calls.clear()
   result, run_seconds, compile_seconds = runner.timed_decode(lambda: call(False), repeats)
   assert len(calls) == repeats and result == repeats and compile_seconds == 0.0
-  assert run_seconds == 1.0
+  assert run_seconds == 1.0 + 0.5 * (repeats - 1) / 2  # the first call is the first run
 
 
 def test_summary_metrics_per_task():

@@ -4,7 +4,6 @@ On the CPU the Pallas kernels run interpreted; the TPU kernel is also compiled a
 topology, and the GPU kernel is checked on a GPU when there is one.
 """
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -225,7 +224,7 @@ _TPU_COMPILE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason='needs libtpu: pip install "jax[tpu]"')
+@pytest.mark.extra("tpu")
 def test_splash_attention_compiles_for_a_tpu_topology():
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
   out = subprocess.run(

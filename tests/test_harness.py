@@ -17,8 +17,9 @@ import types
 
 import numpy as np
 import pytest
+from helpers.extras import module_needs
 
-pytest.importorskip("lm_eval")
+pytestmark = module_needs("eval")
 
 import refusion_jax as rj  # noqa: E402
 from refusion_jax import harness as cli  # noqa: E402
@@ -323,7 +324,7 @@ OFFICIAL = os.environ.get("REFUSION_OFFICIAL_REPO", "")
 def load_official_harness(repo: str, model):
   """The official `Qwen3EvalHarness` class (eval.py), run on the CPU in float32 on our model's weights.
 
-  eval.py is imported unchanged; what it imports is supplied as `evaluation.official` supplies generate.py's:
+  eval.py is imported unchanged; what it imports is supplied as `benchmarks.official` supplies generate.py's:
   its Qwen3 model class loads our model (saved with save_hf) through `OfficialDecoder`, and the CUDA timing
   events it records become host timers. lm-eval 0.4.13 no longer has `models.utils.get_dtype`, which eval.py
   imports and never calls, and LM.device is read-only there.
@@ -332,7 +333,7 @@ def load_official_harness(repo: str, model):
   import lm_eval.models.utils
   import torch
 
-  from refusion_jax.evaluation.official import OfficialDecoder, load_generate
+  from refusion_jax.benchmarks.official import OfficialDecoder, load_generate
 
   generate_refusion, _ = load_generate(repo)
   decoder = OfficialDecoder(model, repo)

@@ -1,6 +1,7 @@
 """setup.py gives each Python its jax line and the flax that imports under it; the extras and the install
 commands of docs/install.md agree with it."""
 
+import ast
 import pathlib
 import re
 import runpy
@@ -113,3 +114,62 @@ def test_the_installed_jax_is_read_without_importing_it_and_is_in_the_window():
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     check_jax()
+
+
+# What shows that a test needs an extra (tests/helpers/extras.py): importing lm-eval or our harness over it (at the
+# module's top or in the test), or compiling for a TPU topology, which libtpu describes (in the test, or in a module
+# constant it names).
+EVAL_IMPORTS = re.compile(r"lm_eval(\..*)?|refusion_jax\.(evaluation\.)?harness")
+TPU_CODE = re.compile(r"--topology=|topology_devices\(")
+
+
+def _imported(nodes: list[ast.AST]) -> set[str]:
+  """The modules these statements import (`from a import b` counts as `a.b` too: b may be a module)."""
+  names = set()
+  for node in nodes:
+    if isinstance(node, ast.Import):
+      names |= {alias.name for alias in node.names}
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      names |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+  return names
+
+
+def _unmarked_needs(path: pathlib.Path) -> list[str]:
+  """`file:test needs [extra]` for each test in `path` that needs an extra without `@pytest.mark.extra(extra)` on
+  itself or `pytestmark = module_needs(extra)` on its module."""
+  source = path.read_text(encoding="utf-8")
+  tree = ast.parse(source)
+  segment = lambda node: ast.get_source_segment(source, node) or ""
+  constants = {
+    target.id: segment(node)
+    for node in tree.body
+    if isinstance(node, ast.Assign)
+    for target in node.targets
+    if isinstance(target, ast.Name)
+  }
+  module_imports = _imported(tree.body)
+  found = []
+  for test in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")):
+    named = {n.id for n in ast.walk(test) if isinstance(n, ast.Name)}
+    code = "\n".join([segment(test), *(constants[name] for name in named & constants.keys())])
+    needs = {
+      "eval": any(EVAL_IMPORTS.fullmatch(name) for name in module_imports | _imported(list(ast.walk(test)))),
+      "tpu": bool(TPU_CODE.search(code)),
+    }
+    marks = constants.get("pytestmark", "") + "\n".join(segment(d) for d in test.decorator_list)
+    for extra in (e for e, needed in needs.items() if needed):
+      if f'extra("{extra}")' not in marks and f'module_needs("{extra}")' not in marks:
+        found.append(f"{path.name}:{test.name} needs [{extra}]")
+  return found
+
+
+def test_every_test_that_needs_an_extra_is_marked_so_ci_runs_it():
+  """A test needing lm-eval or libtpu carries `@pytest.mark.extra`: the README's command (`[test]` alone) skips it
+  naming the extra, and .ci/run's extras phase (`-m extra`) runs it. A test that skipped for a missing extra any
+  other way would run in neither phase of CI."""
+  tests = REPO / "tests"
+  unmarked = [found for path in sorted(tests.glob("test_*.py")) for found in _unmarked_needs(path)]
+  assert not unmarked, f"mark them @pytest.mark.extra(name) (tests/helpers/extras.py): {unmarked}"
+  own_skip = re.compile(r"""(importorskip|find_spec)\(\s*["'](lm_eval|libtpu)""")
+  offenders = [str(p.relative_to(tests)) for p in tests.rglob("*.py") if own_skip.search(p.read_text(encoding="utf-8"))]
+  assert offenders == [], f"skip for a missing extra through helpers/extras.py, not by hand: {offenders}"

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 import refusion_jax
-from refusion_jax.evaluation import harness
 from refusion_jax.parallel.mesh_spec import format_mesh_spec, parse_mesh_spec
 from refusion_jax.parallel.sharding import MESH_AXES
 
@@ -45,7 +44,10 @@ def test_a_bad_spec_is_refused_naming_the_part_and_showing_the_syntax(spec, mess
   assert message in str(error.value)
 
 
+@pytest.mark.extra("eval")
 def test_the_harness_reports_a_bad_mesh_as_a_model_argument_error():
+  from refusion_jax.evaluation import harness
+
   with pytest.raises(harness.HarnessArgumentError, match="mesh 'fsdp:4\\+gpu:2': gpu:2 names no mesh axis"):
     harness.build_mesh("fsdp:4+gpu:2")
 

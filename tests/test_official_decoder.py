@@ -1,4 +1,4 @@
-"""The official PyTorch decoder, run from a checkout through `evaluation.official`, gives our tokens.
+"""The official PyTorch decoder, run from a checkout through `benchmarks.official`, gives our tokens.
 
 Needs a checkout of ML-GSAI/ReFusion named by REFUSION_OFFICIAL_REPO (CI has
 none and no network, so there it is skipped); torch and transformers are the
@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 from helpers.decode_cases import decode_as_reference
 
+from refusion_jax.benchmarks.models import random_bench_model
+from refusion_jax.benchmarks.throughput import ThroughputOptions, run_throughput_bench, same_answers
 from refusion_jax.decoding.refusion import ReFusion
-from refusion_jax.evaluation.bench_models import random_bench_model
-from refusion_jax.evaluation.bench_tables import same_answers
-from refusion_jax.evaluation.throughput import ThroughputOptions, run_throughput_bench
 
 REPO = os.environ.get("REFUSION_OFFICIAL_REPO", "")
 pytestmark = pytest.mark.skipif(
@@ -29,7 +28,7 @@ pytestmark = pytest.mark.skipif(
 def test_official_decoder_gives_our_tokens(slot_size, serial_blocks, slot_threshold):
   pytest.importorskip("torch")
   pytest.importorskip("transformers")
-  from refusion_jax.evaluation.official import OfficialDecoder
+  from refusion_jax.benchmarks.official import OfficialDecoder
 
   seed = int(np.random.default_rng().integers(1 << 16))
   model = random_bench_model("tiny", 5, 64.0, seed, (6, 20), num_layers=2)
@@ -52,7 +51,7 @@ def test_official_decoder_gives_our_tokens(slot_size, serial_blocks, slot_thresh
 
 def test_official_decoder_runs_in_the_model_dtype_on_our_device():
   pytest.importorskip("torch")
-  from refusion_jax.evaluation.official import OfficialDecoder
+  from refusion_jax.benchmarks.official import OfficialDecoder
 
   model = random_bench_model("tiny", 1, 64.0, 0, num_layers=1, dtype="bfloat16", param_dtype="bfloat16")
   official = OfficialDecoder(model.model, REPO)

@@ -11,7 +11,17 @@ import pytest
 
 import refusion_jax as rj
 
-LIBRARY_PACKAGES = ("model", "checkpoints", "decoding", "training", "evaluation", "serving", "data", "parallel")
+LIBRARY_PACKAGES = (
+  "model",
+  "checkpoints",
+  "decoding",
+  "training",
+  "evaluation",
+  "benchmarks",
+  "serving",
+  "data",
+  "parallel",
+)
 
 
 ENTRY_POINTS = ("train", "sample", "bench", "train_bench", "eval", "aot", "convert", "harness", "serve")
@@ -42,9 +52,9 @@ def test_internals_are_not_exported():
       getattr(rj, internal)
 
 
-# Which packages each library package may import: entry points -> evaluation -> serving -> training/decoding ->
-# checkpoints/data -> model/parallel, never back up. `deprecation.py` (old names forwarded with a warning) sits
-# below them all.
+# Which packages each library package may import: entry points -> evaluation -> benchmarks -> serving ->
+# training/decoding -> checkpoints/data -> model/parallel, never back up (eval's runner times its batches with the
+# benchmarks' timer). `deprecation.py` (old names forwarded with a warning) sits below them all.
 BELOW_EVERY_PACKAGE = {"deprecation"}
 ALLOWED_IMPORTS = {
   "model": {"model", "parallel"},
@@ -54,7 +64,18 @@ ALLOWED_IMPORTS = {
   "decoding": {"decoding", "data", "model", "parallel"},
   "training": {"training", "decoding", "checkpoints", "data", "model", "parallel"},
   "serving": {"serving", "decoding", "data", "model", "parallel"},
-  "evaluation": {"evaluation", "serving", "training", "decoding", "checkpoints", "data", "model", "parallel"},
+  "benchmarks": {"benchmarks", "serving", "training", "decoding", "checkpoints", "data", "model", "parallel"},
+  "evaluation": {
+    "evaluation",
+    "benchmarks",
+    "serving",
+    "training",
+    "decoding",
+    "checkpoints",
+    "data",
+    "model",
+    "parallel",
+  },
 }
 
 

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import tqdm
 
+from refusion_jax.benchmarks.timer import time_rounds
 from refusion_jax.data.tokenizer import Tokenizer
-from refusion_jax.decoding.compilations import compilations
 from refusion_jax.decoding.contract import Method
 from refusion_jax.decoding.options import DecodeOptions
 from refusion_jax.decoding.result import DecodeResult
@@ -70,25 +69,13 @@ def task_batches(examples: Sequence[dict], batch_size: int) -> list[list[int]]:
 
 
 def timed_decode(call: Callable[[], DecodeResult], repeats: int = 1) -> tuple[DecodeResult, float, float]:
-  """(result, run seconds, compile seconds) of a deterministic decode `call()`.
-
-  A first call that compiled is timed as compilation (less one run) and not
-  counted as a run. Run seconds are the fastest of `repeats` runs: on a shared
-  machine other work only ever adds time.
+  """(result, run seconds, compile seconds) of a deterministic decode `call()`, timed as every benchmark times
+  (`benchmarks.timer`): the median of `repeats` runs. A first call that compiled is the warm-up, timed as
+  compilation (less one run); one that compiled nothing (a program shape an earlier batch compiled) is the first
+  run, so that a pass over a test set decodes each batch once unless it compiles or `repeats` > 1.
   """
-  if repeats < 1:
-    raise ValueError(f"repeats={repeats} must be at least 1.")
-  before = compilations()
-  start = time.perf_counter()
-  result = call()
-  first = time.perf_counter() - start
-  compiled = compilations() != before
-  runs = [] if compiled else [first]
-  while len(runs) < repeats:
-    start = time.perf_counter()
-    result = call()
-    runs.append(time.perf_counter() - start)
-  return result, min(runs), max(first - min(runs), 0.0) if compiled else 0.0
+  results, timings = time_rounds({"decode": call}, repeats, warm_up="if_compiled", progress=False)
+  return results["decode"], timings["decode"].median, timings["decode"].compile_seconds
 
 
 def run(
@@ -109,7 +96,7 @@ def run(
     options: how to decode (`rj.DecodeOptions`; its `rows`, K, required: continuous batching over each call's
       prompts).
     chat_template: wrap queries in the tokenizer's chat template, as training did.
-    repeats: time each batch this many times and keep the fastest (see `timed_decode`).
+    repeats: time each batch this many times and report the median (see `timed_decode`).
     progress: show a progress bar.
   """
   if not examples:

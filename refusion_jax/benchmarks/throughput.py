@@ -5,14 +5,14 @@ It decodes N prompts (several N in one run) with ReFusion: each prompt alone
 decoder before forwards were fitted to their work), static batches of K, and
 K rows kept busy by continuous batching, with the forwards per answer,
 batched forwards (loop iterations), their average width, tokens/s and (in
-`bench_tables`) the ratio to the sequential run. Continuous K = 1 runs the
+`format_throughput`) the ratio to the sequential run. Continuous K = 1 runs the
 whole queue through one compiled call on a single row: what it gains over the
 sequential run is the per-call host work (splitting the model, starting the
 batch, reading back), and what K > 1 gains over it is the rows sharing
-forwards. Modes are timed in interleaved rounds so that machine noise hits
-all alike; every mode must give the same tokens. With `official_repo` (a
+forwards. Modes are timed by `benchmarks.timer` (a warm-up call each, then
+interleaved rounds); every mode must give the same tokens. With `official_repo` (a
 checkout of ML-GSAI/ReFusion) it also times the official `generate.py` at
-B = 1 on the smallest N, on the same weights (`evaluation.official`; torch is
+B = 1 on the smallest N, on the same weights (`benchmarks.official`; torch is
 imported only then), on our accelerator when torch reaches it (else the CPU)
 and in the model's dtype.
 """
@@ -20,22 +20,16 @@ and in the model's dtype.
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from refusion_jax.benchmarks.models import BenchModel, TrainedSource, random_bench_model, trained_bench_model
+from refusion_jax.benchmarks.table import spread, table
+from refusion_jax.benchmarks.timer import Timing, log, time_rounds
 from refusion_jax.decoding.engine import decode
 from refusion_jax.decoding.refusion import ReFusion
 from refusion_jax.decoding.result import DecodeResult
-from refusion_jax.evaluation.bench_models import (
-  BenchModel,
-  TrainedSource,
-  log,
-  random_bench_model,
-  trained_bench_model,
-)
 
 # Random prompts of 20-27 tokens: one length bucket, so every prompt count runs on the programs the warm-up
 # compiled, and long enough that the prefill is a real share of the work, as with a task's query.
@@ -52,7 +46,7 @@ class ThroughputOptions:
   refusion: ReFusion
   prompts: Sequence[int] = (8, 64)  # prompt counts N
   batch_sizes: Sequence[int] = (1, 8, 16)  # K of the batched modes
-  repeats: int = 3  # interleaved timed rounds after the warm-up; medians
+  repeats: int = 3  # timed rounds after the warm-up (benchmarks.timer); medians
   size: str = "tiny"  # random model preset
   num_layers: int | None = 3  # random model: its layers (None: the preset's)
   dtype: str | None = None  # random model: activation and parameter dtype (None: the preset's)
@@ -86,10 +80,15 @@ class ThroughputRow:
   batch_forwards: int  # loop iterations: batched forwards, prefills not included
   average_width: float  # mean query width (tokens per row) of those forwards
   tokens_per_s: float
-  run_s: float  # median over the rounds
+  timing: Timing  # the warm-up and the timed rounds
   widths: dict[str, dict[int, int]]
   tokens: list[list[int]]
   official: bool = False  # the official PyTorch decoder's row
+
+  @property
+  def run_s(self) -> float:
+    """The median round."""
+    return self.timing.median
 
 
 def throughput_modes(bench: BenchModel, options: ThroughputOptions) -> list[Mode]:
@@ -107,7 +106,7 @@ def throughput_modes(bench: BenchModel, options: ThroughputOptions) -> list[Mode
   for k in options.batch_sizes:
     modes.append(Mode(f"continuous {k}", k, lambda ps, k=k: [run(ps, batch_size=k)]))
   if options.official_repo:
-    from refusion_jax.evaluation.official import OfficialDecoder  # imports torch: only when asked for
+    from refusion_jax.benchmarks.official import OfficialDecoder  # imports torch: only when asked for
 
     official = OfficialDecoder(bench.model, options.official_repo)
     label = f"{OFFICIAL} {official.device.type} {bench.model.config.dtype}"
@@ -130,40 +129,30 @@ def _merge_widths(results: Sequence[DecodeResult]) -> dict[str, dict[int, int]]:
 def bench_throughput(bench: BenchModel, options: ThroughputOptions) -> list[ThroughputRow]:
   """Every mode on the first N prompts for each N of `options.prompts`, timed in interleaved rounds."""
   smallest = min(options.prompts)
-  cells = [
-    (n, mode)
+  cells = {
+    f"{n} prompts, {mode.label}": (n, mode)
     for n in options.prompts
     for mode in throughput_modes(bench, options)
     if not mode.official or n == smallest
-  ]
-  results, times = {}, {}
-  for n, mode in cells:  # warm-up: compiles every shape the timed rounds use
-    start = time.perf_counter()
-    results[n, mode.label] = mode.decode(bench.prompts[:n])
-    log(f"{n} prompts, {mode.label}: first call (compile + run) {time.perf_counter() - start:.2f}s")
-  for round_ in range(options.repeats):
-    for n, mode in cells:
-      start = time.perf_counter()
-      mode.decode(bench.prompts[:n])
-      times.setdefault((n, mode.label), []).append(time.perf_counter() - start)
-    log(f"round {round_ + 1}/{options.repeats} done")
+  }
+  calls = {label: (lambda n=n, mode=mode: mode.decode(bench.prompts[:n])) for label, (n, mode) in cells.items()}
+  results, timings = time_rounds(calls, options.repeats)
   rows = []
-  for n, mode in cells:
-    calls = results[n, mode.label]
-    widths = _merge_widths(calls)
+  for label, (n, mode) in cells.items():
+    decoded, timing = results[label], timings[label]
+    widths = _merge_widths(decoded)
     forward = widths.get("forward", {})
-    tokens = [t for r in calls for t in r.tokens]
-    run_s = statistics.median(times[n, mode.label])
+    tokens = [t for r in decoded for t in r.tokens]
     rows.append(
       ThroughputRow(
         prompts=n,
         mode=mode.label,
         rows=min(mode.rows, n),
-        forwards_per_answer=float(np.mean(np.concatenate([r.num_forwards for r in calls]))),
+        forwards_per_answer=float(np.mean(np.concatenate([r.num_forwards for r in decoded]))),
         batch_forwards=sum(forward.values()),
         average_width=sum(w * c for w, c in forward.items()) / max(sum(forward.values()), 1),
-        tokens_per_s=sum(map(len, tokens)) / run_s,
-        run_s=run_s,
+        tokens_per_s=sum(map(len, tokens)) / timing.median,
+        timing=timing,
         widths=widths,
         tokens=tokens,
         official=mode.official,
@@ -185,3 +174,53 @@ def run_throughput_bench(options: ThroughputOptions, trained: TrainedSource | No
     bench = random_bench_model(options.size, count, options.sharpen, options.seed, PROMPT_LENGTHS, **overrides)
   log(f"{bench.name}: {len(bench.prompts)} prompts of {min(map(len, bench.prompts))}-{max(map(len, bench.prompts))}")
   return bench_throughput(bench, options)
+
+
+def format_throughput(rows: Sequence[ThroughputRow]) -> str:
+  """The throughput table, the same-tokens check, and the per-stage width histograms of the largest prompt count."""
+  sequential = {r.prompts: r for r in rows if r.mode == "sequential"}
+  header = ("prompts", "mode", "K", "fwd/answer", "batch fwds", "avg width", "tokens/s", "run s", "spread")
+  header += ("vs sequential",)
+  lines = [
+    (
+      str(r.prompts),
+      r.mode,
+      str(r.rows),
+      f"{r.forwards_per_answer:.1f}",
+      str(r.batch_forwards),
+      f"{r.average_width:.1f}",
+      f"{r.tokens_per_s:.0f}",
+      f"{r.run_s:.3f}",
+      spread(r.timing),
+      f"{sequential[r.prompts].timing.ratio_to(r.timing):.2f}x",
+    )
+    for r in rows
+  ]
+  out = [table(header, lines), ""]
+  different = [f"{r.prompts} prompts {r.mode}" for r in different_from_sequential(rows)]
+  out.append(f"DIFFERENT tokens from sequential: {different}" if different else "every mode: the same tokens.")
+  for r in rows:
+    if r.official:
+      reference = sequential[r.prompts]
+      out.append(
+        f"{r.prompts} prompts at B = 1: the jitted decoder is {r.timing.ratio_to(reference.timing):.1f}x faster "
+        f"than the official code ({r.mode}); {same_answers(r, reference)} of {r.prompts} answers identical."
+      )
+  largest = max(sequential)
+  for r in rows:
+    if r.prompts == largest and (r.mode == "sequential" or (r.mode.startswith("continuous") and r.rows > 1)):
+      out.append(f"forward widths ({largest} prompts, {r.mode}), width x count:")
+      for name, counts in r.widths.items():
+        out.append(f"  {name:8s}" + "  ".join(f"{w:>3d} x {c:<5d}" for w, c in sorted(counts.items())))
+  return "\n".join(out)
+
+
+def different_from_sequential(rows: Sequence[ThroughputRow]) -> list[ThroughputRow]:
+  """Our modes whose tokens differ from the sequential run's at the same prompt count (the official one aside)."""
+  sequential = {r.prompts: r for r in rows if r.mode == "sequential"}
+  return [r for r in rows if not r.official and r.tokens != sequential[r.prompts].tokens]
+
+
+def same_answers(row: ThroughputRow, reference: ThroughputRow) -> int:
+  """How many of `row`'s answers are identical to `reference`'s."""
+  return sum(a == b for a, b in zip(row.tokens, reference.tokens))

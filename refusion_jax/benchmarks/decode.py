@@ -3,10 +3,10 @@
 For every model, in one run: the jitted ReFusion decoder and the eager
 reference at batch 1 (same tokens, speed ratio), ReFusion vs AR vs MDM
 (forwards per row, tokens per forward, tokens/s) at batch 1 and at the batch,
-and the KV-cache bytes of the cached decoders. The first call of every
-configuration compiles; it is timed apart ("compile" = first call − median
-run) and the runs are the median of `repeats` calls. `bench_tables` formats
-the rows.
+and the KV-cache bytes of the cached decoders. At each batch the methods are
+timed by `benchmarks.timer`: a warm-up call each (timed apart: "compile" =
+warm-up − median run), then `repeats` interleaved rounds, their median and
+spread reported. `format_table` and `summary` write the report.
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ import jax
 import numpy as np
 from flax import nnx
 
+from refusion_jax.benchmarks.models import BenchModel, TrainedSource, random_bench_model, trained_bench_model
+from refusion_jax.benchmarks.table import byte_count, spread, table
+from refusion_jax.benchmarks.timer import Timing, log, time_rounds
 from refusion_jax.decoding.ar import AR
 from refusion_jax.decoding.engine import decode
 from refusion_jax.decoding.mdm import MDM
@@ -26,14 +29,6 @@ from refusion_jax.decoding.prompts import bucket_length
 from refusion_jax.decoding.reference import decode_reference
 from refusion_jax.decoding.refusion import ReFusion
 from refusion_jax.decoding.result import DecodeResult
-from refusion_jax.evaluation.bench_models import (
-  BenchModel,
-  TrainedSource,
-  log,
-  measure,
-  random_bench_model,
-  trained_bench_model,
-)
 from refusion_jax.model import config as config_lib
 from refusion_jax.model.cache import kv_cache_bytes
 
@@ -46,7 +41,7 @@ class DecodeBenchOptions:
 
   refusion: ReFusion
   batch: int = 16  # the large batch (batch 1 is always measured too)
-  repeats: int = 3  # timed runs after the warm-up; the median is reported
+  repeats: int = 3  # timed rounds after the warm-up (benchmarks.timer); the median is reported
   mdm: MDM | None = None  # None: MDM's defaults for ReFusion's gen_length
   sizes: Sequence[str] = ("tiny", "small")  # random models' presets (without a trained source)
   sharpen: float = 128.0  # LM-head scale of the random models (1: plain init)
@@ -78,11 +73,15 @@ class Measurement:
   forwards: float  # mean forwards per row
   tpf: float  # all answer tokens ÷ all forwards
   tokens_per_s: float  # answer tokens of the batch ÷ median run time
-  compile_s: float  # first call − median run
-  run_s: float  # median run time
+  timing: Timing  # the warm-up and the timed rounds
   host_ms: float | None  # host milliseconds per loop call (`DecodeResult.host_seconds`); None: no loop
   kv_cache_bytes: int | None  # None: the method keeps no cache
   tokens: list[list[int]]
+
+  @property
+  def run_s(self) -> float:
+    """The median run."""
+    return self.timing.median
 
 
 def decoders(bench: BenchModel, options: DecodeBenchOptions) -> dict[str, Callable[[list[list[int]]], DecodeResult]]:
@@ -105,11 +104,15 @@ def bench_decode(bench: BenchModel, options: DecodeBenchOptions) -> list[Measure
   rows = []
   for batch in sorted({1, len(bench.prompts)}):
     prompts = bench.prompts[:batch]
-    for method, call in decoders(bench, options).items():
-      if method == EAGER and batch > 1:
-        continue
-      label = f"{bench.name} {method} batch {batch}"
-      result, compile_s, run_s = measure(label, functools.partial(call, prompts), options.repeats)
+    calls = {
+      method: functools.partial(call, prompts)
+      for method, call in decoders(bench, options).items()
+      if method != EAGER or batch == 1
+    }
+    log(f"{bench.name}, batch {batch}: {', '.join(calls)}")
+    results, timings = time_rounds(calls, options.repeats)
+    for method, result in results.items():
+      timing = timings[method]
       rows.append(
         Measurement(
           model=bench.name,
@@ -117,9 +120,8 @@ def bench_decode(bench: BenchModel, options: DecodeBenchOptions) -> list[Measure
           batch=batch,
           forwards=float(np.mean(result.num_forwards)),
           tpf=result.overall_tpf,
-          tokens_per_s=sum(len(t) for t in result.tokens) / run_s,
-          compile_s=compile_s,
-          run_s=run_s,
+          tokens_per_s=sum(len(t) for t in result.tokens) / timing.median,
+          timing=timing,
           host_ms=1e3 * result.host_seconds / result.loop_calls if result.loop_calls else None,
           kv_cache_bytes=kv_cache_bytes(bench.model.config, batch, capacity) if method in cached else None,
           tokens=result.tokens,
@@ -146,3 +148,44 @@ def run_decode_bench(options: DecodeBenchOptions, trained: TrainedSource | None 
     )
     rows += bench_decode(bench, options)
   return rows
+
+
+def format_table(rows: Sequence[Measurement]) -> str:
+  """The decode benchmark as a table under the machine's name, one line per measurement."""
+  header = ("model", "method", "batch", "fwd/row", "TPF", "tokens/s", "compile s", "run s", "spread", "host ms/call")
+  header += ("KV cache",)
+  lines = [
+    (
+      r.model,
+      r.method,
+      str(r.batch),
+      f"{r.forwards:.1f}",
+      f"{r.tpf:.2f}",
+      f"{r.tokens_per_s:.1f}",
+      f"{r.timing.compile_seconds:.2f}",
+      f"{r.run_s:.3f}",
+      spread(r.timing),
+      "-" if r.host_ms is None else f"{r.host_ms:.2f}",
+      byte_count(r.kv_cache_bytes),
+    )
+    for r in rows
+  ]
+  return table(header, lines)
+
+
+def summary(rows: Sequence[Measurement]) -> str:
+  """Per model: jitted vs eager speed (same-round ratio) and agreement, and the batching speed-up of each method."""
+  out = []
+  for name in dict.fromkeys(r.model for r in rows):
+    cell = {(r.method, r.batch): r for r in rows if r.model == name}
+    jitted, eager = cell[("refusion", 1)], cell[(EAGER, 1)]
+    same = "same tokens" if jitted.tokens == eager.tokens else "DIFFERENT tokens"
+    speed = eager.timing.ratio_to(jitted.timing)
+    out.append(f"{name}: jitted ReFusion is {speed:.1f}x the eager reference at batch 1 ({same}).")
+    batch = max(b for _, b in cell)
+    if batch > 1:
+      gains = ", ".join(
+        f"{m} {cell[(m, batch)].tokens_per_s / cell[(m, 1)].tokens_per_s:.1f}x" for m in ("refusion", "ar", "mdm")
+      )
+      out.append(f"{name}: tokens/s at batch {batch} over batch 1: {gains}.")
+  return "\n".join(out)

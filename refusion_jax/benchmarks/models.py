@@ -1,4 +1,4 @@
-"""What the decoding benchmarks run on: a model with its prompts and special ids, random or trained, and the timer.
+"""What the decoding benchmarks run on: a model with its prompts and special ids, random or trained.
 
 Random weights commit tokens arbitrarily and, near-uniform, would make every
 ReFusion slot fail its thresholds. The random models are therefore
@@ -10,11 +10,7 @@ slots pass verification as a trained model's do) and EOS is never predicted
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import sys
-import time
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -26,8 +22,6 @@ from refusion_jax.model import config as config_lib
 from refusion_jax.model.transformer import Transformer, init_model
 
 PROMPT_LENGTHS = (8, 16)  # random prompts: lengths drawn in [8, 16], one bucket
-
-Result = TypeVar("Result")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,24 +103,3 @@ def trained_bench_model(source: TrainedSource, count: int, seed: int) -> BenchMo
     vocab = min(model.config.vocab_size, tokenizer.vocab_size)
     prompts = random_prompts(np.random.default_rng(seed), count, vocab)
   return BenchModel(source.name, model, prompts, special.mask, special.eos, special.padding)
-
-
-def log(message: str) -> None:
-  """A progress line on stderr (the report goes to stdout)."""
-  print(f"[bench] {message}", file=sys.stderr, flush=True)
-
-
-def measure(label: str, call: Callable[[], Result], repeats: int) -> tuple[Result, float, float]:
-  """(result, compile seconds, median run seconds) of `call`, the first call being the warm-up."""
-  start = time.perf_counter()
-  result = call()
-  first = time.perf_counter() - start
-  log(f"{label}: first call (compile + run) {first:.2f}s")
-  runs = []
-  for i in range(repeats):
-    start = time.perf_counter()
-    result = call()
-    runs.append(time.perf_counter() - start)
-    log(f"{label}: run {i + 1}/{repeats} {runs[-1]:.2f}s")
-  median = statistics.median(runs)
-  return result, max(first - median, 0.0), median

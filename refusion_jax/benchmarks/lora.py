@@ -3,21 +3,21 @@
 Same model, same prompts, same tokens (checked): ReFusion decoding of a
 batch of prompts with rank-`rank` adapters on q/k/v/o kept apart (one more
 pair of small contractions per adapted kernel and forward) and folded into
-the kernels (`merge_lora`). Each is compiled once, then the two take
-`repeats` rounds, one run each per round; the ratio is the median of
-same-round ratios.
+the kernels (`merge_lora`), timed by `benchmarks.timer`: a warm-up decode each
+(compilation excluded), then `repeats` interleaved rounds; the ratio is the
+median of same-round ratios.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
+import functools
 
 import jax
 import numpy as np
 from flax import nnx
 
+from refusion_jax.benchmarks.timer import Timing, machine, time_rounds
 from refusion_jax.decoding.engine import decode
 from refusion_jax.decoding.refusion import ReFusion
 from refusion_jax.model import lora
@@ -33,22 +33,32 @@ class LoraCostOptions:
   rank: int = 8
   batch: int = 16
   gen_length: int = 64
-  repeats: int = 5
+  repeats: int = 5  # timed rounds after the warm-up (benchmarks.timer)
 
 
 @dataclasses.dataclass
 class LoraCost:
-  """Median seconds of each variant over the rounds, the median same-round ratio, and the forwards run."""
+  """Each variant's timing, and the forwards a decode ran."""
 
   options: LoraCostOptions
-  seconds: dict[str, float]
-  ratio: float
+  timings: dict[str, Timing]
   forwards: int
+
+  @property
+  def ratio(self) -> float:
+    """Unmerged over merged: the median of same-round ratios."""
+    return self.timings["unmerged"].ratio_to(self.timings["merged"])
 
   def format(self) -> str:
     o = self.options
-    lines = [f"{o.preset}, rank {o.rank} on q/k/v/o, {o.batch} prompts, G={o.gen_length}, {self.forwards} forwards:"]
-    lines += [f"  {name:9s} {s:.3f} s (median of {o.repeats})" for name, s in self.seconds.items()]
+    lines = [
+      f"machine: {machine()}",
+      f"{o.preset}, rank {o.rank} on q/k/v/o, {o.batch} prompts, G={o.gen_length}, {self.forwards} forwards:",
+    ]
+    lines += [
+      f"  {name:9s} {t.median:.3f} s (median of {o.repeats} rounds, spread {100 * t.spread:.0f}%)"
+      for name, t in self.timings.items()
+    ]
     lines.append(f"  unmerged / merged = {self.ratio:.3f} (median of same-round ratios; same tokens)")
     return "\n".join(lines)
 
@@ -67,18 +77,8 @@ def run_lora_cost(options: LoraCostOptions) -> LoraCost:
   prompts = [rng.integers(1, 500, int(rng.integers(16, 48))).tolist() for _ in range(options.batch)]
   method = ReFusion(options.gen_length, slot_size=8, serial_blocks=1, slot_threshold=0.5, token_threshold=0.3)
   candidates = {"unmerged": model, "merged": lora.merge_lora(model)}
-  results = {name: decode(candidate, prompts, method) for name, candidate in candidates.items()}  # compiles
-  seconds = {name: [] for name in candidates}
-  for _ in range(options.repeats):  # interleaved, so that a shared machine's slow spells fall on both alike
-    for name, candidate in candidates.items():
-      start = time.perf_counter()
-      decode(candidate, prompts, method)
-      seconds[name].append(time.perf_counter() - start)
+  calls = {name: functools.partial(decode, candidate, prompts, method) for name, candidate in candidates.items()}
+  results, timings = time_rounds(calls, options.repeats)
   if results["unmerged"].tokens != results["merged"].tokens:
     raise AssertionError("merged and unmerged decoding disagree")
-  return LoraCost(
-    options=options,
-    seconds={name: statistics.median(runs) for name, runs in seconds.items()},
-    ratio=statistics.median(u / m for u, m in zip(seconds["unmerged"], seconds["merged"])),
-    forwards=int(np.max(results["merged"].num_forwards)),
-  )
+  return LoraCost(options=options, timings=timings, forwards=int(np.max(results["merged"].num_forwards)))

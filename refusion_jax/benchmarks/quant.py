@@ -7,9 +7,9 @@ quantized from it. Each is compared with the bfloat16 one (and the float32
 one): the relative logit error and top-1 agreement over teacher-forced rows,
 the share of greedy autoregressive tokens equal to bfloat16's, the bytes of its
 parameters, and the time of one ReFusion decode forward (the decode of the same
-prompts divided by the batched forwards it ran, prefills included, compilation
-excluded; the variants interleaved over the rounds, so a shared machine's slow
-spells fall on all alike). On a CPU the time shows the overhead of casting integer kernels up;
+prompts divided by the batched forwards it ran, prefills included), timed by
+`benchmarks.timer`: a warm-up decode each (compilation excluded), then the
+variants interleaved over the rounds. On a CPU the time shows the overhead of casting integer kernels up;
 on an accelerator, the saving of reading fewer bytes per forward.
 
 With a checkpoint of the built-in tasks (a demo run), the rows are validation
@@ -20,21 +20,21 @@ random tokens.
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from refusion_jax.benchmarks.table import byte_count, spread
+from refusion_jax.benchmarks.timer import Timing, log, machine, time_rounds
 from refusion_jax.checkpoints.load import load, load_model
 from refusion_jax.data import tasks
 from refusion_jax.decoding.ar import AR
 from refusion_jax.decoding.engine import decode
 from refusion_jax.decoding.refusion import ReFusion
-from refusion_jax.evaluation.bench_models import log
 from refusion_jax.model import quant
 from refusion_jax.model.config import ModelConfig, preset
 from refusion_jax.model.quantize import quantize
@@ -61,7 +61,7 @@ class QuantBenchOptions:
   count: int = 32
   length: int = 128
   gen_length: int = 32
-  repeats: int = 3
+  repeats: int = 3  # timed rounds after the warm-up (benchmarks.timer)
   seed: int = 0
   variants: str = ",".join(name for name, *_ in VARIANTS)  # comma-separated; float32 and bfloat16 always run
 
@@ -76,14 +76,20 @@ class QuantRow:
   top1: float  # share of rows' argmax equal to the reference's
   greedy_agreement: float  # share of greedy AR tokens equal to the reference's
   param_bytes: int
-  seconds_per_forward: float
+  timing: Timing  # of the whole ReFusion decode
+  forwards: int  # the batched forwards that decode ran
+
+  @property
+  def seconds_per_forward(self) -> float:
+    """The median decode over its forwards."""
+    return self.timing.median / self.forwards
 
 
 def run_quant_bench(options: QuantBenchOptions) -> tuple[list[QuantRow], str]:
   """Build every variant, compare it with bfloat16 and time its decode forwards; (rows, the model's name)."""
   load_variant, rows, valid, prompts, eos_id, source = _source(options)
   refusion = ReFusion(options.gen_length, slot_size=4, serial_blocks=1, slot_threshold=0.5, token_threshold=0.5)
-  models, logits, greedy, forwards = {}, {}, {}, {}
+  models, logits, greedy = {}, {}, {}
   chosen = {"float32", REFERENCE, *options.variants.split(",")}
   unknown = chosen - {name for name, *_ in VARIANTS}
   if unknown:
@@ -93,18 +99,12 @@ def run_quant_bench(options: QuantBenchOptions) -> tuple[list[QuantRow], str]:
       continue
     if models and mode != "none" and not _groups_fit(models["float32"].config, mode, group, name):
       continue
-    log(f"{name}: build, logits, greedy decoding, first decode (compiles)")
+    log(f"{name}: build, logits, greedy decoding")
     models[name] = model = load_variant(dtype, mode, group)
     logits[name] = _logits(model, rows)[valid]
     greedy[name] = decode(model, prompts, AR(options.gen_length), eos_id=eos_id).tokens
-    forwards[name] = decode(model, prompts, refusion).batched_forwards
-  seconds = {name: [] for name in models}
-  for round_ in range(options.repeats):  # interleaved rounds
-    for name, model in models.items():
-      start = time.perf_counter()
-      decode(model, prompts, refusion)
-      seconds[name].append(time.perf_counter() - start)
-    log(f"timed round {round_ + 1}/{options.repeats}")
+  calls = {name: functools.partial(decode, model, prompts, refusion) for name, model in models.items()}
+  decoded, timings = time_rounds(calls, options.repeats)
   result = []
   for name, model in models.items():
     same = [a == b for x, y in zip(greedy[name], greedy[REFERENCE]) for a, b in zip(x, y)]
@@ -117,7 +117,8 @@ def run_quant_bench(options: QuantBenchOptions) -> tuple[list[QuantRow], str]:
         top1=float(np.mean(logits[name].argmax(-1) == logits[REFERENCE].argmax(-1))),
         greedy_agreement=sum(same) / max(longest, 1),
         param_bytes=sum(quant.stored_bytes(x.shape, x.dtype) for x in jax.tree.leaves(nnx.state(model, nnx.Param))),
-        seconds_per_forward=statistics.median(seconds[name]) / forwards[name],
+        timing=timings[name],
+        forwards=decoded[name].batched_forwards,
       )
     )
   return result, source
@@ -179,3 +180,25 @@ def _logits(model: Transformer, rows: np.ndarray) -> np.ndarray:
 
 def _relative_error(ours: np.ndarray, reference: np.ndarray) -> float:
   return float(np.linalg.norm(ours - reference) / np.linalg.norm(reference))
+
+
+def format_quant(rows: Sequence[QuantRow], source: str) -> str:
+  """The rows as a markdown table, each variant's time per forward also as a same-round ratio to bfloat16's."""
+  reference = next(r for r in rows if r.name == REFERENCE)
+  lines = [
+    f"{source}: against {REFERENCE} (and float32); time = one ReFusion decode forward, compile excluded; "
+    f"machine: {machine()}",
+    "",
+    "| variant | rel. logit error vs float32 | vs bfloat16 | top-1 = bfloat16 | greedy AR tokens = bfloat16 "
+    "| parameters | ms / forward | spread | time vs bfloat16 |",
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+  ]
+  for r in rows:
+    # Both decodes' times over their own forwards: the same-round ratio scaled by the forwards' ratio.
+    ratio = r.timing.ratio_to(reference.timing) * reference.forwards / r.forwards
+    lines.append(
+      f"| {r.name} | {r.error_vs_float32:.2e} | {r.error_vs_reference:.2e} | {100 * r.top1:.1f} % "
+      f"| {100 * r.greedy_agreement:.1f} % | {byte_count(r.param_bytes)} | {1e3 * r.seconds_per_forward:.2f} "
+      f"| {spread(r.timing)} | {ratio:.2f}x |"
+    )
+  return "\n".join(lines)

@@ -5,21 +5,21 @@ with packing, rows packed with examples of 40-1280 tokens (a prompt of 32-256
 and an answer of 8-1024 tokens, about the released training records' range)
 until the next one does not fit; without, one example per row of 3/8-3/4 of
 seq_len. MDM cannot pack (docs/method.md §1), so it gets the unpacked batch.
-Each objective's step is compiled first (not timed), then the objectives take
-turns, one step each per round, so that a shared machine's slow spells fall on
-all alike. `python -m refusion_jax.train_bench` prints the report.
+Each objective's step is compiled first, then timed by `benchmarks.timer`: a
+warm-up step each (not counted), then the objectives take turns, one step each
+per round. `python -m refusion_jax.train_bench` prints the report.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import ml_collections
 import numpy as np
 
+from refusion_jax.benchmarks.timer import Timing, time_rounds
 from refusion_jax.data.pipeline import pad_fraction
 from refusion_jax.data.tokenizer import load_tokenizer
 from refusion_jax.model import flops, lora
@@ -58,28 +58,28 @@ def synthetic_batch(
 
 
 @dataclasses.dataclass
-class Timing:
-  """One objective's timed steps on its batch."""
+class ObjectiveStep:
+  """One objective's training step on its batch: its timing and what it computes and holds."""
 
-  seconds: list[float]
+  timing: Timing
   tokens: int  # real (example) tokens per step
   model_flops: float  # per step (model/flops.py)
   pad_fraction: float
-  state_bytes: int = 0  # parameters and optimizer state
-  temp_bytes: int | None = None  # the compiled step's temporaries (None where the backend does not say)
+  state_bytes: int  # parameters and optimizer state
+  temp_bytes: int | None  # the compiled step's temporaries (None where the backend does not say)
 
 
 def time_objectives(
   config: ml_collections.ConfigDict, objectives: list[str], steps: int, lora_ranks: Sequence[int] = ()
-) -> dict[str, Timing]:
-  """Each objective's step times (per LoRA rank, "refusion+lora8"), in interleaved rounds, on the batch training
-  would feed it."""
+) -> dict[str, ObjectiveStep]:
+  """Each objective's step (per LoRA rank, "refusion+lora8") timed in `steps` interleaved rounds
+  (`benchmarks.timer`) on the batch training would feed it."""
   model_config = model_config_from(config, load_tokenizer(config.tokenizer or "bytes"))
   tx, schedule = train_state.make_optimizer(config.optimizer, total_steps=1000)
   mesh = sharding.make_mesh(dict(config.mesh))
   configured = lora_config_from(config)
   settings = [dataclasses.replace(configured, rank=rank) for rank in lora_ranks] or [configured]
-  steps_of, states, batches, timings = {}, {}, {}, {}
+  steps_of, states, batches, costs = {}, {}, {}, {}
   for kind, lora_config in ((k, s) for k in objectives for s in settings):
     init = train_state.init_state_fn(model_config, tx, config.seed, lora_config)
     placement = train_state.make_placement(init, mesh, config.sharding_rules)
@@ -96,8 +96,7 @@ def time_objectives(
       max_segments=config.data.max_segments,
     )
     lengths = flops.example_lengths(host_batch)
-    timings[kind] = Timing(
-      seconds=[],
+    costs[kind] = dict(
       tokens=int(lengths.sum()),
       model_flops=flops.training_flops(model_config, lengths, kind_name != "mdm", lora_config),
       pad_fraction=pad_fraction(host_batch),
@@ -105,15 +104,17 @@ def time_objectives(
     batches[kind] = placement.batch(host_batch)
     step = placement.jit_step(train_state.make_train_step(graphdef, tx, schedule, objective, config.grad_accum_steps))
     state = jax.jit(init, out_shardings=placement.state_shardings)()
-    timings[kind].state_bytes = sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(state))
+    costs[kind]["state_bytes"] = sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(state))
     steps_of[kind] = step.lower(state, batches[kind]).compile()
-    timings[kind].temp_bytes = getattr(steps_of[kind].memory_analysis(), "temp_size_in_bytes", None)
-    states[kind], metrics = steps_of[kind](state, batches[kind])  # the first run (not timed)
-    jax.block_until_ready(metrics)
-  for _ in range(steps):
-    for kind in steps_of:
-      start = time.perf_counter()
+    costs[kind]["temp_bytes"] = getattr(steps_of[kind].memory_analysis(), "temp_size_in_bytes", None)
+    states[kind] = state
+
+  def step(kind: str) -> Callable[[], dict]:
+    def call() -> dict:  # one step, the state carried to the next; the timer waits for its metrics
       states[kind], metrics = steps_of[kind](states[kind], batches[kind])
-      jax.block_until_ready(metrics)
-      timings[kind].seconds.append(time.perf_counter() - start)
-  return timings
+      return metrics
+
+    return call
+
+  _, timings = time_rounds({kind: step(kind) for kind in steps_of}, steps)
+  return {kind: ObjectiveStep(timing=timings[kind], **costs[kind]) for kind in steps_of}
