@@ -107,8 +107,8 @@ def test_the_eval_command_knows_it_by_name(tmp_path, capsys, model):
   assert {a["query"]: a["answer"] for a in record["answers"]} == dict(zip(queries, expected))
 
 
+@pytest.mark.extra("eval")
 def test_the_harness_takes_its_fields_and_grid(model):
-  pytest.importorskip("lm_eval", reason="the harness needs the [eval] extra: pip install -e '.[eval]'")
   from lm_eval.api.instance import Instance
 
   from refusion_jax.evaluation.harness import ReFusionLM, check_model_args, model_arg_names
