@@ -4,7 +4,7 @@ unmerged against merged; `quant`: int8 / int4 projections against bfloat16 (erro
 forward); `serve`: the OpenAI-compatible server under concurrent clients against the Sampler.
 
     python -m refusion_jax.bench decode                       # tiny + small, sharpened random weights
-    python -m refusion_jax.bench decode --sizes tiny --batch 4 --gen_length 32 --repeats 1
+    python -m refusion_jax.bench decode --random_init tiny --batch 4 --gen_length 32 --repeats 1
     python -m refusion_jax.bench decode --hf_checkpoint DIR --prompt "What is 3+4?"   # trained weights
     python -m refusion_jax.bench throughput                   # 8 and 64 prompts, 3-layer tiny model
     python -m refusion_jax.bench throughput --official_repo CHECKOUT   # + the official PyTorch code, same weights
@@ -37,11 +37,18 @@ from refusion_jax.benchmarks.quant import QuantBenchOptions, format_quant, run_q
 from refusion_jax.benchmarks.serve import ServeBenchOptions, format_serve, run_serve_bench
 from refusion_jax.benchmarks.throughput import ThroughputOptions, format_throughput, run_throughput_bench
 from refusion_jax.checkpoints.load import load
-from refusion_jax.cli import UsageError, add_model_flags, has_model, model_request, run_argparse
+from refusion_jax.cli import (
+  UsageError,
+  add_model_flags,
+  add_old_flag,
+  add_random_model_flags,
+  has_model,
+  model_request,
+  run_argparse,
+)
 from refusion_jax.decoding.mdm import MDM
 from refusion_jax.decoding.methods import add_method_flags, field_names, flag_values, method_value
 from refusion_jax.decoding.refusion import ReFusion
-from refusion_jax.model import config as config_lib
 
 
 def reproduce_command(argv: Sequence[str]) -> str:
@@ -56,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     help="ReFusion vs eager reference vs AR vs MDM decoding.",
     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
-  p.add_argument("--sizes", default="tiny,small", help="comma-separated model presets (random weights).")
+  add_random_model_flags(p, "tiny,small", several=True)
+  add_old_flag(p, "--sizes", "--random_init")
   p.add_argument("--batch", type=int, default=16, help="the large batch (batch 1 is always measured too).")
   p.add_argument("--repeats", type=int, default=3, help=REPEATS_HELP)
   _add_refusion_flags(p, serial_blocks=ReFusion().serial_blocks)
@@ -73,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
   ints = lambda text: [int(x) for x in text.split(",")]
   t.add_argument("--prompts", type=ints, default=[8, 64], help="comma-separated prompt counts N.")
   t.add_argument("--batch_sizes", type=ints, default=[1, 8, 16], help="comma-separated K of the batched modes.")
-  t.add_argument("--size", default="tiny", choices=sorted(config_lib.PRESETS), help="random model preset.")
+  add_random_model_flags(t, "tiny", several=False)
+  add_old_flag(t, "--size", "--random_init")
   t.add_argument("--num_layers", type=int, default=3, help="random model: its layers (the preset's with 0).")
   t.add_argument("--repeats", type=int, default=3, help=REPEATS_HELP)
   _add_refusion_flags(t, serial_blocks=2)
@@ -94,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
   for field in dataclasses.fields(LoraCostOptions):
+    if field.name == "preset":
+      add_random_model_flags(lora, field.default, several=False, seed=False)
+      add_old_flag(lora, "--preset", "--random_init")
+      continue
     lora.add_argument(
       f"--{field.name}", type=type(field.default), default=field.default, help=REPEATS_HELP * (field.name == "repeats")
     )
@@ -104,7 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
   for field in dataclasses.fields(QuantBenchOptions):
-    q.add_argument(f"--{field.name}", type=type(field.default), default=field.default, help=QUANT_HELP[field.name])
+    if field.name == "preset":
+      add_random_model_flags(q, field.default, several=False)
+      add_old_flag(q, "--preset", "--random_init")
+      add_old_flag(q, "--seed", "--init_seed", type=int)
+    elif field.name != "seed":
+      q.add_argument(f"--{field.name}", type=type(field.default), default=field.default, help=QUANT_HELP[field.name])
 
   s = commands.add_parser(
     "serve",
@@ -124,12 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
 REPEATS_HELP = "timed rounds after a warm-up call per variant, interleaved across the variants; median and spread."
 QUANT_HELP = {
   "checkpoint": "a trained run of the built-in tasks (its validation rows and queries); '': random weights.",
-  "preset": "without a checkpoint: the preset whose one random draw every variant holds.",
   "count": "teacher-forced rows (a quarter of them, at most, are the decode prompts without a checkpoint).",
   "length": "tokens per teacher-forced row.",
   "gen_length": "answer tokens of the greedy AR and the timed ReFusion decodes.",
   "repeats": REPEATS_HELP,
-  "seed": "the random weights and tokens.",
   "variants": "which to build (comma-separated); float32 and bfloat16 always run.",
 }
 
@@ -145,8 +161,8 @@ def _add_refusion_flags(parser: argparse.ArgumentParser, serial_blocks: int) -> 
 
 
 def _add_source_flags(parser: argparse.ArgumentParser) -> None:
-  """Random weights' seed, or a trained checkpoint with its prompts (cycled to the count needed)."""
-  parser.add_argument("--seed", type=int, default=0, help="weights and prompts of the random models.")
+  """A trained checkpoint with its prompts (cycled to the count needed), instead of random weights."""
+  add_old_flag(parser, "--seed", "--init_seed", type=int)
   add_model_flags(parser, random_init=False, required=False)
   parser.add_argument("--prompt", action="append", default=[], help="with a checkpoint: prompt text (repeatable).")
   parser.add_argument("--chat_template", action="store_true", help="with a checkpoint: wrap prompts in the template.")
@@ -173,14 +189,23 @@ def _trained_source(args: argparse.Namespace) -> TrainedSource | None:
   )
 
 
+# Option fields spelt as every command spells a random model (`cli.add_random_model_flags`).
+_RANDOM_MODEL_FLAGS = {"preset": "random_init", "seed": "init_seed"}
+
+
+def _fields(options: type, args: argparse.Namespace) -> dict:
+  """The fields of the options dataclass `options` from the flags (a random model's under their common names)."""
+  return {f.name: getattr(args, _RANDOM_MODEL_FLAGS.get(f.name, f.name)) for f in dataclasses.fields(options)}
+
+
 def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
   """Run the benchmark the flags (`argv`, parsed into `args`) name and print its report."""
   if args.command == "lora":
-    options = LoraCostOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(LoraCostOptions)})
+    options = LoraCostOptions(**_fields(LoraCostOptions, args))
     print(run_lora_cost(options).format())
     return
   if args.command == "quant":
-    options = QuantBenchOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(QuantBenchOptions)})
+    options = QuantBenchOptions(**_fields(QuantBenchOptions, args))
     print(format_quant(*run_quant_bench(options)))
     print(f"reproduce with: {reproduce_command(argv)}")
     return
@@ -198,11 +223,11 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
       prompts=args.prompts,
       batch_sizes=args.batch_sizes,
       repeats=args.repeats,
-      size=args.size,
+      size=args.random_init,
       num_layers=args.num_layers or None,
       dtype=args.dtype,
       sharpen=args.sharpen,
-      seed=args.seed,
+      seed=args.init_seed,
       official_repo=args.official_repo,
     )
     report = format_throughput(run_throughput_bench(options, trained))
@@ -213,9 +238,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
       batch=args.batch,
       repeats=args.repeats,
       mdm=MDM(refusion.gen_length, block_length=args.mdm_block_length, steps=args.mdm_steps),
-      sizes=args.sizes.split(","),
+      sizes=args.random_init.split(","),
       sharpen=args.sharpen,
-      seed=args.seed,
+      seed=args.init_seed,
     )
     rows = run_decode_bench(options, trained)
     report = "\n\n".join([format_table(rows), summary(rows)])

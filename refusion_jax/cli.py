@@ -226,3 +226,27 @@ def decode_options(args: argparse.Namespace, **defaults: Any) -> DecodeOptions:
     return DecodeOptions(**{name: value for name, value in values.items() if value is not None}, mesh=mesh)
   except ValueError as error:
     raise UsageError(str(error)) from error
+
+
+def add_old_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, old: str, new: str, **kwargs: Any) -> None:
+  """`old`, a renamed flag: hidden from --help, it sets what `new` sets (its `dest`), with a `DeprecationWarning`
+  that names `new`."""
+
+  class Renamed(argparse.Action):
+    def __call__(self, parser, namespace, values, option=None):  # noqa: ANN001
+      warn_deprecated(f"the flag {old}", new)
+      setattr(namespace, self.dest, values)
+
+  parser.add_argument(old, action=Renamed, dest=new.lstrip("-"), help=argparse.SUPPRESS, **kwargs)
+
+
+def add_random_model_flags(
+  parser: argparse.ArgumentParser | argparse._ArgumentGroup, default: str, *, several: bool, seed: bool = True
+) -> None:
+  """A random model, named as every command names one: `--random_init PRESET` (comma-separated presets where a
+  benchmark compares several) and, with `seed`, `--init_seed`, the weights' seed."""
+  presets = ", ".join(sorted(config_lib.PRESETS))
+  what = "comma-separated presets" if several else "a preset"
+  parser.add_argument("--random_init", default=default, metavar="PRESET", help=f"random weights of {what} ({presets}).")
+  if seed:
+    parser.add_argument("--init_seed", type=int, default=0, help="the random weights' (and random prompts') seed.")

@@ -80,7 +80,7 @@ def test_throughput_bench_measures_every_mode_with_the_same_tokens():
 def test_bench_options_reject_bad_knobs():
   with pytest.raises(ValueError, match="multiple of slot_size"):
     refusion_options(gen_length=10)  # the method value checks itself
-  with pytest.raises(ValueError, match="Unknown --sizes"):
+  with pytest.raises(ValueError, match="Unknown --random_init"):
     DecodeBenchOptions(refusion_options(), sizes=("tiny", "huge")).check()
   with pytest.raises(ValueError, match="at least 1"):
     ThroughputOptions(refusion_options(), prompts=(0,)).check()
@@ -188,3 +188,26 @@ def test_the_quantization_bench_compares_every_variant_with_bfloat16_on_one_draw
   assert table.count("\n| ") == 2 + len(rows) and "1.00x" in table and "KiB" in table and timer.machine() in table
   with pytest.raises(ValueError, match="Unknown variants"):
     run_quant_bench(dataclasses.replace(options, variants="int3"))
+
+
+def test_every_mode_names_a_random_model_as_every_command_does_and_the_old_flags_warn():
+  from refusion_jax import bench
+
+  parser = bench.build_parser()
+  for mode in ("decode", "throughput", "lora", "quant"):
+    assert parser.parse_args([mode, "--random_init", "small"]).random_init == "small"
+  for argv, new in (
+    (["decode", "--sizes", "tiny"], "--random_init"),
+    (["throughput", "--size", "tiny"], "--random_init"),
+    (["lora", "--preset", "tiny"], "--random_init"),
+    (["quant", "--preset", "tiny"], "--random_init"),
+    (["quant", "--seed", "7"], "--init_seed"),
+    (["throughput", "--seed", "7"], "--init_seed"),
+  ):
+    with pytest.warns(DeprecationWarning, match=f"the flag {argv[1]} is deprecated .* use {new}"):
+      args = parser.parse_args(argv)
+    assert getattr(args, new.lstrip("-")) == (7 if new == "--init_seed" else "tiny")
+  options = bench._fields(
+    bench.QuantBenchOptions, parser.parse_args(["quant", "--random_init", "tiny", "--init_seed", "3"])
+  )
+  assert (options["preset"], options["seed"]) == ("tiny", 3)

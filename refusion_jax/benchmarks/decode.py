@@ -60,7 +60,7 @@ class DecodeBenchOptions:
     self.methods  # noqa: B018  (builds the default MDM value, which checks itself)
     unknown = [s for s in self.sizes if s not in config_lib.PRESETS]
     if unknown:
-      raise ValueError(f"Unknown --sizes {unknown}; choose among {sorted(config_lib.PRESETS)}.")
+      raise ValueError(f"Unknown --random_init {unknown}; choose among {sorted(config_lib.PRESETS)}.")
 
 
 @dataclasses.dataclass
