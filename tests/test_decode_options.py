@@ -83,7 +83,7 @@ def test_the_shipped_methods_state_their_facts():
   assert rj.AR(gen_length=8).resized(4) == rj.AR(gen_length=4)
   assert np.isnan(rj.AR().official_tpf(None, 0))
   mdm = rj.MDM(gen_length=64)
-  assert mdm.label == "mdm B32 64 steps"
+  assert mdm.label == "mdm B32 64 steps" and mdm.answer_grid == 32
   assert mdm.resized(16) == rj.MDM(gen_length=16, block_length=16, steps=16)
 
 

@@ -8,6 +8,7 @@ programs are shared. The comparison with the official `Qwen3EvalHarness` is
 slow-marked and needs REFUSION_OFFICIAL_REPO (see its docstring).
 """
 
+import dataclasses
 import glob
 import json
 import os
@@ -24,6 +25,7 @@ pytestmark = module_needs("eval")
 import refusion_jax as rj  # noqa: E402
 from refusion_jax import harness as cli  # noqa: E402
 from refusion_jax.data.tokenizer import HFTokenizer  # noqa: E402
+from refusion_jax.decoding.refusion import fitted_serial_blocks  # noqa: E402
 from refusion_jax.decoding.result import PHASE_INFILL, PHASE_NONE, PHASE_VERIFY, DecodeResult  # noqa: E402
 from refusion_jax.evaluation import harness  # noqa: E402
 
@@ -241,14 +243,21 @@ def test_chat_template_renders_a_generation_prompt_with_thinking_on(bpe):
 def test_paper_task_sets_the_papers_knobs_and_explicit_ones_override(byte_model):
   model, tokenizer = byte_model
   lm = harness.ReFusionLM(model=model, tokenizer=tokenizer, paper_task="mbpp")
-  assert lm.settings == dict(gen_length=512, slot_size=32, serial_blocks=4, slot_threshold=0.9, token_threshold=0.3)
+  assert lm.method_value == rj.ReFusion(512, slot_size=32, serial_blocks=4, slot_threshold=0.9, token_threshold=0.3)
   lm = harness.ReFusionLM(model=model, tokenizer=tokenizer, paper_task="gsm8k_cot", gen_length=64, token_threshold=0.7)
   # A shorter answer keeps S = 32 with the most serial blocks that fit: 64 / 32 = 2 slots, NB = 2.
-  assert lm.settings == dict(gen_length=64, slot_size=32, serial_blocks=2, slot_threshold=0.9, token_threshold=0.7)
-  with pytest.raises(harness.HarnessArgumentError, match="not a multiple of slot_size × serial_blocks = 96"):
+  assert lm.method_value == rj.ReFusion(64, slot_size=32, serial_blocks=2, slot_threshold=0.9, token_threshold=0.7)
+  assert lm.method_value == rj.paper_method("gsm8k_cot", gen_length=64, token_threshold=0.7)  # as every command
+  assert lm.settings == dataclasses.asdict(lm.method_value) and lm.grid == 64
+  with pytest.raises(harness.HarnessArgumentError, match="multiple of slot_size × serial_blocks = 96"):
     harness.ReFusionLM(model=model, tokenizer=tokenizer, paper_task="gsm8k_cot", gen_length=64, serial_blocks=3)
-  with pytest.raises(harness.HarnessArgumentError, match="apply to method=refusion only"):
+  with pytest.raises(harness.HarnessArgumentError, match="slot_size: not a field of method=ar"):
     harness.ReFusionLM(model=model, tokenizer=tokenizer, method="ar", slot_size=4)
+  with pytest.raises(harness.HarnessArgumentError, match="paper_task sets refusion's settings, not method=mdm's"):
+    harness.ReFusionLM(model=model, tokenizer=tokenizer, method="mdm", paper_task="mbpp")
+  # Every method's fields are --model_args keys, converted by their types (MDM's block and steps here).
+  lm = harness.ReFusionLM(model=model, tokenizer=tokenizer, method="mdm", gen_length="32", block_length="8")
+  assert lm.method_value == rj.MDM(gen_length=32, block_length=8) and lm.grid == 8
 
 
 def test_max_gen_toks_is_rounded_up_to_the_slot_grid_and_capped_by_gen_length():
@@ -256,7 +265,7 @@ def test_max_gen_toks_is_rounded_up_to_the_slot_grid_and_capped_by_gen_length():
   assert harness.answer_length(100, 512, 32) == 128
   assert harness.answer_length(2048, 512, 64) == 512  # mmlu_pro asks for more than G
   assert harness.answer_length(None, 256, 32) == 256
-  assert harness.fitted_serial_blocks(slots=6, serial_blocks=4) == 3
+  assert fitted_serial_blocks(slots=6, serial_blocks=4) == 3
 
 
 def test_a_baseline_answers_within_max_gen_toks_as_its_sampler_does(byte_model):
@@ -269,7 +278,7 @@ def test_a_baseline_answers_within_max_gen_toks_as_its_sampler_does(byte_model):
   texts = lm.generate_until(requests)
   (group,) = lm.stats["generate_until"].groups
   assert group["gen_length"] == 10  # AR's grid is one token
-  assert texts == rj.Sampler(model, tokenizer, rj.AR(gen_length=10), batch_size=2).generate(queries)[0]
+  assert texts == rj.Sampler(model, tokenizer, rj.AR(gen_length=10), rows=2).generate(queries)[0]
 
 
 def test_answers_are_cut_at_each_stop_string_then_the_python_fence_is_taken(bpe):
@@ -305,7 +314,7 @@ def test_official_tpf_averages_slots_over_each_cycles_forwards():
     commit_phase=phase,
   )
   expected = (S * 2 / 2 + S * 1 / (2 + 2 * 3) + S * 1 / 2) / 3
-  assert harness.official_tpf(result, 0, S) == pytest.approx(expected)
+  assert rj.ReFusion(gen_length=G, slot_size=S).official_tpf(result, 0) == pytest.approx(expected)
 
 
 def test_loglikelihood_requests_name_the_generative_variants(byte_model):

@@ -242,6 +242,10 @@ class MDM(MethodFacts):
   def label(self) -> str:
     return f"mdm B{self.block_length} {self.steps} steps"
 
+  @property
+  def answer_grid(self) -> int:
+    return self.block_length  # G splits into whole blocks
+
   def resized(self, gen_length: int) -> MDM:
     """MDM for G = `gen_length`: the block and the steps cut to G where they exceed it."""
     return dataclasses.replace(
