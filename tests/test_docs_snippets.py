@@ -4,8 +4,8 @@ Every ```` ```python ```` block of README.md and docs/*.md is executed, a page's
 as a reader pastes them into a notebook; the demo's workdir (`DEMO`) is replaced by a tiny random run made here.
 Every `python -m refusion_jax...` command of the pages' code blocks names only flags its command has (its `--help`
 lists them); in a block marked `<!-- docs-test: run -->`, the commands that take the demo's workdir run, on the tiny
-run. A block marked `<!-- docs-test: skip REASON -->` (it needs the network, downloaded
-checkpoints or a running server) is skipped, by name and reason.
+run. A block marked `<!-- docs-test: skip REASON -->` (it needs the network, downloaded checkpoints or a running
+server) is skipped, by name and reason. The mark is the line just above the block (tests/README.md).
 """
 
 import contextlib
@@ -149,12 +149,13 @@ def help_of(module: str, args: list[str], cwd: pathlib.Path) -> str:
 
 
 def missing_flags(module: str, args: list[str], help_text: str) -> set[str]:
+  """The flags of `args` that the command's `help_text` does not list."""
   return {flag for flag in _flags(args) if not re.search(rf"{re.escape(flag)}\b", help_text)}
 
 
 def run_python(block: Block, namespace: dict, demo: str) -> None:
   """Execute a Python block in `namespace`, on `demo` in place of the demo's workdir; errors name page and line."""
-  source = "\n" * (block.line) + block.text.replace(DEMO, demo)
+  source = "\n" * block.line + block.text.replace(DEMO, demo)
   exec(compile(source, block.page, "exec"), namespace)  # noqa: S102 - the docs' own code
 
 
@@ -218,6 +219,13 @@ def test_command_runs_or_names_only_flags_it_has(block, command, demo, cwd):
 
 
 def test_marks_say_what_they_mean():
+  for page in PAGES:
+    lines = page.read_text().splitlines()
+    for number, line in enumerate(lines, 1):
+      if "docs-test" in line:
+        assert _MARK.fullmatch(line.strip()), f"{page.name}:{number}: write <!-- docs-test: run --> or skip REASON"
+        below = next(other for other in lines[number:] if other.strip())
+        assert below.startswith(("```", "    ")), f"{page.name}:{number}: a mark goes on the line above a code block"
   for block in BLOCKS:
     runs = [command for command in commands(block) if DEMO in command]
     assert block.mark != "run" or runs, f"{block.name} is marked to run, but no command of it takes {DEMO}"
