@@ -12,9 +12,10 @@ section: tasks, seed, split size, chat template); decode flags default to the
 config's evaluation settings. The config is the one the `--checkpoint` run
 recorded in its workdir (`train_config.json`), so the command works from any
 folder; `--config` replaces it, and is needed for a checkpoint that records
-none (a Hugging Face directory, a run trained before runs recorded theirs). Answers are checked like the training
-evaluation does: built-in tasks by re-solving the query, other records by exact
-match after whitespace normalisation. Compilation is timed apart from decoding
+none (a Hugging Face directory, a run trained before runs recorded theirs).
+Answers are checked like the training evaluation does: built-in tasks by
+re-solving the query, other records by exact match after whitespace
+normalisation. Compilation is timed apart from decoding
 (see `refusion_jax.evaluation.runner`). Bad input gives a one-line message and
 exit status 2.
 """
