@@ -7,11 +7,15 @@
     python -m refusion_jax.eval report RESULTS_DIR     # table.md + speed_accuracy.png from the JSON results
     python -m refusion_jax.eval curve WORKDIR          # a training run's validation exact match per task
 
-The built-in split is the one training builds from `--config` (its data
+The built-in split is the one training builds from its config (the data
 section: tasks, seed, split size, chat template); decode flags default to the
-config's evaluation settings. Answers are checked like the training
-evaluation does: built-in tasks by re-solving the query, other records by exact
-match after whitespace normalisation. Compilation is timed apart from decoding
+config's evaluation settings. The config is the one the `--checkpoint` run
+recorded in its workdir (`train_config.json`), so the command works from any
+folder; `--config` replaces it, and is needed for a checkpoint that records
+none (a Hugging Face directory, a run trained before runs recorded theirs).
+Answers are checked like the training evaluation does: built-in tasks by
+re-solving the query, other records by exact match after whitespace
+normalisation. Compilation is timed apart from decoding
 (see `refusion_jax.evaluation.runner`). Bad input gives a one-line message and
 exit status 2.
 """
@@ -26,11 +30,13 @@ from collections.abc import Callable, Sequence
 
 import ml_collections
 
+from refusion_jax.checkpoints.detect import detect
 from refusion_jax.checkpoints.load import load
+from refusion_jax.checkpoints.orbax import CHECKPOINT_SUBDIR
 from refusion_jax.cli import UsageError, add_decode_flags, add_model_flags, decode_options, model_request, run_argparse
 from refusion_jax.decoding.methods import add_method_flags
 from refusion_jax.evaluation import curve, report, runner, sweep, test_sets
-from refusion_jax.training.config_file import load_config
+from refusion_jax.training.config_file import RUN_CONFIG_FILE, load_config, read_run_config, recorded_config_path
 
 SPLITS = ("train", "validation", "test")
 
@@ -57,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
 
   data = parser.add_argument_group("test set (a built-in split, or --data)")
   data.add_argument(
-    "--config", default="configs/demo.py", help="training config (path[:variant]) whose data and eval settings apply."
+    "--config",
+    help="training config (path[:variant]) whose data and eval settings apply (default: the one the --checkpoint "
+    f"run recorded, {RUN_CONFIG_FILE} in its workdir).",
   )
   data.add_argument("--split", choices=SPLITS, default="test", help="built-in task split, built as training does.")
   data.add_argument("--data", metavar="JSON", help='a JSON file of {"query", "response"[, "task"]} records instead.')
@@ -116,6 +124,34 @@ def read_config(spec: str) -> ml_collections.ConfigDict:
   return load_config(path, variant)
 
 
+def training_config(args: argparse.Namespace) -> ml_collections.ConfigDict:
+  """`--config` when given, else the config the `--checkpoint` run recorded in its workdir.
+
+  Raises:
+    UsageError: no `--config`, and the checkpoint records no config (naming the flag to pass).
+    FileNotFoundError: `--checkpoint` holds no checkpoint.
+  """
+  if args.config:
+    return read_config(args.config)
+  recorded = None
+  if args.checkpoint:
+    found = detect(args.checkpoint, args.step)
+    # A run of ours is found as WORKDIR/checkpoints; its config sits in WORKDIR.
+    folders = [
+      found.path,
+      *([os.path.dirname(found.path)] if os.path.basename(found.path) == CHECKPOINT_SUBDIR else []),
+    ]
+    recorded = next((path for path in map(recorded_config_path, folders) if path), None)
+  if recorded is None:
+    source = args.checkpoint or args.hf_checkpoint
+    raise UsageError(
+      f"{source!r} records no training config ({RUN_CONFIG_FILE}, which training runs write into their workdir; "
+      "a Hugging Face directory or an older run has none): pass the config whose data and eval settings apply, "
+      "e.g. --config configs/demo.py (path[:variant])."
+    )
+  return read_run_config(recorded)
+
+
 def result_path(out_dir: str, label: str) -> str:
   """`out_dir/<label>.json` with the label's spaces and slashes made file-name safe."""
   return os.path.join(out_dir, label.replace("/", "-").replace(" ", "_") + ".json")
@@ -126,7 +162,7 @@ def evaluate(args: argparse.Namespace) -> list[dict]:
 
   Each record is also written to --out (one setting) or to --out_dir/<label>.json.
   """
-  config = read_config(args.config)
+  config = training_config(args)
   try:
     methods = sweep.method_sweep(args.method, vars(args), config.eval)
     examples, source = test_sets.load_examples(config, split=args.split, data=args.data, num_examples=args.num_examples)

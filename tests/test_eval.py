@@ -13,10 +13,12 @@ from helpers.train_utils import REPO
 import refusion_jax as rj
 from refusion_jax import eval as eval_cli
 from refusion_jax.benchmarks import timer
+from refusion_jax.checkpoints import export
 from refusion_jax.checkpoints import hf as hf_io
 from refusion_jax.data.tasks import TASKS, check_answer, generate_examples
 from refusion_jax.data.tokenizer import ByteTokenizer
 from refusion_jax.evaluation import report, runner
+from refusion_jax.training.config_file import RUN_CONFIG_FILE, load_config, write_run_config
 
 TOK = ByteTokenizer()
 SMOKE = os.path.join(REPO, "configs", "demo.py") + ":smoke"
@@ -225,6 +227,24 @@ def test_cli_sweeps_every_combination_and_rejects_bad_input(capsys, tmp_path, hf
   assert code == 2 and "--data" in err
   code, _, err = run_cli(capsys, "--checkpoint", hf_dir, "--tokenizer", "bytes", "--config", tmp_path / "nope.py")
   assert code == 2 and "--config" in err
+
+
+def test_cli_applies_the_config_its_run_recorded_from_any_folder(capsys, tmp_path, hf_model, monkeypatch):
+  model, hf_dir = hf_model
+  run = tmp_path / "run"
+  export.write_refusion(model, str(run), step=1, tokenizer="bytes")
+  config = load_config(*SMOKE.split(":"))
+  config.data.num_test = 3  # not the smoke file's 8: the recorded config, not a config file, sets the split
+  write_run_config(config, str(run))
+  monkeypatch.chdir(tmp_path)  # no configs/ folder here
+  for checkpoint in (run, run / "checkpoints" / "1"):  # the workdir, or one step of it
+    code, _, err = run_cli(capsys, "--checkpoint", checkpoint, "--out", "r.json", "--no_progress")
+    assert code == 0, err
+    assert len(json.loads((tmp_path / "r.json").read_text())["answers"]) == 3
+  os.remove(run / RUN_CONFIG_FILE)  # a run trained before runs recorded their config, or a Hugging Face directory
+  for source in (run, hf_dir):
+    code, _, err = run_cli(capsys, "--checkpoint", source, "--tokenizer", "bytes")
+    assert code == 2 and "records no training config" in err and "--config configs/demo.py" in err
 
 
 # ------------------------------------------------------------------ the report

@@ -21,8 +21,8 @@ from refusion_jax.data.tokenizer import load_tokenizer
 from refusion_jax.model.config import preset, tiny
 from refusion_jax.model.transformer import abstract_model, init_model
 from refusion_jax.parallel.sharding import LOGICAL_AXIS_RULES, make_mesh
+from refusion_jax.training import config_file, run_config
 from refusion_jax.training import loop as train
-from refusion_jax.training import run_config
 from refusion_jax.training import state as train_state
 from refusion_jax.training.objective import ObjectiveConfig
 from refusion_jax.training.validation import REPRODUCIBILITY
@@ -60,6 +60,8 @@ def test_one_step_trains_evaluates_and_checkpoints(tmp_path, data_dir, capsys):
     assert checkpoints.all_steps() == [1]
   events = os.listdir(tmp_path / "tensorboard")
   assert any(name.startswith("events.out.tfevents") for name in events)
+  # The run records its resolved config, overrides included, for later commands (eval) to read back.
+  assert config_file.read_run_config(config_file.recorded_config_path(str(tmp_path))) == config
 
 
 @pytest.mark.parametrize("name", ["ar_baseline", "mdm_baseline"])

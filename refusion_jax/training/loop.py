@@ -5,7 +5,8 @@
 It reads top to bottom in sections:
 
 1. **The lock and checks.** One run holds the workdir (`run_lock`); the config
-   is checked before anything is built (`run_config.check_run_config`).
+   is checked before anything is built (`run_config.check_run_config`), then
+   recorded in the workdir (`config_file.write_run_config`).
 2. **Data** (`training/inputs.py`): built once under the workdir, then opened.
    Data that cannot be used is a `DataError` at once, for the validation split too.
 3. **Where the model starts** (`training/start.py`): resume from the workdir >
@@ -51,7 +52,7 @@ from refusion_jax.data import pipeline
 from refusion_jax.model import flops, lora
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.parallel import compiled, sharding
-from refusion_jax.training import inputs, run_lock, start
+from refusion_jax.training import config_file, inputs, run_lock, start
 from refusion_jax.training.interrupts import Interrupts, RunInterrupted, StopRequested
 from refusion_jax.training.metrics import MetricsLogger, console
 from refusion_jax.training.run_config import check_run_config, lora_config_from, objective_config_from
@@ -115,6 +116,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Train
       _open_checkpoints(config, os.path.join(workdir, CHECKPOINT_SUBDIR), interrupts) as checkpoints,
     ):
       check_run_config(config, resuming=bool(checkpoints.all_steps()))
+      if jax.process_index() == 0:
+        config_file.write_run_config(config, workdir)  # what `eval --checkpoint WORKDIR` applies
       return _train(config, workdir, checkpoints, interrupts)
   except StopRequested as stop:
     raise RunInterrupted(
