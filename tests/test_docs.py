@@ -170,3 +170,23 @@ def test_architecture_quotes_the_decoder_contract_as_the_code_defines_it():
   section = doc[doc.index("## 4.") : doc.index("## 5.")]
   quoted = section[section.index("```python\n") + len("```python\n") :].split("```")[0]
   assert ast.dump(ast.parse(quoted).body[0]) == ast.dump(defined), "docs/architecture.md §4 misquotes contract.Method"
+
+
+def test_the_glossary_names_only_what_the_code_defines():
+  """docs/architecture.md's "Words, one sense each": every name it cites in backticks is defined in the package
+  (a class, function, field or file), so the glossary cannot drift from the code it describes."""
+  doc = (ROOT / "docs" / "architecture.md").read_text()
+  table = doc[doc.index("### Words, one sense each") :].split("\n\n")[2]
+  source = "\n".join(path.read_text() for path in (ROOT / "refusion_jax").rglob("*.py"))
+  missing = []
+  for cited in re.findall(r"`([^`]+)`", table):
+    if "/" in cited:
+      if not (ROOT / "refusion_jax" / cited).exists():
+        missing.append(cited)
+      continue
+    name = re.sub(r"\(.*", "", cited).split(".")[-1]
+    if not re.fullmatch(r"\w+", name):
+      continue  # a quoted value, e.g. "refusion"
+    if not re.search(rf"(?m)^\s*(?:def |class )?{re.escape(name)}\b\s*[(:=]", source):
+      missing.append(cited)
+  assert not missing, f"the glossary names what the package does not define: {missing}"
