@@ -245,7 +245,7 @@ class FaultWatch:
         # A peer that waits in the same collective beats at this step; one that stalls fell behind or fell silent.
         silent_s = 2 * self._heartbeat_s / _BEATS_PER_TIMEOUT
         late = [
-          f"{i}{self._host(i)} at step {p.step}"
+          f"{i}{self._host(i)}, last heard from at step {p.step}"
           for i, p in self._peers.items()
           if p.step < self.step or now - p.seen_at > silent_s
         ]
