@@ -42,9 +42,9 @@ def test_a_long_first_step_evaluation_or_save_does_not_trip_the_step_watchdog(tm
   watch = faults.FaultWatch(_faults(step_timeout_s=0.5), str(tmp_path), exit_=exits)
   try:
     watch.step_begins(1, timed=False)  # the first step compiles
-    time.sleep(1.5)
+    time.sleep(1.5)  # longer than the step timeout, shorter than _PAUSE_FACTOR of them
     watch.step_begins(2)
-    with watch.paused():  # evaluating, saving
+    with watch.paused("evaluating at step 2"):
       time.sleep(1.5)
     watch.steps_over()  # the run's last save and report
     time.sleep(1.5)
@@ -70,6 +70,21 @@ def test_a_step_past_its_timeout_ends_the_run_with_the_restart_status(tmp_path, 
   assert (process, step) == ("0", "8")
   assert what.startswith("train step 9 did not complete in 1 s (faults.step_timeout_s=0.5)")
   assert resume == f"checkpoint step 7 in {tmp_path}"
+
+
+def test_a_save_that_never_ends_is_a_stall_too(tmp_path, capsys):
+  exits = _Exits()
+  watch = faults.FaultWatch(_faults(step_timeout_s=0.1), str(tmp_path), exit_=exits)
+  try:
+    watch.step_begins(5)
+    with watch.paused("saving at step 4"):  # a filesystem that stopped answering
+      deadline = time.monotonic() + 10
+      while not exits.statuses and time.monotonic() < deadline:
+        time.sleep(0.1)
+  finally:
+    watch.close()
+  assert exits.statuses == [faults.RESTART_STATUS]
+  assert "saving at step 4 did not end in " in capsys.readouterr().err
 
 
 def test_timeouts_that_cannot_work_are_refused_naming_the_field():
@@ -114,40 +129,38 @@ def _start(workdir, shared: tuple[str, str], *overrides: str) -> list[subprocess
   return processes
 
 
-def _wait_for_checkpoint(workdir, processes: list[subprocess.Popen]) -> None:
-  """Until the run has saved a checkpoint after its first (so that it is past starting up)."""
+def _wait_for_checkpoint(workdir, processes: list[subprocess.Popen], after: int) -> None:
+  """Until the job has saved a checkpoint past step `after`."""
   deadline = time.monotonic() + 240
   while time.monotonic() < deadline:
     assert all(p.poll() is None for p in processes), _logs(workdir)
-    steps = (
-      [int(n) for n in os.listdir(workdir / "checkpoints") if n.isdigit()] if (workdir / "checkpoints").is_dir() else []
-    )
-    if len(steps) >= 1 and max(steps) >= 10:
+    if _steps(workdir) and max(_steps(workdir)) > after:
       return
     time.sleep(0.2)
-  raise AssertionError(f"no checkpoint in time: {_logs(workdir)}")
+  raise AssertionError(f"no checkpoint past step {after} in time: {_logs(workdir)}")
+
+
+def _steps(workdir) -> list[int]:
+  directory = workdir / "checkpoints"
+  return [int(name) for name in os.listdir(directory) if name.isdigit()] if directory.is_dir() else []
 
 
 def _logs(workdir) -> dict[int, str]:
   return {i: (workdir / f"process_{i}.log").read_text() for i in range(2)}
 
 
-def _fault_then_restart(
-  workdir, shared: tuple[str, str], fault: signal.Signals, victim: int, overrides: tuple[str, ...] = ()
-) -> tuple[float, re.Match, str]:
-  """Start the job, send `fault` to process `victim` once it has saved, wait for the other to exit with the restart
-  status, then run the job again until 5 steps past the checkpoint named. Returns the seconds from the fault to
-  the survivor's exit, its line and the restarted run's log of process 0."""
-  processes = _start(workdir, shared, f"--config.num_train_steps={_STEPS}", *overrides)
+def _fault(workdir, processes: list[subprocess.Popen], fault: signal.Signals, victim: int, after: int):
+  """Once the job has saved past step `after`, send `fault` to process `victim`; the other must exit with the
+  restart status, its line and no traceback or abort dump. Returns the seconds from the fault to that exit, the
+  line, and the checkpoint step it names."""
   try:
-    _wait_for_checkpoint(workdir, processes)
+    _wait_for_checkpoint(workdir, processes, after)
     os.kill(processes[victim].pid, fault)
     faulted = time.monotonic()
-    survivor = processes[1 - victim]
-    status = survivor.wait(timeout=120)
+    status = processes[1 - victim].wait(timeout=120)
     seconds = time.monotonic() - faulted
   finally:
-    for process in processes:
+    for process in processes:  # the victim too: what a launcher does with a job that ended
       process.kill()
       process.wait()
   log = _logs(workdir)[1 - victim]
@@ -155,30 +168,39 @@ def _fault_then_restart(
   line = _LINE.search(log)
   assert line is not None and "Traceback" not in log and "Check failure" not in log, log
   resume = int(re.fullmatch(r"checkpoint step (\d+) in .*", line.group(4)).group(1))
-  assert resume >= 10
-  restarted = _start(
-    workdir, shared, f"--config.num_train_steps={_STEPS}", f"--config.stop_after_step={resume + 5}", *overrides
-  )
-  statuses = [p.wait(timeout=240) for p in restarted]
-  logs = _logs(workdir)
-  assert statuses == [0, 0], logs
-  assert f"at step {resume}." in logs[0] and f"Stopping at step {resume + 5} (stop_after_step)" in logs[0], logs[0]
-  return seconds, line, logs[0]
+  assert resume > after and resume in _steps(workdir)
+  return seconds, line, resume
 
 
-def test_a_killed_process_ends_the_other_within_30_s_and_a_restart_resumes(tmp_path, shared):
-  seconds, line, _ = _fault_then_restart(tmp_path, shared, signal.SIGKILL, victim=1)
+def test_a_killed_or_stopped_process_ends_the_job_with_a_line_and_a_restart_resumes_from_its_checkpoint(
+  tmp_path, shared
+):
+  """One job, started three times (each start costs most of this test's time): a process killed, then one
+  stopped, then a restart that runs to its end."""
+  step_timeout_s = 5
+  job = (shared, f"--config.num_train_steps={_STEPS}", f"--config.faults.step_timeout_s={step_timeout_s}")
+
+  # A lost process (SIGKILL of process 1): found by the heartbeats of process 0, within 30 s.
+  seconds, line, resume = _fault(tmp_path, _start(tmp_path, *job), signal.SIGKILL, victim=1, after=0)
   assert seconds < 30
-  assert line.group(1) == "0" and line.group(2).startswith("process 1 (host ") and "was lost" in line.group(2)
-  print(f"SIGKILL: the survivor exited {seconds:.1f} s after the fault")
+  assert line.group(1) == "0" and re.match(r"process 1 \(host .+\) was lost: no heartbeat for", line.group(2))
+  print(f"SIGKILL: process 0 exited {seconds:.1f} s after the fault, naming step {resume}")
 
+  # A stalled process (SIGSTOP of process 0, the coordinator): found by the step watchdog of process 1.
+  restarted = _start(tmp_path, *job)
+  first_resume = resume
+  stopped_at, line, resume = _fault(tmp_path, restarted, signal.SIGSTOP, victim=0, after=resume)
+  assert f"Resumed from {tmp_path / 'checkpoints'} at step {first_resume}." in _logs(tmp_path)[0]
+  assert stopped_at < step_timeout_s + 30
+  # The step watchdog names the process that did not arrive; when process 1 was saving (a phase the watchdog gives
+  # more time), the heartbeats find the coordinator silent first.
+  watchdog = f"s (faults.step_timeout_s={step_timeout_s}); processes that did not arrive: 0 (host "
+  assert line.group(1) == "1", line.group(0)
+  assert watchdog in line.group(2) or line.group(2).startswith("lost contact with process 0"), line.group(0)
+  print(f"SIGSTOP: process 1 exited {stopped_at:.1f} s after the fault, naming step {resume}")
 
-def test_a_stopped_process_is_found_by_the_step_watchdog_and_a_restart_resumes(tmp_path, shared):
-  step_timeout_s = 3
-  seconds, line, _ = _fault_then_restart(
-    tmp_path, shared, signal.SIGSTOP, victim=0, overrides=(f"--config.faults.step_timeout_s={step_timeout_s}",)
-  )
-  assert seconds < step_timeout_s + 30
-  assert line.group(1) == "1" and "did not complete" in line.group(2), line.group(0)
-  assert "processes that did not arrive: 0 (host " in line.group(2), line.group(0)
-  print(f"SIGSTOP: the survivor exited {seconds:.1f} s after the fault")
+  # The job run again resumes from the checkpoint named and runs to its end (here: 3 steps more).
+  statuses = [p.wait(timeout=240) for p in _start(tmp_path, *job, f"--config.stop_after_step={resume + 3}")]
+  logs = _logs(tmp_path)
+  assert statuses == [0, 0], logs
+  assert f"at step {resume}." in logs[0] and f"Stopping at step {resume + 3} (stop_after_step)" in logs[0], logs[0]

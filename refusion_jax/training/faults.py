@@ -49,6 +49,8 @@ RESTART_STATUS = 75
 # JAX's heartbeat check aborts the process (a C++ fatal error, status 134): it gets this many seconds more than
 # ours, so that ours, which names the lost process and the checkpoint, always acts first.
 _JAX_BACKSTOP_S = 10
+# A slow phase (compiling, evaluating, saving) may take this many step timeouts before it counts as a stall.
+_PAUSE_FACTOR = 10
 # Beats per heartbeat timeout: a lost process is found within the timeout plus one beat.
 _BEATS_PER_TIMEOUT = 5
 # Seconds the line waits for the checkpoint directory to be listed (a stuck filesystem may never answer).
@@ -133,6 +135,7 @@ class FaultWatch:
     self._timing = False  # between the loop's first timed step and its end
     self._step_clock: float | None = None  # when the step now awaited began; None: not timed yet or paused
     self._pauses = 0
+    self._pause: tuple[str, float] | None = None  # the slow phase under way, and since when
     self._peers = {i: _Peer() for i in range(self._count) if i != self._index}
     self._answered_at = time.monotonic()  # the key-value store's last answer
     self._closed = threading.Event()
@@ -155,26 +158,36 @@ class FaultWatch:
     """
     with self._lock:
       self.step, self._timing = step - 1, timed
-      self._step_clock = time.monotonic() if timed and not self._pauses else None
+      now = time.monotonic()
+      self._step_clock = now if timed and not self._pauses else None
+      if not self._pauses:
+        self._pause = None if timed else (f"train step {step}, the first of this run (compiling it)", now)
 
   def steps_over(self) -> None:
     """The loop has ended: what follows (the last saves, the report) is no step, and is not timed."""
     with self._lock:
       self._timing, self._step_clock = False, None
+      if not self._pauses:
+        self._pause = ("the end of the run (its last saves)", time.monotonic())
 
   @contextlib.contextmanager
-  def paused(self) -> Iterator[None]:
-    """A slow but live phase (evaluating, saving, the end of the run): the step clock stops inside it."""
+  def paused(self, what: str) -> Iterator[None]:
+    """A slow but live phase (`what`: evaluating, saving): the step clock stops inside it, and the phase gets
+    `_PAUSE_FACTOR` step timeouts instead (a filesystem that stops answering during a save is a stall too)."""
     with self._lock:
       self._pauses += 1
       self._step_clock = None
+      if self._pauses == 1:
+        self._pause = (what, time.monotonic())
     try:
       yield
     finally:
       with self._lock:
         self._pauses -= 1
-        if not self._pauses and self._timing:
-          self._step_clock = time.monotonic()
+        if not self._pauses:
+          self._pause = None
+          if self._timing:
+            self._step_clock = time.monotonic()
 
   def settle(self) -> None:
     """After the run failed in a multi-process job: give the checks the time to find a lost process.
@@ -240,7 +253,12 @@ class FaultWatch:
             f"process {index}{self._host(index)} was lost: no heartbeat for {now - peer.seen_at:.0f} s "
             f"(faults.heartbeat_timeout_s={self._heartbeat_s:g})"
           )
-      clock = self._step_clock
+      clock, pause = self._step_clock, self._pause
+      if self._step_timeout_s and pause is not None and now - pause[1] > _PAUSE_FACTOR * self._step_timeout_s:
+        self._end(
+          f"{pause[0]} did not end in {now - pause[1]:.0f} s ({_PAUSE_FACTOR} x faults.step_timeout_s="
+          f"{self._step_timeout_s:g})"
+        )
       if self._step_timeout_s and clock is not None and now - clock > self._step_timeout_s:
         # A peer that waits in the same collective beats at this step; one that stalls fell behind or fell silent.
         silent_s = 2 * self._heartbeat_s / _BEATS_PER_TIMEOUT

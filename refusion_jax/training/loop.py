@@ -245,7 +245,8 @@ def _train(
       metrics = device.sync(result, logger, saver.last_saved, checkpoints)
       if "log" in due:
         logger.write(step, dict(_scalars(metrics), **throughput.read()), "train")
-      with throughput.paused(), watch.paused():
+      slow = " and ".join(name for action, name in _SLOW_ACTIONS.items() if action in due)
+      with throughput.paused(), watch.paused(f"{slow or 'logging'} at step {step}"):
         if "eval" in due:
           evaluator.run(step, state.params, result)
         if "save" in due:
@@ -276,6 +277,9 @@ def _train(
 
 
 # ------------------------------------------------------------------ when actions are due
+
+# The periodic actions that are no step: the step watchdog pauses for them (training/faults.py).
+_SLOW_ACTIONS = {"eval": "evaluating", "save": "saving"}
 
 
 def _due(config: ml_collections.ConfigDict, step: int, total_steps: int, evaluates: bool) -> set[str]:
