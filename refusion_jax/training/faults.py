@@ -289,6 +289,8 @@ class FaultWatch:
     )
     with contextlib.suppress(Exception):
       self._before_exit()
+    if marker := os.environ.get("REFUSION_RESTART_MARKER"):  # launch/restarting.sh under srun: "restart"
+      _patiently(lambda: open(marker, "a").close())
     sys.stdout.flush()
     self._exit(RESTART_STATUS)
 
@@ -303,22 +305,26 @@ def _client():
   return client
 
 
-def _resume_point(directory: str) -> str:
-  """Where a restart resumes: the newest complete checkpoint step (orbax names unfinished saves otherwise).
+def _patiently(action: Callable[[], None]) -> bool:
+  """Run a filesystem `action` in a helper thread for at most `_LIST_PATIENCE_S` (a filesystem that does not
+  answer must not keep the process from exiting); returns whether it ended. An OSError counts as ended."""
 
-  Listed in a helper thread: a filesystem that does not answer must not keep the process from exiting.
-  """
-  found: list[int | None] = []
-
-  def listing() -> None:
+  def run() -> None:
     with contextlib.suppress(OSError):
-      found.append(max((int(name) for name in os.listdir(directory) if name.isdigit()), default=None))
+      action()
 
-  thread = threading.Thread(target=listing, daemon=True)
+  thread = threading.Thread(target=run, daemon=True)
   thread.start()
   thread.join(_LIST_PATIENCE_S)
-  if thread.is_alive():
+  return not thread.is_alive()
+
+
+def _resume_point(directory: str) -> str:
+  """Where a restart resumes: the newest complete checkpoint step (orbax names unfinished saves otherwise)."""
+  found: list[int] = []
+  listed = _patiently(lambda: found.extend(int(name) for name in os.listdir(directory) if name.isdigit()))
+  if not listed:
     return f"the newest checkpoint in {directory} (the directory did not answer within {_LIST_PATIENCE_S:g} s)"
-  if not found or found[0] is None:
+  if not found:
     return "the start (no checkpoint was complete)"
-  return f"checkpoint step {found[0]} in {directory}"
+  return f"checkpoint step {max(found)} in {directory}"
