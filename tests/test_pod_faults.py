@@ -2,22 +2,15 @@
 other within seconds, with one line and the restart status, and running the job again resumes from the checkpoint
 that line names; the step watchdog leaves compiling, evaluating and saving alone."""
 
-import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import ml_collections
 import pytest
-from helpers.train_utils import REPO
+from helpers.pod_faults import LINE, LONG, fault_one, logs, start
 
 from refusion_jax.training import faults
-
-# A run that would go on for long: each test ends it, by a fault or by stop_after_step.
-_STEPS = 100_000
-_LINE = re.compile(r"refusion_jax: process (\d): (.*)\. The run reached step (\d+); a restart resumes from (.*)\. Exit")
 
 
 def _faults(heartbeat_timeout_s: float = 10, step_timeout_s: float = 0.5) -> ml_collections.ConfigDict:
@@ -66,7 +59,7 @@ def test_a_step_past_its_timeout_ends_the_run_with_the_restart_status(tmp_path, 
   finally:
     watch.close()
   assert exits.statuses == [faults.RESTART_STATUS]
-  process, what, step, resume = _LINE.search(capsys.readouterr().err).groups()
+  process, what, step, resume = LINE.search(capsys.readouterr().err).groups()
   assert (process, step) == ("0", "8")
   assert what.startswith("train step 9 did not complete in 1 s (faults.step_timeout_s=0.5)")
   assert resume == f"checkpoint step 7 in {tmp_path}"
@@ -100,76 +93,8 @@ def test_timeouts_that_cannot_work_are_refused_naming_the_field():
 @pytest.fixture(scope="module")
 def shared(data_dir, tmp_path_factory) -> tuple[str, str]:
   """What every start of a job here shares: the built data and JAX's compilation cache (a restart then compiles
-  nothing, and the tests take a third less time)."""
+  nothing, and the test takes a third less time)."""
   return data_dir, str(tmp_path_factory.mktemp("compilation_cache"))
-
-
-def _start(workdir, shared: tuple[str, str], *overrides: str) -> list[subprocess.Popen]:
-  """The two processes of launch/local_multiprocess.sh (one CPU device each), started here to know their pids."""
-  data_dir, cache = shared
-  port = 20000 + os.getpid() % 20000
-  processes = []
-  for index in range(2):
-    env = dict(
-      os.environ,
-      REFUSION_DISTRIBUTED="1",
-      JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-      JAX_NUM_PROCESSES="2",
-      JAX_PROCESS_ID=str(index),
-      JAX_PLATFORMS="cpu",
-      XLA_FLAGS="--xla_force_host_platform_device_count=1",
-      JAX_COMPILATION_CACHE_DIR=cache,
-      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-    )
-    command = [sys.executable, "-m", "refusion_jax.train", "--config", "configs/demo.py:smoke", "--workdir"]
-    command += [str(workdir), f"--config.data.data_dir={data_dir}", "--config.eval_every=0"]
-    command += ["--config.checkpoint.every=5", *overrides]
-    log = open(workdir / f"process_{index}.log", "w")  # noqa: SIM115 (the process writes it)
-    processes.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
-  return processes
-
-
-def _wait_for_checkpoint(workdir, processes: list[subprocess.Popen], after: int) -> None:
-  """Until the job has saved a checkpoint past step `after`."""
-  deadline = time.monotonic() + 240
-  while time.monotonic() < deadline:
-    assert all(p.poll() is None for p in processes), _logs(workdir)
-    if _steps(workdir) and max(_steps(workdir)) > after:
-      return
-    time.sleep(0.2)
-  raise AssertionError(f"no checkpoint past step {after} in time: {_logs(workdir)}")
-
-
-def _steps(workdir) -> list[int]:
-  directory = workdir / "checkpoints"
-  return [int(name) for name in os.listdir(directory) if name.isdigit()] if directory.is_dir() else []
-
-
-def _logs(workdir) -> dict[int, str]:
-  return {i: (workdir / f"process_{i}.log").read_text() for i in range(2)}
-
-
-def _fault(workdir, processes: list[subprocess.Popen], fault: signal.Signals, victim: int, after: int):
-  """Once the job has saved past step `after`, send `fault` to process `victim`; the other must exit with the
-  restart status, its line and no traceback or abort dump. Returns the seconds from the fault to that exit, the
-  line, and the checkpoint step it names."""
-  try:
-    _wait_for_checkpoint(workdir, processes, after)
-    os.kill(processes[victim].pid, fault)
-    faulted = time.monotonic()
-    status = processes[1 - victim].wait(timeout=120)
-    seconds = time.monotonic() - faulted
-  finally:
-    for process in processes:  # the victim too: what a launcher does with a job that ended
-      process.kill()
-      process.wait()
-  log = _logs(workdir)[1 - victim]
-  assert status == faults.RESTART_STATUS, log
-  line = _LINE.search(log)
-  assert line is not None and "Traceback" not in log and "Check failure" not in log, log
-  resume = int(re.fullmatch(r"checkpoint step (\d+) in .*", line.group(4)).group(1))
-  assert resume > after and resume in _steps(workdir)
-  return seconds, line, resume
 
 
 def test_a_killed_or_stopped_process_ends_the_job_with_a_line_and_a_restart_resumes_from_its_checkpoint(
@@ -178,19 +103,19 @@ def test_a_killed_or_stopped_process_ends_the_job_with_a_line_and_a_restart_resu
   """One job, started three times (each start costs most of this test's time): a process killed, then one
   stopped, then a restart that runs to its end."""
   step_timeout_s = 5
-  job = (shared, f"--config.num_train_steps={_STEPS}", f"--config.faults.step_timeout_s={step_timeout_s}")
+  job = (shared, LONG, f"--config.faults.step_timeout_s={step_timeout_s}")
 
   # A lost process (SIGKILL of process 1): found by the heartbeats of process 0, within 30 s.
-  seconds, line, resume = _fault(tmp_path, _start(tmp_path, *job), signal.SIGKILL, victim=1, after=0)
+  seconds, line, resume = fault_one(tmp_path, start(tmp_path, *job), signal.SIGKILL, victim=1, after=0)
   assert seconds < 30
   assert line.group(1) == "0" and re.match(r"process 1 \(host .+\) was lost: no heartbeat for", line.group(2))
   print(f"SIGKILL: process 0 exited {seconds:.1f} s after the fault, naming step {resume}")
 
   # A stalled process (SIGSTOP of process 0, the coordinator): found by the step watchdog of process 1.
-  restarted = _start(tmp_path, *job)
+  restarted = start(tmp_path, *job)
   first_resume = resume
-  stopped_at, line, resume = _fault(tmp_path, restarted, signal.SIGSTOP, victim=0, after=resume)
-  assert f"Resumed from {tmp_path / 'checkpoints'} at step {first_resume}." in _logs(tmp_path)[0]
+  stopped_at, line, resume = fault_one(tmp_path, restarted, signal.SIGSTOP, victim=0, after=resume)
+  assert f"Resumed from {tmp_path / 'checkpoints'} at step {first_resume}." in logs(tmp_path)[0]
   assert stopped_at < step_timeout_s + 30
   # The step watchdog names the process that did not arrive; when process 1 was saving (a phase the watchdog gives
   # more time), the heartbeats find the coordinator silent first.
@@ -200,7 +125,7 @@ def test_a_killed_or_stopped_process_ends_the_job_with_a_line_and_a_restart_resu
   print(f"SIGSTOP: process 1 exited {stopped_at:.1f} s after the fault, naming step {resume}")
 
   # The job run again resumes from the checkpoint named and runs to its end (here: 3 steps more).
-  statuses = [p.wait(timeout=240) for p in _start(tmp_path, *job, f"--config.stop_after_step={resume + 3}")]
-  logs = _logs(tmp_path)
-  assert statuses == [0, 0], logs
-  assert f"at step {resume}." in logs[0] and f"Stopping at step {resume + 3} (stop_after_step)" in logs[0], logs[0]
+  statuses = [p.wait(timeout=240) for p in start(tmp_path, *job, f"--config.stop_after_step={resume + 3}")]
+  final = logs(tmp_path)
+  assert statuses == [0, 0], final
+  assert f"at step {resume}." in final[0] and f"Stopping at step {resume + 3} (stop_after_step)" in final[0], final[0]
