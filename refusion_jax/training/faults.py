@@ -241,7 +241,8 @@ class FaultWatch:
     """Every beat: end the run when a process is lost or the step awaited is overdue."""
     while not self._closed.wait(min(1.0, self._heartbeat_s / _BEATS_PER_TIMEOUT)):
       now = time.monotonic()
-      if self._client is not None and now - self._answered_at > self._heartbeat_s:
+      coordinator_done = self._index != 0 and self._peers[0].done  # its process may exit before this one
+      if self._client is not None and not coordinator_done and now - self._answered_at > self._heartbeat_s:
         self._end(
           f"lost contact with process 0{self._host(0)}, which coordinates the job: its key-value store "
           f"has not answered for {now - self._answered_at:.0f} s (faults.heartbeat_timeout_s="
