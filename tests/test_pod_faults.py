@@ -8,7 +8,7 @@ import time
 
 import ml_collections
 import pytest
-from helpers.pod_faults import LINE, LONG, fault_one, logs, start
+from helpers.pod_faults import LINE, LONG, fault_one, logs, start, steps
 
 from refusion_jax.training import faults
 
@@ -97,6 +97,18 @@ def shared(data_dir, tmp_path_factory) -> tuple[str, str]:
   return data_dir, str(tmp_path_factory.mktemp("compilation_cache"))
 
 
+def _ended_by_its_line(workdir, processes, fault: signal.Signals, victim: int, after: int):
+  """`fault_one`, and the other process exited with the restart status and its line, no traceback or abort dump.
+  Returns the seconds from the fault to that exit, the line, and the checkpoint step it names."""
+  seconds, status, log = fault_one(workdir, processes, fault, victim, after)
+  assert status == faults.RESTART_STATUS, log
+  line = LINE.search(log)
+  assert line is not None and "Traceback" not in log and "Check failure" not in log, log
+  resume = int(re.fullmatch(r"checkpoint step (\d+) in .*", line.group(4)).group(1))
+  assert resume > after and resume in steps(workdir)
+  return seconds, line, resume
+
+
 def test_a_killed_or_stopped_process_ends_the_job_with_a_line_and_a_restart_resumes_from_its_checkpoint(
   tmp_path, shared
 ):
@@ -106,7 +118,7 @@ def test_a_killed_or_stopped_process_ends_the_job_with_a_line_and_a_restart_resu
   job = (shared, LONG, f"--config.faults.step_timeout_s={step_timeout_s}")
 
   # A lost process (SIGKILL of process 1): found by the heartbeats of process 0, within 30 s.
-  seconds, line, resume = fault_one(tmp_path, start(tmp_path, *job), signal.SIGKILL, victim=1, after=0)
+  seconds, line, resume = _ended_by_its_line(tmp_path, start(tmp_path, *job), signal.SIGKILL, victim=1, after=0)
   assert seconds < 30
   assert line.group(1) == "0" and re.match(r"process 1 \(host .+\) was lost: no heartbeat for", line.group(2))
   print(f"SIGKILL: process 0 exited {seconds:.1f} s after the fault, naming step {resume}")
@@ -114,7 +126,7 @@ def test_a_killed_or_stopped_process_ends_the_job_with_a_line_and_a_restart_resu
   # A stalled process (SIGSTOP of process 0, the coordinator): found by the step watchdog of process 1.
   restarted = start(tmp_path, *job)
   first_resume = resume
-  stopped_at, line, resume = fault_one(tmp_path, restarted, signal.SIGSTOP, victim=0, after=resume)
+  stopped_at, line, resume = _ended_by_its_line(tmp_path, restarted, signal.SIGSTOP, victim=0, after=resume)
   assert f"Resumed from {tmp_path / 'checkpoints'} at step {first_resume}." in logs(tmp_path)[0]
   assert stopped_at < step_timeout_s + 30
   # The step watchdog names the process that did not arrive; when process 1 was saving (a phase the watchdog gives

@@ -26,6 +26,11 @@ of a blocked wait (data, evaluation), saving the last step not yet saved; a
 multi-process run agrees on the signal at its next sync, so that every process
 saves the same step. Stuck past the grace time, or on a second signal, it exits
 at once.
+
+Pod faults (`training/faults.py`): a process of a multi-process run that is lost
+or stalls ends every process within seconds, with one line and exit status 75
+("restart me"). The loop tells its watch where each step begins and which
+phases are slow but live (the first step, evaluating, saving).
 """
 
 from __future__ import annotations
