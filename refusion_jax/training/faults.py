@@ -21,6 +21,9 @@ step reached and the checkpoint a restart resumes from, and exit status
   saving pause it (`FaultWatch.paused`), on this process or on any other (the
   beats say so), so a slow but live run is never ended.
 
+One fault is not ours to report: when process 0 dies, its coordination service goes with it and JAX's client
+aborts every other process at once (status 134); jaxlib gives no hook (docs/scaling.md).
+
 The beat thread does the store's I/O, which may block; the judge thread only
 compares clocks, so it acts even while the store, the main thread and the
 devices are stuck. Exiting is `os._exit`: nothing of this process runs after
