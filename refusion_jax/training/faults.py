@@ -233,8 +233,9 @@ class FaultWatch:
         peer.host = hosts.get(f"{_HOSTS}{index}", "")
     for index, peer in self._peers.items():
       beat = beats.get(f"{_PREFIX}{index}", "")
-      if beat != peer.beat or first:  # a peer not beating yet is timed from this process's first beat
-        peer.beat, peer.seen_at = beat, now
+      if beat == peer.beat and not first:
+        continue  # silent: a peer that stopped while saving must not keep pausing this process's clock
+      peer.beat, peer.seen_at = beat, now  # a peer not beating yet is timed from this process's first beat
       if peer.paused:  # another process compiles, evaluates or saves: this one's wait for it is no stall
         with self._lock:
           if self._step_clock is not None:

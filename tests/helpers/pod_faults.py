@@ -2,7 +2,7 @@
 
 Run as a program, it measures the seconds from a fault to the other process's exit, per case (results/faults.md):
 
-    JAX_PLATFORMS=cpu python tests/helpers/pod_faults.py /tmp/pod_faults
+    JAX_PLATFORMS=cpu python tests/helpers/pod_faults.py /tmp/pod_faults [CASES]   # CASES: e.g. 0,4 (default: all)
 
 Each case starts the job (the smoke demo, one CPU device per process), waits for its first checkpoint, sends
 the signal, and times the survivor; the built data and JAX's compilation cache are shared by the cases.
@@ -96,11 +96,14 @@ CASES = (
 )
 
 
-def main(root: str) -> None:
+def main(root: str, cases: str = "") -> None:
+  """Measure every case (or those numbered in `cases`, e.g. "0,4") in jobs under `root`."""
   root_dir = Path(root)
   shared = (str(root_dir / "data"), str(root_dir / "compilation_cache"))
   print("| case | the other's exit after the fault (s) | status | its last words |\n| --- | ---: | ---: | --- |")
   for number, (name, fault, victim, overrides) in enumerate(CASES):
+    if cases and str(number) not in cases.split(","):
+      continue
     workdir = root_dir / f"case_{number}"
     workdir.mkdir(parents=True)
     seconds, status, log = fault_one(workdir, start(workdir, shared, LONG, *overrides), fault, victim, after=0)
@@ -110,4 +113,4 @@ def main(root: str) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1])
+  main(*sys.argv[1:])
