@@ -13,13 +13,14 @@ step reached and the checkpoint a restart resumes from, and exit status
   store of `jax.distributed` (a counter, its step and whether its step clock is
   paused), and reads the others' beats. A process whose beat has not changed
   for the timeout is lost; a store that has not answered for the timeout means
-  the coordinator (process 0) is. JAX's own check gets a longer timeout
-  (`jax_heartbeat_timeout_s`) so that it stays a backstop: ours speaks first.
+  the coordinator (process 0) is. JAX's own check gets `_JAX_BACKSTOP_S` more
+  so that it stays a backstop: ours speaks first.
 - **Stalled** (`faults.step_timeout_s`): a step that has not completed within the
   timeout ends the run, naming the processes whose beats had not reached it.
   The clock runs only between steps: compiling the first step, evaluating and
   saving pause it (`FaultWatch.paused`), on this process or on any other (the
-  beats say so), so a slow but live run is never ended.
+  beats say so), so a slow but live run is never ended; such a phase gets
+  `_PAUSE_FACTOR` step timeouts of its own (a save on a dead filesystem stalls too).
 
 One fault is not ours to report: when process 0 dies, its coordination service goes with it and JAX's client
 aborts every other process at once (status 134); jaxlib gives no hook (docs/scaling.md).
@@ -66,22 +67,22 @@ def jax_distributed_timeouts(faults: ml_collections.ConfigDict) -> dict[str, int
   """The keyword arguments of `jax.distributed.initialize` that `config.faults` sets.
 
   Raises:
-    ValueError: a timeout that cannot work (`check_faults_config`).
+    ValueError: a timeout that cannot work (`_check_config`).
   """
-  check_faults_config(faults)
+  _check_config(faults)
   return dict(
-    heartbeat_timeout_seconds=jax_heartbeat_timeout_s(faults),
+    heartbeat_timeout_seconds=_jax_heartbeat_timeout_s(faults),
     initialization_timeout=int(faults.initialization_timeout_s),
     shutdown_timeout_seconds=int(faults.shutdown_timeout_s),
   )
 
 
-def jax_heartbeat_timeout_s(faults: ml_collections.ConfigDict) -> int:
+def _jax_heartbeat_timeout_s(faults: ml_collections.ConfigDict) -> int:
   """JAX's own heartbeat timeout: ours plus a margin, so that JAX's abort stays a backstop."""
   return int(faults.heartbeat_timeout_s) + _JAX_BACKSTOP_S
 
 
-def check_faults_config(faults: ml_collections.ConfigDict) -> None:
+def _check_config(faults: ml_collections.ConfigDict) -> None:
   """Raises ValueError for a timeout that cannot work, naming the field."""
   if faults.heartbeat_timeout_s < 1:
     raise ValueError(f"faults.heartbeat_timeout_s={faults.heartbeat_timeout_s}; give at least 1 (seconds).")
@@ -129,7 +130,7 @@ class FaultWatch:
       before_exit: run just before exiting on a fault (e.g. releasing the workdir's lock).
       exit_: how to end the process (tests replace it).
     """
-    check_faults_config(faults)
+    _check_config(faults)
     self._heartbeat_s = float(faults.heartbeat_timeout_s)
     self._step_timeout_s = float(faults.step_timeout_s)
     self._checkpoint_dir, self._before_exit, self._exit = checkpoint_dir, before_exit, exit_
