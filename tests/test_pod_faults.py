@@ -32,15 +32,15 @@ class _Exits:
 
 def test_a_long_first_step_evaluation_or_save_does_not_trip_the_step_watchdog(tmp_path):
   exits = _Exits()
-  watch = faults.FaultWatch(_faults(step_timeout_s=0.5), str(tmp_path), exit_=exits)
+  watch = faults.FaultWatch(_faults(step_timeout_s=0.2), str(tmp_path), exit_=exits)
   try:
     watch.step_begins(1, timed=False)  # the first step compiles
-    time.sleep(1.5)  # longer than the step timeout, shorter than _PAUSE_FACTOR of them
+    time.sleep(0.8)  # longer than the step timeout, shorter than _PAUSE_FACTOR of them
     watch.step_begins(2)
     with watch.paused("evaluating at step 2"):
-      time.sleep(1.5)
+      time.sleep(0.8)
     watch.steps_over()  # the run's last save and report
-    time.sleep(1.5)
+    time.sleep(0.8)
   finally:
     watch.close()
   assert exits.statuses == []
