@@ -293,8 +293,7 @@ class FaultWatch:
       file=sys.stderr,
       flush=True,
     )
-    with contextlib.suppress(Exception):
-      self._before_exit()
+    _patiently(self._before_exit)
     if marker := os.environ.get("REFUSION_RESTART_MARKER"):  # launch/restarting.sh under srun: "restart"
       _patiently(lambda: open(marker, "a").close())
     sys.stdout.flush()
@@ -313,10 +312,11 @@ def _client():
 
 def _patiently(action: Callable[[], None]) -> bool:
   """Run a filesystem `action` in a helper thread for at most `_LIST_PATIENCE_S` (a filesystem that does not
-  answer must not keep the process from exiting); returns whether it ended. An OSError counts as ended."""
+  answer must not keep the process from exiting); returns whether it ended. An error counts as ended: the
+  process is on its way out, and its line says what matters."""
 
   def run() -> None:
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(Exception):
       action()
 
   thread = threading.Thread(target=run, daemon=True)
