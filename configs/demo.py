@@ -100,6 +100,16 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.stop_after_step = -1  # save and stop at this step while keeping the schedule of num_train_steps
   config.stop_grace_s = 10.0  # after SIGTERM/SIGINT, seconds to reach a point where it can save; then exit
 
+  # Pod faults (training/faults.py, docs/scaling.md "When a host is lost or stalls"): a lost or stalled process ends
+  # every process that can still act, with one line and exit status 75, on which launch/*.sh restart the job.
+  config.faults = ml_collections.ConfigDict()
+  config.faults.heartbeat_timeout_s = 10.0  # a process silent this long is lost (JAX's own abort gets 10 s more)
+  # A train step not done in this long ends the run (0: off). Compiling, evaluating and saving do not count; 300 s
+  # is far above any healthy step of the recipes (the 8B recipe's step takes seconds) and its data fetch.
+  config.faults.step_timeout_s = 300.0
+  config.faults.initialization_timeout_s = 300  # jax.distributed: how long processes wait for each other to join
+  config.faults.shutdown_timeout_s = 300  # jax.distributed: how long a finished process waits for the others
+
   # LoRA (refusion_jax.model.lora): train low-rank adapters on frozen kernels; rank 0 trains every weight.
   config.lora = ml_collections.ConfigDict()
   config.lora.rank = 0  # adapter rank r (0: off, full fine-tuning)

@@ -2,7 +2,7 @@
 # Train on a SLURM GPU cluster: one process per GPU, jax.distributed auto-detects the job from SLURM's variables.
 #
 #   launch/slurm_gpu.sh [--dry_run] [--nodes=N] [--gpus_per_node=G] [--partition=P] [--time=HH:MM:SS] \
-#       CONFIG WORKDIR [--config.field=value ...]
+#       [--max_restarts=N] CONFIG WORKDIR [--config.field=value ...]
 #   launch/slurm_gpu.sh [--dry_run] logs|stop JOB_ID WORKDIR
 #
 #   e.g. launch/slurm_gpu.sh --nodes=4 --gpus_per_node=8 --partition=gpu configs/refusion_qwen3_8b.py \
@@ -13,7 +13,9 @@
 #      build of the jax setup.py pins for the node's Python (skip with INSTALL=0);
 #   2. queue: sbatch a job of N nodes x G tasks (one per GPU) that `srun`s `python -m refusion_jax.train`
 #      with REFUSION_DISTRIBUTED=1; SLURM sends SIGTERM 120 s before the time limit and on preemption, the
-#      run saves a checkpoint, and --requeue puts a preempted job back in the queue;
+#      run saves a checkpoint, and --requeue puts a preempted job back in the queue; when a process exits with
+#      status 75 (a node was lost or stalled) the job runs `srun` again, resuming from the last checkpoint, at
+#      most --max_restarts times (default 3; launch/restarting.sh);
 #   3. prints how to follow the log (WORKDIR/slurm-JOB_ID.out) and stop the job.
 # WORKDIR and this checkout must be on a filesystem every node sees. A requeued, stopped or timed-out job
 # resumes from the latest checkpoint in WORKDIR when the same command is run again (or when SLURM requeues it).
@@ -25,11 +27,11 @@
 set -euo pipefail
 
 usage() {
-  sed -n '2,24p' "$0"
+  sed -n '2,27p' "$0"
   exit 2
 }
 
-DRY_RUN=0 NODES=1 GPUS_PER_NODE=8 PARTITION="" TIME_LIMIT=24:00:00
+DRY_RUN=0 NODES=1 GPUS_PER_NODE=8 PARTITION="" TIME_LIMIT=24:00:00 MAX_RESTARTS=3
 while [[ $# -gt 0 && $1 == --* ]]; do
   case $1 in
     --dry_run) DRY_RUN=1 ;;
@@ -37,6 +39,7 @@ while [[ $# -gt 0 && $1 == --* ]]; do
     --gpus_per_node=*) GPUS_PER_NODE=${1#*=} ;;
     --partition=*) PARTITION=${1#*=} ;;
     --time=*) TIME_LIMIT=${1#*=} ;;
+    --max_restarts=*) MAX_RESTARTS=${1#*=} ;;
     *) echo "Unknown option $1" >&2; usage ;;
   esac
   shift
@@ -82,7 +85,10 @@ args=$(printf ' %q' --config "$CONFIG" --workdir "$WORKDIR" "$@")
 job_script="#!/usr/bin/env bash
 set -euo pipefail
 cd $(printf '%q' "$REPO")
-srun --kill-on-bad-exit=1 env REFUSION_DISTRIBUTED=1 $(printf '%q' "$VENV/bin/python") -m refusion_jax.train$args"
+# srun reports one status for all tasks: a task that exits with 75 (restart) creates this file instead.
+export REFUSION_RESTART_MARKER=$(printf '%q' "$WORKDIR/.restart_requested")
+bash launch/restarting.sh $MAX_RESTARTS \\
+  srun --kill-on-bad-exit=1 env REFUSION_DISTRIBUTED=1 $(printf '%q' "$VENV/bin/python") -m refusion_jax.train$args"
 partition=()
 if [[ -n $PARTITION ]]; then partition=(--partition "$PARTITION"); fi
 sbatch=(sbatch --parsable --job-name refusion --nodes "$NODES" --ntasks-per-node "$GPUS_PER_NODE"

@@ -2,7 +2,7 @@
 # Train on a Cloud TPU VM pod: one process per host, all started together (gcloud ... ssh --worker=all).
 #
 #   launch/tpu_pod.sh [--dry_run] [--accelerator=TYPE [--spot] [--runtime=VERSION]] [--setup=COMMAND] \
-#       TPU_NAME ZONE CONFIG WORKDIR [--config.field=value ...]
+#       [--max_restarts=N] TPU_NAME ZONE CONFIG WORKDIR [--config.field=value ...]
 #   launch/tpu_pod.sh [--dry_run] --accelerator=TYPE [--spot] [--runtime=VERSION] create TPU_NAME ZONE
 #   launch/tpu_pod.sh [--dry_run] logs|stop|delete TPU_NAME ZONE
 #   launch/tpu_pod.sh [--dry_run] [--extras=LIST] exec TPU_NAME ZONE COMMAND
@@ -18,7 +18,9 @@
 #   2. runs --setup's COMMAND on every worker (e.g. mounting the shared WORKDIR), copies this checkout to
 #      ~/refusion_jax on every worker (skip with SYNC=0) and installs it with the TPU extra (skip with INSTALL=0);
 #   3. starts training in the background with REFUSION_DISTRIBUTED=1 (jax.distributed auto-detects the pod),
-#      logging to ~/refusion_train.log on every worker, and prints how to follow it and stop it.
+#      logging to ~/refusion_train.log on every worker, and prints how to follow it and stop it. A run that
+#      exits with status 75 (a host was lost or stalled) is started again on that worker, resuming from its last
+#      checkpoint, at most --max_restarts times (default 3; launch/restarting.sh).
 # WORKDIR must be one directory every worker sees (NFS / Filestore, or a gcsfuse-mounted bucket): orbax
 # writes each checkpoint there from all hosts together. A preempted or stopped job resumes from its latest
 # checkpoint when the same command is run again (after `delete` if the TPU was preempted).
@@ -34,11 +36,11 @@
 set -euo pipefail
 
 usage() {
-  sed -n '2,33p' "$0"
+  sed -n '2,35p' "$0"
   exit 2
 }
 
-DRY_RUN=0 ACCELERATOR="" SPOT=0 RUNTIME="" SETUP="" EXTRAS=""
+DRY_RUN=0 ACCELERATOR="" SPOT=0 RUNTIME="" SETUP="" EXTRAS="" MAX_RESTARTS=3
 while [[ $# -gt 0 && $1 == --* ]]; do
   case $1 in
     --dry_run) DRY_RUN=1 ;;
@@ -47,6 +49,7 @@ while [[ $# -gt 0 && $1 == --* ]]; do
     --runtime=*) RUNTIME=${1#*=} ;;
     --setup=*) SETUP=${1#*=} ;;
     --extras=*) EXTRAS=${1#*=} ;;
+    --max_restarts=*) MAX_RESTARTS=${1#*=} ;;
     *) echo "Unknown option $1" >&2; usage ;;
   esac
   shift
@@ -145,7 +148,8 @@ fi
 sync_and_install
 echo "# run"
 args=$(printf ' %q' --config "$CONFIG" --workdir "$WORKDIR" "$@")
-ssh_workers all "cd $REMOTE_DIR && REFUSION_DISTRIBUTED=1 nohup python3 -m refusion_jax.train$args > ~/refusion_train.log 2>&1 &"
+train="launch/restarting.sh $MAX_RESTARTS python3 -m refusion_jax.train$args"
+ssh_workers all "cd $REMOTE_DIR && REFUSION_DISTRIBUTED=1 nohup bash $train > ~/refusion_train.log 2>&1 &"
 echo "# follow logs (launch/tpu_pod.sh logs $TPU_NAME $ZONE):"
 DRY_RUN=1 follow_logs
 echo "# stop, saving a checkpoint first (launch/tpu_pod.sh stop $TPU_NAME $ZONE):"

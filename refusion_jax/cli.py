@@ -34,15 +34,20 @@ BAD_INPUT = (ValueError, FileNotFoundError, NotImplementedError)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def initialize_distributed() -> None:
+def initialize_distributed(**timeouts: int) -> None:
   """Join the job's processes (launch/): Cloud TPU pods are auto-detected; a local run
-  gives JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID."""
+  gives JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID.
+
+  timeouts: `jax.distributed.initialize`'s (heartbeat_timeout_seconds, initialization_timeout,
+    shutdown_timeout_seconds); training passes its `config.faults` (training/faults.py), the rest JAX's defaults.
+  """
   import jax
 
   count, index = os.environ.get("JAX_NUM_PROCESSES"), os.environ.get("JAX_PROCESS_ID")
   jax.distributed.initialize(
     num_processes=None if count is None else int(count),
     process_id=None if index is None else int(index),
+    **timeouts,
   )
 
 

@@ -5,6 +5,10 @@
 
 Everything happens in `refusion_jax.training.loop.train_and_evaluate`; this
 module only parses flags and joins a multi-process job.
+
+Exit status: 0 done (or stopped by SIGTERM / SIGINT after saving), 1 a failure the run explains (its message),
+2 bad input, 75 (`training.faults.RESTART_STATUS`) a process of the job was lost or stalled: restart the job,
+which resumes from its last checkpoint (launch/*.sh do so).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from ml_collections import config_flags
 from refusion_jax.checkpoints.orbax import CheckpointDamagedError, CheckpointMismatchError, CheckpointSaveError
 from refusion_jax.cli import BAD_INPUT, initialize_distributed, report_errors
 from refusion_jax.data.pipeline import DataError
+from refusion_jax.training.faults import jax_distributed_timeouts
 from refusion_jax.training.interrupts import RunInterrupted
 from refusion_jax.training.loop import NonFiniteLossError, train_and_evaluate
 from refusion_jax.training.run_config import RENAMED_FIELDS
@@ -43,7 +48,7 @@ def main(argv: Sequence[str]) -> None:
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax and grain log every save at INFO
   if os.environ.get("REFUSION_DISTRIBUTED"):
-    initialize_distributed()
+    initialize_distributed(**jax_distributed_timeouts(flags.FLAGS.config.faults))
 
   def train() -> None:
     if train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir).stopped_by == "preempted":

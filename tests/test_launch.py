@@ -45,7 +45,8 @@ def command(lines: list[str], *words: str) -> list[str]:
 def test_tpu_pod_dry_run_prints_the_whole_lifecycle(no_cloud_tools):
   env, calls = no_cloud_tools
   mount = "gcsfuse --implicit-dirs bucket /mnt/work"
-  args = ["--accelerator=v5p-128", "--spot", f"--setup={mount}", "pod", "us-east5-a", "configs/refusion_qwen3_8b.py"]
+  args = ["--accelerator=v5p-128", "--spot", f"--setup={mount}", "--max_restarts=5", "pod", "us-east5-a"]
+  args.append("configs/refusion_qwen3_8b.py")
   lines = dry_run("tpu_pod.sh", [*args, "/mnt/work", OVERRIDE], env)
   create = command(lines, "queued-resources create")
   assert create[create.index("--accelerator-type") + 1] == "v5p-128" and "--spot" in create
@@ -57,7 +58,17 @@ def test_tpu_pod_dry_run_prints_the_whole_lifecycle(no_cloud_tools):
   remote = command(lines, "nohup")
   assert "--worker=all" in remote
   train = shlex.split(remote[-1].split("&&", 1)[1])  # what runs on each worker
-  assert train[:4] == ["REFUSION_DISTRIBUTED=1", "nohup", "python3", "-m"]
+  # Each worker restarts its process on status 75 (a host lost or stalled), at most --max_restarts times.
+  assert train[:8] == [
+    "REFUSION_DISTRIBUTED=1",
+    "nohup",
+    "bash",
+    "launch/restarting.sh",
+    "5",
+    "python3",
+    "-m",
+    "refusion_jax.train",
+  ]
   assert train[train.index("--workdir") + 1] == "/mnt/work" and OVERRIDE in train
   assert command(lines, "tail -f")[-1] == "tail -f ~/refusion_train.log"
   assert command(lines, "pkill")[-1] == 'pkill -TERM -f "refusion_jax.train --config"'
@@ -92,6 +103,9 @@ def test_slurm_dry_run_prints_setup_job_logs_and_stop(no_cloud_tools):
     assert sbatch[sbatch.index(flag) + 1] == value, flag
   assert "--requeue" in sbatch and sbatch[sbatch.index("--partition") + 1] == "gpu"
   job = lines[lines.index(next(line for line in lines if line.startswith("sbatch"))) + 1 : lines.index("JOB")]
+  # The job runs srun again when a task exits with 75 (its marker file says so: srun reports one status for all).
+  assert "export REFUSION_RESTART_MARKER=/shared/run/.restart_requested" in job
+  assert job[-2] == "bash launch/restarting.sh 3 \\"
   srun = shlex.split(job[-1])
   assert srun[:4] == ["srun", "--kill-on-bad-exit=1", "env", "REFUSION_DISTRIBUTED=1"]
   assert srun[srun.index("--workdir") + 1] == "/shared/run" and OVERRIDE in srun
@@ -99,6 +113,25 @@ def test_slurm_dry_run_prints_setup_job_logs_and_stop(no_cloud_tools):
   assert command(lines, "scancel") == ["scancel", "--signal=TERM", "JOB_ID"]
   assert command(dry_run("slurm_gpu.sh", ["stop", "123", "/shared/run"], env), "scancel")[-1] == "123"
   assert not calls.exists()
+
+
+@pytest.mark.parametrize("marker", [False, True])
+def test_restarting_runs_the_command_again_on_status_75_at_most_max_restarts_times(tmp_path, marker):
+  runs, flag = tmp_path / "runs", tmp_path / "restart_requested"
+  # Exits 75 twice (or, under srun, 1 with the marker file made), then 3: two restarts, then status 3.
+  body = 'echo run >> "$RUNS"; n=$(wc -l < "$RUNS"); if [ "$n" -lt 3 ]; then '
+  body += 'touch "$MARKER"; exit 1; fi; exit 3' if marker else "exit 75; fi; exit 3"
+  env = dict(os.environ, RUNS=str(runs), MARKER=str(flag), RESTART_DELAY_S="0")
+  if marker:
+    env["REFUSION_RESTART_MARKER"] = str(flag)
+  script = os.path.join(REPO, "launch", "restarting.sh")
+  out = subprocess.run(["bash", script, "5", "sh", "-c", body], capture_output=True, text=True, env=env, timeout=60)
+  assert out.returncode == 3 and runs.read_text().count("run") == 3
+  assert "restart 2 of 5" in out.stderr
+  runs.unlink()
+  out = subprocess.run(["bash", script, "1", "sh", "-c", body], capture_output=True, text=True, env=env, timeout=60)
+  assert out.returncode == 75 and runs.read_text().count("run") == 2  # still "restart me", for an outer loop
+  assert "after 1 restarts: giving up" in out.stderr
 
 
 def test_paper_table_dry_run_runs_each_task_with_its_settings(no_cloud_tools):

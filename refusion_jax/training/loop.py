@@ -27,6 +27,11 @@ of a blocked wait (data, evaluation), saving the last step not yet saved; a
 multi-process run agrees on the signal at its next sync, so that every process
 saves the same step. Stuck past the grace time, or on a second signal, it exits
 at once.
+
+Pod faults (`training/faults.py`): a process of a multi-process run that is lost
+or stalls ends every process within seconds, with one line and exit status 75
+("restart me"). The loop tells its watch where each step begins and which
+phases are slow but live (the first step, evaluating, saving).
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from refusion_jax.data import pipeline
 from refusion_jax.model import flops, lora
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.parallel import compiled, sharding
-from refusion_jax.training import config_file, inputs, run_lock, start
+from refusion_jax.training import config_file, faults, inputs, run_lock, start
 from refusion_jax.training.interrupts import Interrupts, RunInterrupted, StopRequested
 from refusion_jax.training.metrics import MetricsLogger, console
 from refusion_jax.training.run_config import check_run_config, lora_config_from, objective_config_from
@@ -111,14 +116,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Train
   os.makedirs(workdir, exist_ok=True)
   interrupts = Interrupts(grace_s=config.stop_grace_s)
   try:
+    checkpoint_dir = os.path.join(workdir, CHECKPOINT_SUBDIR)
     with (
-      run_lock.workdir_lock(workdir),
-      _open_checkpoints(config, os.path.join(workdir, CHECKPOINT_SUBDIR), interrupts) as checkpoints,
+      run_lock.workdir_lock(workdir) as lock,
+      _watching(config, checkpoint_dir, lock) as watch,
+      _open_checkpoints(config, checkpoint_dir, interrupts) as checkpoints,
     ):
       check_run_config(config, resuming=bool(checkpoints.all_steps()))
       if jax.process_index() == 0:
         config_file.write_run_config(config, workdir)  # what `eval --checkpoint WORKDIR` applies
-      return _train(config, workdir, checkpoints, interrupts)
+      return _train(config, workdir, checkpoints, interrupts, watch)
   except StopRequested as stop:
     raise RunInterrupted(
       f"Stopped by {stop}: nothing was trained in this run yet, so nothing new is saved. Rerun the same "
@@ -126,6 +133,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Train
     ) from None
   finally:
     interrupts.close()
+
+
+@contextlib.contextmanager
+def _watching(config: ml_collections.ConfigDict, checkpoint_dir: str, lock: str | None) -> Iterator[faults.FaultWatch]:
+  """The run's `FaultWatch` (a lost or stalled process ends every process: training/faults.py).
+
+  On a fault it releases the workdir's lock before exiting, so that a restart on another host may take it.
+  """
+  watch = faults.FaultWatch(config.faults, checkpoint_dir, before_exit=lambda: lock and run_lock.release(lock))
+  try:
+    yield watch
+  except Exception:
+    watch.settle()  # a process lost: its line and the restart status, not the collective's error
+    raise
+  finally:
+    watch.close()
 
 
 @contextlib.contextmanager
@@ -154,7 +177,11 @@ def _open_checkpoints(
 
 
 def _train(
-  config: ml_collections.ConfigDict, workdir: str, checkpoints: Checkpoints, interrupts: Interrupts
+  config: ml_collections.ConfigDict,
+  workdir: str,
+  checkpoints: Checkpoints,
+  interrupts: Interrupts,
+  watch: faults.FaultWatch,
 ) -> TrainResult:
   # ------------------------------------------------------------ 2. data
   with interrupts.phase("building the data", blocking=True):
@@ -205,6 +232,7 @@ def _train(
   position = _Position(run.train_iterator)
   try:
     while step < total_steps:
+      watch.step_begins(step + 1, timed=step != first_step)  # the first step compiles: its time says nothing
       with interrupts.phase("waiting for training data", blocking=alone):
         batch = next(run.train_iterator)
         next_position = _Position(run.train_iterator)
@@ -225,7 +253,8 @@ def _train(
       metrics = device.sync(result, logger, saver.last_saved, checkpoints)
       if "log" in due:
         logger.write(step, dict(_scalars(metrics), **throughput.read()), "train")
-      with throughput.paused():
+      slow = " and ".join(name for action, name in _SLOW_ACTIONS.items() if action in due)
+      with throughput.paused(), watch.paused(f"{slow or 'logging'} at step {step}"):
         if "eval" in due:
           evaluator.run(step, state.params, result)
         if "save" in due:
@@ -233,17 +262,20 @@ def _train(
       device.restart_clock()  # evaluating and saving are not the device's step time
       result.stopped_by = _stop_reason(config, interrupts, checkpoints, step)
       if result.stopped_by != "finished":
+        watch.steps_over()
         if saver.last_saved != step:
           saver.save(step, state, position)
         console(f"Stopping at step {step} ({result.stopped_by}); checkpoint saved in {checkpoints.directory}.")
         break
   except StopRequested as stop:
+    watch.steps_over()
     if device.pending:  # check the steps not yet read back first: a non-finite state is never saved
       device.sync(result, logger, saver.last_saved, checkpoints)
     _save_on_stop(stop, step, first_step, saver, state, position)
     result.stopped_by = "preempted"
     console(f"Stopping at step {step} ({result.stopped_by}) on {stop}; checkpoint saved in {checkpoints.directory}.")
   finally:
+    watch.steps_over()
     logger.close()
   result.step = step
   if result.samples:
@@ -253,6 +285,9 @@ def _train(
 
 
 # ------------------------------------------------------------------ when actions are due
+
+# The periodic actions that are no step: the step watchdog pauses for them (training/faults.py).
+_SLOW_ACTIONS = {"eval": "evaluating", "save": "saving"}
 
 
 def _due(config: ml_collections.ConfigDict, step: int, total_steps: int, evaluates: bool) -> set[str]:

@@ -130,8 +130,9 @@ def release(path: str) -> None:
 
 
 @contextmanager
-def workdir_lock(workdir: str) -> Iterator[None]:
-  """Hold `workdir`'s lock for the duration of the block (see `acquire`).
+def workdir_lock(workdir: str) -> Iterator[str | None]:
+  """Hold `workdir`'s lock for the duration of the block (see `acquire`); yields the lock file's path where this
+  process holds it, else None.
 
   In a multi-process job process 0 holds it for all; every process fails
   together when it cannot be taken.
@@ -148,7 +149,7 @@ def workdir_lock(workdir: str) -> Iterator[None]:
   if not multihost_utils.broadcast_one_to_all(np.int32(not refusal)):
     raise WorkdirLockedError(refusal or f"Process 0 could not lock {workdir}; see its log.")
   try:
-    yield
+    yield path
   finally:
     if path is not None:
       release(path)
