@@ -123,17 +123,15 @@ def _step(
   return state.replace(cache=cache, token=jnp.where(working, token, state.token), done=done), out, widths, live & done
 
 
-def _rows(config: ModelConfig, batch: int, capacity: int) -> _RowState:
-  zeros = jnp.zeros((batch,), jnp.int32)
-  cache = kv_cache.KVCache.create(config, batch, capacity)
-  return _RowState(cache=cache, prompt_length=zeros, token=zeros, done=jnp.zeros((batch,), bool))
+def _rows(config: ModelConfig, rows: int, capacity: int) -> _RowState:
+  zeros = jnp.zeros((rows,), jnp.int32)
+  cache = kv_cache.KVCache.create(config, rows, capacity)
+  return _RowState(cache=cache, prompt_length=zeros, token=zeros, done=jnp.zeros((rows,), bool))
 
 
-def start_rows(
-  settings: ARSettings, config: ModelConfig, batch: int, prompt_width: int
-) -> tuple[_RowState, np.ndarray]:
+def start_rows(settings: ARSettings, config: ModelConfig, rows: int, prompt_width: int) -> tuple[_RowState, np.ndarray]:
   """Idle rows and a zero count of the width-1 forwards (a `contract.StartRows`)."""
-  return host_zeros(_rows, config, batch, prompt_width + settings.gen_length), np.zeros((1, 2), np.int32)
+  return host_zeros(_rows, config, rows, prompt_width + settings.gen_length), np.zeros((1, 2), np.int32)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -183,16 +183,16 @@ def _step(
 
 
 def start_rows(
-  settings: MDMSettings, config: ModelConfig, batch: int, prompt_width: int
+  settings: MDMSettings, config: ModelConfig, rows: int, prompt_width: int
 ) -> tuple[_RowState, np.ndarray]:
   """Idle rows and a zero count of the [prompt | answer]-wide forwards (a `contract.StartRows`)."""
   del config  # no cache
   G = settings.gen_length
   state = _RowState(
-    prompt=np.zeros((batch, prompt_width), np.int32),
-    prompt_length=np.zeros((batch,), np.int32),
-    answer=np.zeros((batch, G), np.int32),
-    committed_at=np.zeros((batch, G), np.int32),
+    prompt=np.zeros((rows, prompt_width), np.int32),
+    prompt_length=np.zeros((rows,), np.int32),
+    answer=np.zeros((rows, G), np.int32),
+    committed_at=np.zeros((rows, G), np.int32),
   )
   return state, np.zeros((1, prompt_width + G + 1), np.int32)
 

@@ -391,16 +391,16 @@ def _admit(
   return state, out.replace(num_forwards=out.num_forwards.at[entry].set(1))
 
 
-def _rows(settings: ReFusionSettings, config: ModelConfig, batch: int, capacity: int) -> _RowState:
-  return _fresh_rows(settings, batch).replace(cache=KVCache.create(config, batch, capacity))
+def _rows(settings: ReFusionSettings, config: ModelConfig, rows: int, capacity: int) -> _RowState:
+  return _fresh_rows(settings, rows).replace(cache=KVCache.create(config, rows, capacity))
 
 
 def start_rows(
-  settings: ReFusionSettings, config: ModelConfig, batch: int, prompt_width: int
+  settings: ReFusionSettings, config: ModelConfig, rows: int, prompt_width: int
 ) -> tuple[_RowState, np.ndarray]:
   """Idle rows (cache capacity = prompt bucket + G) and zero width counters (a `contract.StartRows`)."""
-  rows = host_zeros(_rows, settings, config, batch, prompt_width + settings.gen_length)
-  return rows, np.zeros((1 + len(STAGE_NAMES), settings.block_length + 1), np.int32)
+  state = host_zeros(_rows, settings, config, rows, prompt_width + settings.gen_length)
+  return state, np.zeros((1 + len(STAGE_NAMES), settings.block_length + 1), np.int32)
 
 
 @dataclasses.dataclass(frozen=True)
