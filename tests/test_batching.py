@@ -71,7 +71,7 @@ def test_refusion_continuous_batching_gives_each_prompt_its_single_decode(seed):
   model, prompts, eos, rng = random_setup(seed)
   method, ids = refusion_method(rng), dict(mask_id=MASK, eos_id=eos)
   singles = [rj.decode(model, [p], method, **ids) for p in prompts]
-  continuous = rj.decode(model, prompts, method, **ids, batch_size=ROWS)
+  continuous = rj.decode(model, prompts, method, **ids, rows=ROWS)
   assert_each_row_is_its_own_decode(continuous, singles)
   # Rows finish at different iterations, so a finished row really took a new prompt.
   assert len({int(s.num_forwards[0]) for s in singles}) > 1
@@ -83,14 +83,14 @@ def test_sampled_refusion_draws_noise_by_prompt_not_by_row():
   model, prompts, eos, rng = random_setup(2)
   method, options = refusion_method(rng, temperature=1.3), dict(mask_id=MASK, eos_id=eos, seed=11)
   static = rj.decode(model, prompts, method, **options)
-  assert_same_rows(rj.decode(model, prompts, method, **options, batch_size=ROWS), static)
+  assert_same_rows(rj.decode(model, prompts, method, **options, rows=ROWS), static)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_ar_continuous_batching_matches_static_and_single_decodes(temperature):
   model, prompts, eos, _ = random_setup(3)
   method, options = rj.AR(gen_length=10, temperature=temperature), dict(eos_id=eos, seed=5)
-  continuous = rj.decode(model, prompts, method, **options, batch_size=ROWS)
+  continuous = rj.decode(model, prompts, method, **options, rows=ROWS)
   if temperature == 0:
     assert_each_row_is_its_own_decode(continuous, [rj.decode(model, [p], method, **options) for p in prompts])
   else:
@@ -103,7 +103,7 @@ def test_mdm_continuous_batching_matches_static_and_single_decodes(temperature):
   model, prompts, eos, _ = random_setup(4)
   method = rj.MDM(gen_length=8, block_length=4, steps=4, temperature=temperature)
   options = dict(mask_id=MASK, eos_id=eos, seed=2)
-  continuous = rj.decode(model, prompts, method, **options, batch_size=ROWS)
+  continuous = rj.decode(model, prompts, method, **options, rows=ROWS)
   if temperature == 0:
     assert_each_row_is_its_own_decode(continuous, [rj.decode(model, [p], method, **options) for p in prompts])
   else:
@@ -125,12 +125,12 @@ def chunkable(method, model, eos, rng):
 def test_the_loop_runs_in_chunks_state_in_state_out_without_recompiling(method):
   model, prompts, eos, rng = random_setup(5)
   decode = chunkable(method, model, eos, rng)
-  whole = decode(prompts, batch_size=ROWS)
+  whole = decode(prompts, rows=ROWS)
   before = compile_count(method)
   for chunk in (1, 3, 7):
-    assert_same_rows(decode(prompts, batch_size=ROWS, chunk_iterations=chunk), whole)
+    assert_same_rows(decode(prompts, rows=ROWS, chunk_iterations=chunk), whole)
   # Another prompt count in the same prompt bucket (16) reuses the program too.
-  assert_same_rows(decode(prompts[:5], batch_size=ROWS, chunk_iterations=2), decode(prompts[:5], batch_size=ROWS))
+  assert_same_rows(decode(prompts[:5], rows=ROWS, chunk_iterations=2), decode(prompts[:5], rows=ROWS))
   assert compile_count(method) == before
 
 
@@ -158,11 +158,11 @@ def test_one_compile_for_any_prompt_count_at_one_batch_size():
   method, ids = refusion_method(rng, gen_length=20, slot_size=5), dict(mask_id=MASK, eos_id=eos)
   singles = [rj.decode(model, [p], method, **ids) for p in prompts]
   before = compile_count("refusion")
-  assert_each_row_is_its_own_decode(rj.decode(model, prompts[:16], method, **ids, batch_size=8), singles[:16])
+  assert_each_row_is_its_own_decode(rj.decode(model, prompts[:16], method, **ids, rows=8), singles[:16])
   assert compile_count("refusion") == before + 1
   every_compile = compilations()
   for count in (64, 100, 5):
-    assert_each_row_is_its_own_decode(rj.decode(model, prompts[:count], method, **ids, batch_size=8), singles[:count])
+    assert_each_row_is_its_own_decode(rj.decode(model, prompts[:count], method, **ids, rows=8), singles[:count])
   assert compilations() == every_compile
 
 
@@ -244,14 +244,14 @@ def test_sampler_passes_batch_size_through():
       return ",".join(map(str, ids))
 
   texts = [",".join(map(str, p)) for p in prompts]
-  answers = Sampler(model, Ids(), method, **ids, batch_size=ROWS)(texts)
+  answers = Sampler(model, Ids(), method, **ids, rows=ROWS)(texts)
   singles = [rj.decode(model, [p], method, **ids).tokens[0] for p in prompts]
   assert answers == [Ids().decode(t) for t in singles]
 
 
-@pytest.mark.parametrize("name", ["batch_size", "chunk_iterations"])
+@pytest.mark.parametrize("name", ["rows", "chunk_iterations"])
 @pytest.mark.parametrize("value", [0, -2, 1.5, True])
-def test_bad_batch_size_or_chunk_is_rejected(name, value):
+def test_bad_rows_or_chunk_is_rejected(name, value):
   model, prompts, eos, rng = random_setup(9, count=2)
   with pytest.raises(ValueError, match=f"{name}=.* must be a positive integer"):
     rj.decode(model, prompts, refusion_method(rng), mask_id=MASK, eos_id=eos, **{name: value})

@@ -96,7 +96,7 @@ def read_jsonl(path) -> list[dict]:
 
 def reference_texts(model, tokenizer, prompts: list[str], until: list[str]) -> list[str]:
   """What `rj.Sampler` answers, cut at the stop strings (one queue: every prompt padded to the longest's bucket)."""
-  texts, _ = rj.Sampler(model, tokenizer, rj.ReFusion(gen_length=16, slot_size=4), batch_size=4).generate(prompts)
+  texts, _ = rj.Sampler(model, tokenizer, rj.ReFusion(gen_length=16, slot_size=4), rows=4).generate(prompts)
   for stop in until:
     texts = [t.split(stop)[0] for t in texts]
   return texts

@@ -34,7 +34,7 @@ _SHARDED_VS_SINGLE = textwrap.dedent("""
     decoders = dict(
       refusion=lambda mesh: rj.decode(model, prompts, refusion, mesh=mesh),
       # One row asked for (padded to the mesh), the loop's state in and out of the mesh every 3 iterations.
-      refusion_chunked=lambda mesh: rj.decode(model, prompts, refusion, mesh=mesh, batch_size=1, chunk_iterations=3),
+      refusion_chunked=lambda mesh: rj.decode(model, prompts, refusion, mesh=mesh, rows=1, chunk_iterations=3),
       ar=lambda mesh: rj.decode(model, prompts, rj.AR(gen_length=8), mesh=mesh),
       mdm=lambda mesh: rj.decode(model, prompts, rj.MDM(gen_length=8, block_length=4, steps=4), mesh=mesh),
     )
