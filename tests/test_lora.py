@@ -322,7 +322,7 @@ def test_train_bench_times_full_fine_tuning_against_lora():
   config = load_config("demo")
   timings = train_bench.time_objectives(config, ["refusion"], steps=1, lora_ranks=[0, 4])
   full, adapted = timings["refusion"], timings["refusion+lora4"]
-  assert len(full.seconds) == len(adapted.seconds) == 1  # both timed, in the same round
+  assert len(full.timing.rounds) == len(adapted.timing.rounds) == 1  # both timed, in the same round
   assert full.tokens == adapted.tokens and adapted.model_flops < full.model_flops
   # LoRA holds the frozen weights once, and Adam moments for the adapters only (full: weights and two moments).
   assert adapted.state_bytes < 0.5 * full.state_bytes
