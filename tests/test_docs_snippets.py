@@ -205,7 +205,16 @@ def test_python_block_runs(block, demo, cwd, namespaces, monkeypatch):
   namespaces[block.page] = (namespace, page_blocks.index(block) + 1)
 
 
-@pytest.mark.parametrize(("block", "command"), COMMANDS, ids=[f"{b.name}:{c[0]}" for b, c in COMMANDS])
+# Commands whose module imports an extra beyond [test] (tests/helpers/extras.py): their checks run where it is.
+COMMAND_EXTRAS = {"refusion_jax.harness": "eval"}
+
+
+def _command_params() -> list:
+  marks = lambda module: [pytest.mark.extra(COMMAND_EXTRAS[module])] if module in COMMAND_EXTRAS else []  # noqa: E731
+  return [pytest.param(b, c, marks=marks(c[0]), id=f"{b.name}:{c[0]}") for b, c in COMMANDS]
+
+
+@pytest.mark.parametrize(("block", "command"), _command_params())
 def test_command_runs_or_names_only_flags_it_has(block, command, demo, cwd):
   module, args = command[0], command[1:]
   if block.mark == "skip":
