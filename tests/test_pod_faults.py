@@ -46,6 +46,13 @@ def test_a_long_first_step_evaluation_or_save_does_not_trip_the_step_watchdog(tm
   assert exits.statuses == []
 
 
+def _wait_for_exit(exits, seconds: float = 10) -> None:
+  """Until the watch has asked to exit, at most `seconds`."""
+  deadline = time.monotonic() + seconds
+  while not exits.statuses and time.monotonic() < deadline:
+    time.sleep(0.1)
+
+
 def test_a_step_past_its_timeout_ends_the_run_with_the_restart_status(tmp_path, capsys):
   (tmp_path / "7").mkdir()  # a complete checkpoint
   (tmp_path / "9.orbax-checkpoint-tmp-123").mkdir()  # a save that never completed
@@ -53,9 +60,7 @@ def test_a_step_past_its_timeout_ends_the_run_with_the_restart_status(tmp_path, 
   watch = faults.FaultWatch(_faults(step_timeout_s=0.5), str(tmp_path), exit_=exits)
   try:
     watch.step_begins(9)
-    deadline = time.monotonic() + 10
-    while not exits.statuses and time.monotonic() < deadline:
-      time.sleep(0.1)
+    _wait_for_exit(exits)
   finally:
     watch.close()
   assert exits.statuses == [faults.RESTART_STATUS]
@@ -71,9 +76,7 @@ def test_a_save_that_never_ends_is_a_stall_too(tmp_path, capsys):
   try:
     watch.step_begins(5)
     with watch.paused("saving at step 4"):  # a filesystem that stopped answering
-      deadline = time.monotonic() + 10
-      while not exits.statuses and time.monotonic() < deadline:
-        time.sleep(0.1)
+      _wait_for_exit(exits)
   finally:
     watch.close()
   assert exits.statuses == [faults.RESTART_STATUS]
