@@ -97,14 +97,13 @@ class Engine:
     self.options = options = decode_options(options, option_fields, "refusion_jax.Engine")
     if options.rows is None:
       raise ValueError("An engine needs its row count: give rows=K (the rows kept busy), e.g. rows=8.")
-    rows, mesh, seed = options.rows, options.mesh, options.seed
+    rows, mesh = options.rows, options.mesh
     check_positive("prompt_width", prompt_width, "the bucket of the longest prompt")
     model = inference_view(model)  # every decoder runs without remat, on weights cast once (docs/method.md §5)
     self.config = config = model.config
     special = decoder_special_tokens(config, **options.special_ids)
     sample = method.temperature > 0 or sampling
     self.decoder = method.decoder(config, special, pick_rows=pick_rows_on(mesh, rules), sample=sample)
-    self.seed = seed
     self.pad_id = check_special_id("pad_id", special.pad, config)
     self.rows = padded_rows(rows, mesh, rules)
     self.prompt_width = prompt_width
@@ -174,7 +173,9 @@ class Engine:
     greedy request pays for no PRNG dispatch)."""
     if not self.decoder.settings.sample:
       return np.zeros(self._key.shape[1:], self._key.dtype)
-    key = jax.random.fold_in(jax.random.key(self.seed if seed is None else seed), request if seed is None else 0)
+    key = jax.random.fold_in(
+      jax.random.key(self.options.seed if seed is None else seed), request if seed is None else 0
+    )
     return np.asarray(jax.random.key_data(key))
 
   def advance(self, iterations: int | None = None) -> list[int]:

@@ -17,8 +17,11 @@ from typing import Any
 
 import jax
 
+from refusion_jax.data.special_tokens import resolve_special_tokens
+from refusion_jax.data.tokenizer import Tokenizer
 from refusion_jax.decoding.checks import check_positive
 from refusion_jax.deprecation import warn_deprecated
+from refusion_jax.model.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +59,17 @@ class DecodeOptions:
       value = getattr(self, name)
       if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
         raise ValueError(f"{name}={value!r} must be a token id (an integer) or None.")
+
+  def with_tokenizer_ids(self, tokenizer: Tokenizer, config: ModelConfig) -> DecodeOptions:
+    """These options with the special ids left unset taken from `tokenizer` (the ids the model was trained
+    with), else from `config` (`resolve_special_tokens`): what `Sampler` and the server decode with."""
+    known = resolve_special_tokens(tokenizer=tokenizer, config=config)
+    return dataclasses.replace(
+      self,
+      mask_id=known.mask if self.mask_id is None else self.mask_id,
+      eos_id=known.eos if self.eos_id is None else self.eos_id,
+      pad_id=known.pad if self.pad_id is None else self.pad_id,
+    )
 
   @property
   def special_ids(self) -> dict[str, int | None]:

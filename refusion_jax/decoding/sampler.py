@@ -21,7 +21,6 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from refusion_jax.data.special_tokens import resolve_special_tokens
 from refusion_jax.data.tokenizer import Tokenizer, format_prompt, load_tokenizer
 from refusion_jax.decoding.checks import check_method, check_prompts
 from refusion_jax.decoding.contract import Method
@@ -69,13 +68,7 @@ class Sampler:
     self.method = method
     self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     self.chat_template = chat_template
-    known = resolve_special_tokens(tokenizer=self.tokenizer, config=model.config)
-    self.options = dataclasses.replace(
-      options,
-      mask_id=known.mask if options.mask_id is None else options.mask_id,
-      eos_id=known.eos if options.eos_id is None else options.eos_id,
-      pad_id=known.pad if options.pad_id is None else options.pad_id,
-    )
+    self.options = options.with_tokenizer_ids(self.tokenizer, model.config)
     self._engines: dict[tuple[int, int], Engine] = {}
 
   @property

@@ -26,7 +26,6 @@ from refusion_jax.decoding.engine import Engine
 from refusion_jax.decoding.loop import compile_count
 from refusion_jax.decoding.options import DecodeOptions
 from refusion_jax.decoding.prompts import bucket_length
-from refusion_jax.decoding.sampler import Sampler
 from refusion_jax.model.transformer import Transformer
 from refusion_jax.serving.app import create_app
 from refusion_jax.serving.worker import DecodeWorker, Job
@@ -95,7 +94,7 @@ def start_worker(model: Transformer, tokenizer: Tokenizer, options: ServerOption
   decode = options.decode
   if decode.rows is None or decode.chunk_iterations is None:
     raise ValueError("A server's decode options need rows and chunk_iterations set (e.g. rows=8, chunk_iterations=8).")
-  decode = Sampler(model, tokenizer, options.method, decode).options  # special ids: the tokenizer's where unset
+  decode = decode.with_tokenizer_ids(tokenizer, model.config)
   prompt_width = bucket_length(options.max_prompt_tokens)
   engine = Engine(model, options.method, decode, prompt_width=prompt_width, sampling=True)  # requests' temperatures
   worker = DecodeWorker(
