@@ -200,8 +200,8 @@ def add_decode_flags(
   prefix_cache_tokens: int = 0,
 ) -> None:
   """The flags of `DecodeOptions`, alike in every command that decodes (`decode_options` reads them back):
-  --rows, --seed, --mask_id, --eos_id, --pad_id, --mesh, --chunk_iterations, --prefix_cache_tokens. The arguments
-  set a command's own defaults and the help that says what an unset flag means."""
+  --rows, --seed, --mask_id, --eos_id, --pad_id, --mesh, --chunk_iterations, --logprobs, --prefix_cache_tokens. The
+  arguments set a command's own defaults and the help that says what an unset flag means."""
   parser.add_argument(
     "--rows", type=int, default=rows, help=f"K, the rows the decode loop keeps busy (default: {rows_help})."
   )
@@ -215,6 +215,12 @@ def add_decode_flags(
     type=int,
     default=chunk_iterations,
     help="loop iterations per call (default: until the host must refill the queue).",
+  )
+  parser.add_argument(
+    "--logprobs",
+    action="store_true",
+    default=None,
+    help='also report each answer token\'s log-probability (docs/sampling.md, "Log-probabilities").',
   )
   parser.add_argument(
     "--prefix_cache_tokens",

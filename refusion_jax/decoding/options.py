@@ -42,6 +42,8 @@ class DecodeOptions:
       device.
     chunk_iterations: a loop call runs at most this many iterations (state in, state out, as a server drives
       it), with the same results; None: each call runs until the queue needs the host.
+    logprobs: return each answer token's log-probability (`DecodeResult.logprobs`) and the whole committed
+      trajectory (`DecodeResult.rollout`); the loop records them either way, so nothing compiles again.
     prefix_cache_tokens: keep the KV of this many prompt tokens (in blocks of 16, least recently used evicted)
       for later prompts that begin with the same tokens, which then prefill only the rest, with the same
       answers (`prefix_cache.PrefixCache`; a `Sampler` keeps it across calls); 0: off.
@@ -54,11 +56,14 @@ class DecodeOptions:
   pad_id: int | None = None
   mesh: jax.sharding.Mesh | None = None
   chunk_iterations: int | None = None
+  logprobs: bool = False
   prefix_cache_tokens: int = 0
 
   def __post_init__(self) -> None:
     check_positive("rows", self.rows, "every prompt of a call at once")
     check_positive("chunk_iterations", self.chunk_iterations, "run the loop until the host must refill it")
+    if not isinstance(self.logprobs, bool):
+      raise ValueError(f"logprobs={self.logprobs!r} must be True or False.")
     tokens = self.prefix_cache_tokens
     if isinstance(tokens, bool) or not isinstance(tokens, int) or not (tokens == 0 or tokens >= PREFIX_BLOCK_TOKENS):
       raise ValueError(
