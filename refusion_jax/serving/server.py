@@ -78,7 +78,7 @@ def warm_up(worker: DecodeWorker, vocab_size: int) -> None:
   token sequence cut at several lengths); returns once all ended."""
   longest = worker.max_prompt_tokens
   requests = [(1, 0.0, 0), (max(1, longest // 3), 1.3, 2), (2, 0.0, 3)]
-  requests += [(bucket, 0.7, 1) for bucket in worker.engine.buckets]
+  requests += [(min(bucket, longest), 0.7, 1) for bucket in worker.engine.buckets]
   done = threading.Semaphore(0)
 
   def job(length: int, temperature: float, seed: int) -> Job:
@@ -96,8 +96,9 @@ def warm_up(worker: DecodeWorker, vocab_size: int) -> None:
     done.acquire()
 
 
-def prompt_ladder(options: ServerOptions, config: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  """The prompt buckets and their rows the server compiles: `options`' or the defaults (`ServerOptions`).
+def prompt_ladder(options: ServerOptions, config: ModelConfig) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+  """The longest prompt, the prompt buckets and their rows the server compiles: `options`' or the defaults
+  (`ServerOptions`).
 
   Raises:
     ValueError: a longest prompt that leaves no room for the answer in the model's context, or a ladder that
@@ -119,7 +120,7 @@ def prompt_ladder(options: ServerOptions, config: ModelConfig) -> tuple[tuple[in
     )
   rows = options.bucket_rows or default_bucket_rows(buckets, options.decode.rows, gen_length)
   check_ladder(buckets, rows)
-  return tuple(buckets), tuple(rows)
+  return longest, tuple(buckets), tuple(rows)
 
 
 def start_worker(model: Transformer, tokenizer: Tokenizer, options: ServerOptions) -> DecodeWorker:
@@ -129,9 +130,11 @@ def start_worker(model: Transformer, tokenizer: Tokenizer, options: ServerOption
   if decode.rows is None or decode.chunk_iterations is None:
     raise ValueError("A server's decode options need rows and chunk_iterations set (e.g. rows=8, chunk_iterations=8).")
   decode = decode.with_tokenizer_ids(tokenizer, model.config)
-  buckets, rows = prompt_ladder(options, model.config)
+  longest, buckets, rows = prompt_ladder(options, model.config)
   # Requests bring their temperatures: every engine samples.
-  engine = EngineLadder(model, options.method, decode, buckets=buckets, bucket_rows=rows, sampling=True)
+  engine = EngineLadder(
+    model, options.method, decode, buckets=buckets, bucket_rows=rows, sampling=True, max_prompt_tokens=longest
+  )
   worker = DecodeWorker(
     engine, tokenizer, max_queue=options.max_queue, chunk_iterations=decode.chunk_iterations, seed=options.seed
   )
@@ -145,7 +148,7 @@ def ladder_gauges(ladder: EngineLadder) -> dict[str, tuple[str, Callable[[], flo
   counters in vLLM's words: prompt tokens queried and taken from the cache, and its blocks)."""
   gauges: dict[str, tuple[str, Callable[[], float]]] = {
     "prompt_buckets": ("Prompt buckets compiled at warm-up (each its own decode loop).", lambda: len(ladder.buckets)),
-    "max_prompt_tokens": ("The longest prompt served (the largest bucket).", lambda: ladder.prompt_width),
+    "max_prompt_tokens": ("The longest prompt served (--max_prompt_tokens).", lambda: ladder.prompt_width),
   }
   for bucket, rows in zip(ladder.buckets, ladder.bucket_rows):
     gauges[f"prompt_bucket_{bucket}_rows"] = (
