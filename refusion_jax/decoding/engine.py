@@ -76,7 +76,9 @@ class Engine:
   bring its own temperature and seed (`submit`; a server's requests do): they ride in its queue entry, so requests of
   any temperatures and seeds share the rows of one compiled program. The loop hands back to the host when a row turns
   idle while submitted prompts wait on the host, after `iterations` iterations, or when every entry is done; nothing
-  compiles again for new prompts of the bucket.
+  compiles again for new prompts of the bucket. With a prefix cache (`DecodeOptions.prefix_cache_tokens`, or one
+  shared with other engines), a prompt that begins as an earlier one did takes that beginning's KV from the cache
+  and prefills only the rest, with the same decode (docs/serving.md, "The prefix cache").
 
   Attributes:
     loop_calls, host_seconds: the loop calls so far and the host's work around them (refilling the queue,
@@ -85,6 +87,8 @@ class Engine:
     decoder: the method split for this engine (settings, knobs, the EOS id answers are cut after).
     rows: K, the requested rows rounded up to the mesh's batch-parallel devices.
     prompt_width: P, the prompt bucket: longer prompts are refused.
+    prefix_cache: its `PrefixCache` (None: off), whose counters say what was reused.
+    state_bytes: bytes of the loop's state (its rows' KV caches, mostly), the prefix cache's pool apart.
   """
 
   def __init__(
