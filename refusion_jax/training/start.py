@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable
 
 import grain
 import jax
@@ -43,7 +42,6 @@ from refusion_jax.data.special_tokens import SpecialTokens, resolve_special_toke
 from refusion_jax.data.tokenizer import Tokenizer, load_tokenizer
 from refusion_jax.model import lora
 from refusion_jax.model.config import ModelConfig
-from refusion_jax.training import inputs
 from refusion_jax.training.interrupts import Interrupts
 from refusion_jax.training.metrics import console
 from refusion_jax.training.run_config import (
@@ -54,6 +52,10 @@ from refusion_jax.training.run_config import (
   run_as_configured,
 )
 from refusion_jax.training.state import Placement, TrainState, init_state_fn, make_placement, state_with_params
+
+# tokenizer -> the run's training data as a grain dataset (`inputs.batches` of the training split, for supervised
+# training).
+TrainBatches = Callable[[Tokenizer], grain.IterDataset]
 
 # Where damaged checkpoints are moved inside a workdir (next to the checkpoint directory, out of its manager's sight).
 DAMAGED_SUBDIR = "checkpoints_damaged"
@@ -92,10 +94,13 @@ def begin(
   checkpoints: Checkpoints,
   tx: optax.GradientTransformation,
   mesh: jax.sharding.Mesh,
-  train_source: Sequence[Any],
+  train_batches: TrainBatches,
   interrupts: Interrupts,
 ) -> Started:
-  """Resume from the newest intact checkpoint, else start as `config` says (never silently from scratch)."""
+  """Resume from the newest intact checkpoint, else start as `config` says (never silently from scratch).
+
+  `train_batches(tokenizer)`: the training data as a grain dataset (its iterator's position is checkpointed).
+  """
   damaged_dir = os.path.join(os.path.dirname(checkpoints.directory), DAMAGED_SUBDIR)
   steps = checkpoints.all_steps()
   for step in reversed(steps):
@@ -104,7 +109,7 @@ def begin(
         meta = checkpoints.read_meta(step)
         _check_same_lora(config, meta, checkpoints.directory, step)
         start = Start(ModelConfig(**meta["model_config"]), meta["tokenizer"], resume_step=step)
-        return _build(config, _as_configured(start, config), checkpoints, tx, mesh, train_source)
+        return _build(config, _as_configured(start, config), checkpoints, tx, mesh, train_batches)
     except CheckpointDamagedError as error:
       _set_aside(config, checkpoints, error, damaged_dir)
   if steps or (os.path.isdir(damaged_dir) and os.listdir(damaged_dir)):
@@ -115,7 +120,7 @@ def begin(
     )
   with interrupts.phase("loading the initial model", blocking=True):
     start = _from_init(config, checkpoints.directory) if config.init_from else _random(config)
-    return _build(config, _as_configured(start, config), checkpoints, tx, mesh, train_source)
+    return _build(config, _as_configured(start, config), checkpoints, tx, mesh, train_batches)
 
 
 def _check_same_lora(config: ml_collections.ConfigDict, meta: dict, directory: str, step: int) -> None:
@@ -220,7 +225,7 @@ def _build(
   checkpoints: Checkpoints,
   tx: optax.GradientTransformation,
   mesh: jax.sharding.Mesh,
-  train_source: Sequence[Any],
+  train_batches: TrainBatches,
 ) -> Started:
   """The tokenizer, the state's placement, the training iterator and the state, created where it lives."""
   local = os.path.join(checkpoints.directory, start.tokenizer_name)
@@ -228,7 +233,7 @@ def _build(
   lora_config = lora_config_from(config)
   init_fn = init_state_fn(start.model_config, tx, config.seed, lora_config)
   placement = make_placement(init_fn, mesh, config.sharding_rules)
-  train_iterator = iter(inputs.batches(train_source, tokenizer, config, train=True))
+  train_iterator = iter(train_batches(tokenizer))
   if start.resume_step is not None:
     abstract = placement.abstract_state
     # A LoRA run's steps hold the adapters (the trainable part); its base was written once.
