@@ -86,6 +86,9 @@ setup(
     # the harness tests run against (~750 MB with datasets, pyarrow, scikit-learn; no torch). eval-math adds
     # what minerva_math imports (sympy, math_verify, antlr4).
     "eval": ["lm-eval==0.4.13"],
+    # TRL's GRPOTrainer, the reference GRPO's loss is checked against (tests/test_rl_objective.py). An extra, not
+    # part of [test]: it brings datasets, pyarrow and pandas, which [eval] installs anyway in CI's extras phase.
+    "trl": ["trl>=1.16,<2"],
     "eval-math": ["lm-eval[math]==0.4.13"],
     "tpu": jax_requirements("[tpu]"),
     "cuda12": [*jax_requirements("[cuda12]"), TOKAMAX],
