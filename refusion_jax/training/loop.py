@@ -191,7 +191,7 @@ def _train(
 ) -> TrainResult:
   # ------------------------------------------------------------ 2. data
   with interrupts.phase("building the data", blocking=True):
-    splits = inputs.open_splits(config, workdir)
+    splits = steps.open_splits(config, workdir)
   validation = splits.get("validation") if config.eval_every > 0 else None
 
   # ------------------------------------------------------------ 3. where the model starts
@@ -305,6 +305,11 @@ class Steps:
 
   # Optimizer updates per step (the schedule counts updates).
   updates_per_step = 1
+
+  def open_splits(self, config: ml_collections.ConfigDict, workdir: str) -> dict[str, Sequence[Any]]:
+    """{split: records} of `config.data` (`inputs.open_splits`): "train" feeds `batches`, "validation" the
+    periodic evaluation."""
+    return inputs.open_splits(config, workdir)
 
   def rows(self, config: ml_collections.ConfigDict) -> int:
     """The rows of the global batch an update differentiates (split over the batch-parallel devices)."""

@@ -42,6 +42,7 @@ from refusion_jax.data.special_tokens import SpecialTokens, resolve_special_toke
 from refusion_jax.data.tokenizer import Tokenizer, load_tokenizer
 from refusion_jax.model import lora
 from refusion_jax.model.config import ModelConfig
+from refusion_jax.model.transformer import Transformer
 from refusion_jax.training.interrupts import Interrupts
 from refusion_jax.training.metrics import console
 from refusion_jax.training.run_config import (
@@ -87,6 +88,7 @@ class Started:
   placement: Placement
   train_iterator: grain.DatasetIterator
   state: TrainState
+  checkpoint_dir: str  # the run's checkpoint directory (its tokenizer, a LoRA run's base)
 
 
 def begin(
@@ -121,6 +123,19 @@ def begin(
   with interrupts.phase("loading the initial model", blocking=True):
     start = _from_init(config, checkpoints.directory) if config.init_from else _random(config)
     return _build(config, _as_configured(start, config), checkpoints, tx, mesh, train_batches)
+
+
+def starting_params(
+  config: ml_collections.ConfigDict, checkpoint_dir: str, model_config: ModelConfig, placement: Placement
+) -> nnx.State:
+  """The parameters the run started from, before any step (precedence 2 or 3: `config.init_from`, else the random
+  init of `config.seed`), placed as the run's parameters are: what a resumed GRPO run keeps as its reference
+  policy (refusion_jax.rl). Full parameters only (a LoRA run's start is its base, which it holds already)."""
+  if config.init_from:
+    params = _as_configured(_from_init(config, checkpoint_dir), config).params
+    return jax.device_put(params, placement.state_shardings.params)
+  init = lambda: nnx.state(Transformer(model_config, rngs=nnx.Rngs(params=config.seed)))
+  return jax.jit(init, out_shardings=placement.state_shardings.params)()
 
 
 def _check_same_lora(config: ml_collections.ConfigDict, meta: dict, directory: str, step: int) -> None:
@@ -261,4 +276,4 @@ def _build(
       lora.trainable_part(state.params)[1], start.model_config, start.tokenizer_name, checkpoints.directory
     )
     console(f"LoRA: the frozen base is written once, to {directory}; checkpoints hold the adapters.")
-  return Started(start, tokenizer, placement, train_iterator, state)
+  return Started(start, tokenizer, placement, train_iterator, state, checkpoints.directory)
