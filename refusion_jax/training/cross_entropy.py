@@ -12,9 +12,6 @@ and the vocabulary over `tensor` as the head is.
 
 `chunk <= 0`, or a chunk at least as long as the rows, is the dense reference:
 every logit at once, as before.
-
-`token_log_probs` walks the length the same way for each token's log-probability (at a temperature): what
-reinforcement learning differentiates (refusion_jax.rl).
 """
 
 from __future__ import annotations
@@ -77,45 +74,3 @@ def weighted_cross_entropy(
   blocks = (_split(hidden, 1, chunk), _split(labels, 1, chunk), _split(weights, 2, chunk))
   total, _ = jax.lax.scan(accumulate, jnp.zeros(weights.shape[:1], jnp.float32), blocks)
   return total
-
-
-def _log_probs(
-  logits_fn: Callable[[jax.Array], jax.Array], hidden: jax.Array, labels: jax.Array, temperature: float
-) -> jax.Array:
-  """[batch, n] log softmax(logits / temperature) at `labels` over a block (shapes as in `token_log_probs`)."""
-  logits = logits_fn(hidden).astype(jnp.float32) / temperature
-  return -optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-
-
-def token_log_probs(
-  logits_fn: Callable[[jax.Array], jax.Array],
-  hidden: jax.Array,
-  labels: jax.Array,
-  *,
-  temperature: float = 1.0,
-  chunk: int,
-) -> jax.Array:
-  """Each token's log-probability log softmax(logits / temperature)[label], `chunk` tokens of length at a time
-  (the logits of one chunk exist at once, forward and backward, as in `weighted_cross_entropy`).
-
-  Args:
-    logits_fn: [batch, n, embed] hidden states -> [batch, n, vocab] logits (the model's `logits`).
-    hidden: [batch, length, embed] final-normed hidden states, each the one that predicts its label.
-    labels: [batch, length] int token ids.
-    temperature: the distribution's temperature (> 0).
-    chunk: tokens of length per scan step; <= 0 computes every logit at once.
-
-  Returns:
-    [batch, length] float32.
-  """
-  length = hidden.shape[1]
-  if chunk <= 0 or length <= chunk:
-    return _log_probs(logits_fn, hidden, labels, temperature)
-  pad = -length % chunk
-  hidden = jnp.pad(hidden, [(0, 0), (0, pad), (0, 0)])
-  labels = jnp.pad(labels, [(0, 0), (0, pad)])
-  step = jax.checkpoint(lambda h, y: _log_probs(logits_fn, h, y, temperature), prevent_cse=False)
-  _, blocks = jax.lax.scan(
-    lambda _, block: (None, step(*block)), None, (_split(hidden, 1, chunk), _split(labels, 1, chunk))
-  )
-  return jnp.moveaxis(blocks, 0, 1).reshape(labels.shape)[:, :length]
