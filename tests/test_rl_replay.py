@@ -4,13 +4,14 @@ that runs each cycle's forwards with a KV cache, and its promises: no [rows, len
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import replay_reference
+from helpers import fake_devices, replay_reference
 from helpers.decode_cases import random_weights
 
 from refusion_jax.decoding.prompts import pad_prompts
@@ -178,3 +179,64 @@ def test_threshold_rollouts_and_mdm_are_refused_by_name():
     )
   with pytest.raises(ValueError, match="MDM"):
     replay.trajectory_logprobs(model, ids, lengths, rollout, Layout("mdm", 8), temperature=0.0)
+
+
+# Runs in a subprocess: the device count must be set before JAX initialises.
+_SHARDED = textwrap.dedent("""
+    import json, os, sys
+    sys.path.insert(0, "tests")
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_default_matmul_precision", "highest")
+    import jax.numpy as jnp, numpy as np
+    from flax import nnx
+    from helpers import replay_reference
+    from helpers.decode_cases import random_weights
+    from refusion_jax.model.config import tiny
+    from refusion_jax.model.transformer import init_model
+    from refusion_jax.parallel import sharding
+    from refusion_jax.parallel.activations import sharded_activations
+    from refusion_jax.rl import replay
+    from test_rl_replay import Layout, random_rollouts, EOS, MASK, VOCAB
+    from refusion_jax.decoding.prompts import pad_prompts
+
+    method = Layout("refusion", gen_length=8, slot_size=2)
+    prompts, rollout = random_rollouts(np.random.default_rng(3), method, rows=8)
+    ids, lengths = pad_prompts(prompts, pad_id=0)
+    model = random_weights(init_model(tiny(vocab_size=VOCAB)), seed=2, weight_std=0.3, head_std=1.0)
+    graphdef, params = nnx.split(model)
+
+    def total(params, ids, lengths, rollout):
+      logprobs = replay.trajectory_logprobs(nnx.merge(graphdef, params), ids, lengths, rollout, method,
+                                            temperature=0.9, mask_id=MASK, eos_id=EOS, chunk=3)
+      return jnp.sum(jnp.where(jnp.isnan(logprobs), 0.0, logprobs)), logprobs
+
+    def run(mesh_shape, devices):
+      mesh = sharding.make_mesh(mesh_shape, devices)
+      placed = jax.device_put(params, sharding.state_shardings(params, mesh))
+      rows = lambda x: jax.device_put(x, sharding.batch_sharding(mesh, np.ndim(x)))
+      step = jax.jit(sharded_activations(jax.value_and_grad(total, has_aux=True), mesh))
+      (value, logprobs), grads = step(placed, rows(ids), rows(lengths), jax.tree.map(rows, rollout))
+      flat = {str(k): np.asarray(v) for k, v in nnx.to_flat_state(jax.device_get(grads))}
+      return float(value), np.asarray(logprobs), flat, logprobs.sharding.spec
+
+    single = run({"data": 1}, jax.devices()[:1])
+    split = run({"data": 2, "fsdp": 2, "tensor": 2}, jax.devices())
+    print(json.dumps(dict(
+        values=[single[0], split[0]],
+        logprob_diff=float(np.nanmax(np.abs(single[1] - split[1]))),
+        same_nans=bool((np.isnan(single[1]) == np.isnan(split[1])).all()),
+        grad_diff=max(float(np.max(np.abs(single[2][k] - split[2][k]))) for k in single[2]),
+        grad_scale=max(float(np.max(np.abs(single[2][k]))) for k in single[2]),
+        rows_spec=str(split[3][0]))))
+""")
+
+
+@pytest.mark.slow  # two compilations of the replay's gradient, one on 8 fake devices (~40 s of a loaded CPU)
+def test_sharded_replay_and_its_gradients_equal_one_devices():
+  report = fake_devices.run_json(_SHARDED)
+  np.testing.assert_allclose(report["values"][1], report["values"][0], rtol=1e-5)
+  assert report["logprob_diff"] < 1e-4 and report["same_nans"]
+  assert report["grad_diff"] < 1e-5 * report["grad_scale"], report  # float32 sums in another order
+  assert "data" in report["rows_spec"], report  # rows stay split over the data axes

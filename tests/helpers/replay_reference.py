@@ -22,28 +22,30 @@ from refusion_jax.model.cache import KVCache
 from refusion_jax.model.transformer import Transformer
 
 
+def policy_distribution(logits: np.ndarray, temperature: float, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
+  """[vocab] float64 log-probabilities of softmax(filtered(logits / T)) (-inf: filtered out); T = 0: the model's
+  own log-softmax. Filters in vLLM's order: top_k, then top_p on the renormalised rest, then min_p."""
+  z = np.asarray(logits, np.float64)
+  if temperature > 0:
+    z = z / temperature
+    order = np.argsort(-z, kind="stable")
+    keep = np.ones_like(z, bool)
+    if top_k > 0:
+      keep[order[top_k:]] = False
+    p = np.exp(z - z.max()) * keep
+    p /= p.sum()
+    if top_p < 1:
+      mass_before = np.cumsum(p[order]) - p[order]
+      keep[order[mass_before >= top_p]] = False
+    if min_p > 0:
+      keep &= np.exp(z - z.max()) >= min_p
+    z = np.where(keep, z, -np.inf)
+  return z - z.max() - np.log(np.exp(z - z.max()).sum())
+
+
 def policy_logprob(logits: np.ndarray, token: int, temperature: float, top_k=0, top_p=1.0, min_p=0.0) -> float:
-  """log-probability of `token` under softmax(filtered(logits / T)); T = 0: the model's log-softmax."""
-  logits = np.asarray(logits, np.float64)
-  if temperature == 0:
-    z = logits
-    return float(z[token] - np.log(np.exp(z - z.max()).sum()) - z.max())
-  z = logits / temperature
-  order = np.argsort(-z, kind="stable")
-  keep = np.ones_like(z, bool)
-  if top_k > 0:
-    keep[order[top_k:]] = False
-  p = np.exp(z - z.max()) * keep
-  p /= p.sum()
-  if top_p < 1:
-    mass_before = np.cumsum(p[order]) - p[order]
-    keep[order[mass_before >= top_p]] = False
-  if min_p > 0:
-    keep &= np.exp(z - z.max()) >= min_p
-  if not keep[token]:
-    return -np.inf
-  kept = np.where(keep, z, -np.inf)
-  return float(z[token] - kept.max() - np.log(np.exp(kept - kept.max()).sum()))
+  """log-probability of `token` under `policy_distribution`."""
+  return float(policy_distribution(logits, temperature, top_k, top_p, min_p)[token])
 
 
 @functools.partial(jax.jit, static_argnums=0)
