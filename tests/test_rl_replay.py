@@ -21,7 +21,7 @@ from refusion_jax.parallel.compiled import sub_jaxprs
 from refusion_jax.rl import replay
 
 VOCAB, MASK, EOS = 24, 23, 5
-STATIC = ("method", "tail_length", "chunk", "mask_id", "eos_id")
+STATIC = ("method", "tail_length", "chunk", "mask_id", "eos_id", "prompt_padding")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +113,21 @@ def test_replay_equals_the_eager_reference(method, sampling):
   assert np.isnan(want).any() and np.isfinite(want).any()  # the case holds EOS-cut answers
 
 
+@pytest.mark.parametrize("method", [METHODS[0], METHODS[2]], ids=lambda m: m.name)
+def test_left_padded_prompts_replay_as_right_padded_ones(method):
+  rng = np.random.default_rng(5)
+  model = random_model(9)
+  prompts, rollout = random_rollouts(rng, method, rows=5)
+  right, lengths = pad_prompts(prompts, pad_id=0)
+  left = np.full_like(right, 17)  # any id: padding is never seen
+  for row, prompt in enumerate(prompts):
+    left[row, right.shape[1] - len(prompt) :] = prompt
+  kwargs = dict(mask_id=MASK, eos_id=EOS, temperature=0.8)
+  from_right = replay_jit(model, right, lengths, rollout, method, **kwargs)
+  from_left = replay_jit(model, left, lengths, rollout, method, prompt_padding="left", **kwargs)
+  np.testing.assert_allclose(from_left, from_right, rtol=1e-6, atol=1e-5)
+
+
 def test_a_first_token_past_the_tail_budget_is_not_scored():
   rng = np.random.default_rng(7)
   method = Layout("refusion", gen_length=8, slot_size=2)
@@ -177,6 +192,8 @@ def test_threshold_rollouts_and_mdm_are_refused_by_name():
     replay.trajectory_logprobs(
       model, ids, lengths, rollout, Layout("refusion", 8, 2, acceptance="threshold"), temperature=0.0
     )
+  with pytest.raises(ValueError, match="padded"):
+    replay.trajectory_logprobs(model, ids, lengths, rollout, Layout("ar", 8), temperature=0.0, prompt_padding="up")
   with pytest.raises(ValueError, match="MDM"):
     replay.trajectory_logprobs(model, ids, lengths, rollout, Layout("mdm", 8), temperature=0.0)
 

@@ -110,13 +110,20 @@ class ReplayLayout:
     return constrain(before | (same_group & earlier), (*_ROWS, None))
 
 
-def _prompt_part(prompt_ids: jax.Array, prompt_lengths: jax.Array) -> tuple[jax.Array, ...]:
-  """tokens, positions, query_time, key_time, group [B, P] of the right-padded prompts."""
+def _prompt_start(prompt_ids: jax.Array, prompt_lengths: jax.Array, left_padded: bool) -> jax.Array:
+  """[B] the column of each prompt's first token."""
+  return prompt_ids.shape[1] - prompt_lengths if left_padded else jnp.zeros_like(prompt_lengths)
+
+
+def _prompt_part(prompt_ids: jax.Array, prompt_lengths: jax.Array, left_padded: bool) -> tuple[jax.Array, ...]:
+  """tokens, positions, query_time, key_time, group [B, P] of the padded prompts."""
   batch, width = prompt_ids.shape
   index = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-  valid = index < prompt_lengths[:, None]
+  start = _prompt_start(prompt_ids, prompt_lengths, left_padded)[:, None]
+  valid = (index >= start) & (index < start + prompt_lengths[:, None])
   tokens = jnp.where(valid, prompt_ids, 0)
-  return tokens, index, jnp.full_like(index, -1), jnp.where(valid, -1, _NEVER), jnp.where(valid, 0, -1 - index)
+  positions = jnp.maximum(index - start, 0)
+  return tokens, positions, jnp.full_like(index, -1), jnp.where(valid, -1, _NEVER), jnp.where(valid, 0, -1 - index)
 
 
 def _join(*parts: tuple[jax.Array, ...], predictor: jax.Array, scored: jax.Array) -> ReplayLayout:
@@ -127,11 +134,14 @@ def _join(*parts: tuple[jax.Array, ...], predictor: jax.Array, scored: jax.Array
   return ReplayLayout(*fields, predictor=predictor.astype(jnp.int32), scored=scored)
 
 
-def ar_layout(prompt_ids: jax.Array, prompt_lengths: jax.Array, tokens: jax.Array) -> ReplayLayout:
+def ar_layout(
+  prompt_ids: jax.Array, prompt_lengths: jax.Array, tokens: jax.Array, *, left_padded: bool = False
+) -> ReplayLayout:
   """[prompt][answer], causal; answer token t read from the token before it (the prompt's last for t = 0).
 
   Args:
-    prompt_ids: [B, P] right-padded prompts; prompt_lengths: [B] their true lengths.
+    prompt_ids: [B, P] padded prompts (on the right, or on the left with `left_padded`); prompt_lengths: [B]
+      their true lengths.
     tokens: [B, G] the answers, -1 where nothing was committed.
   """
   batch, width = prompt_ids.shape
@@ -145,8 +155,9 @@ def ar_layout(prompt_ids: jax.Array, prompt_lengths: jax.Array, tokens: jax.Arra
     jnp.where(committed, step, _NEVER),
     -1 - width - step,  # each token a group of its own: it sees the earlier ones by time
   )
-  predictor = jnp.where(step == 0, prompt_lengths[:, None] - 1, width + step - 1)
-  return _join(_prompt_part(prompt_ids, prompt_lengths), answer, predictor=predictor, scored=committed)
+  last = _prompt_start(prompt_ids, prompt_lengths, left_padded) + prompt_lengths - 1
+  predictor = jnp.where(step == 0, last[:, None], width + step - 1)
+  return _join(_prompt_part(prompt_ids, prompt_lengths, left_padded), answer, predictor=predictor, scored=committed)
 
 
 def _tails(
@@ -198,11 +209,13 @@ def refusion_layout(
   tail_length: int,
   mask_id: int | jax.Array,
   eos_id: int | jax.Array,
+  left_padded: bool = False,
 ) -> ReplayLayout:
   """[prompt][committed slots in commit order][one masked tail per cycle] of speculative ReFusion rollouts.
 
   Args:
-    prompt_ids: [B, P] right-padded prompts; prompt_lengths: [B] their true lengths.
+    prompt_ids: [B, P] padded prompts (on the right, or on the left with `left_padded`); prompt_lengths: [B]
+      their true lengths.
     tokens, iteration: [B, G] the rollout (`Trajectory`).
     slot_size, block_length: S and T = G / serial_blocks.
     tail_length: R, the tail tokens the layout holds (`tail_length_needed`, `max_tail_length`); first tokens
@@ -255,7 +268,8 @@ def refusion_layout(
   previous = width + jnp.roll(place, 1, axis=-1)
   predictor = jnp.where(is_first, width + gen_length + first_in_tail, previous)
   scored = committed & (~is_first | (first_in_tail < tail_length))
-  layout = _join(_prompt_part(prompt_ids, prompt_lengths), answer, tail, predictor=predictor, scored=scored)
+  prompt = _prompt_part(prompt_ids, prompt_lengths, left_padded)
+  layout = _join(prompt, answer, tail, predictor=predictor, scored=scored)
   return layout
 
 
@@ -316,6 +330,8 @@ def trajectory_logprobs(
   eos_id: int | None = None,
   tail_length: int | None = None,
   chunk: int = 256,
+  prompt_padding: str = "right",
+  dropout_key: jax.Array | None = None,
 ) -> jax.Array:
   """[B, G] float32: each committed token's log-probability under the policy that drew it, NaN elsewhere.
 
@@ -325,7 +341,7 @@ def trajectory_logprobs(
 
   Args:
     model: the policy (training view or inference view: the same function).
-    prompt_ids: [B, P] right-padded prompt ids; prompt_lengths: [B] true lengths.
+    prompt_ids: [B, P] padded prompt ids; prompt_lengths: [B] true lengths.
     rollout: the rollout's tokens and cycles ([B, G] each, `Trajectory`; `DecodeResult.rollout`).
     method: the method value that decoded it: `rj.AR(...)` or `rj.ReFusion(..., acceptance="speculative")`
       (G, S and serial_blocks are read from it).
@@ -335,8 +351,13 @@ def trajectory_logprobs(
     tail_length: the tail tokens of the layout (default: `max_tail_length(method)`, always enough; a smaller
       one from `tail_length_needed` makes the forward shorter; a first token whose mask does not fit is NaN).
     chunk: answer tokens whose logits exist at once (`chunked_per_token`); <= 0: all at once.
+    prompt_padding: "right" (the decoder's `pad_prompts`) or "left": where each prompt's padding is.
+    dropout_key: the LoRA adapters' dropout (training); None: none.
   """
   kind = _kind(method)
+  if prompt_padding not in ("right", "left"):
+    raise ValueError(f'prompt_padding={prompt_padding!r}; say where the prompts are padded: "right" or "left".')
+  left_padded = prompt_padding == "left"
   tokens, iteration = jnp.asarray(rollout.tokens, jnp.int32), jnp.asarray(rollout.iteration, jnp.int32)
   prompt_ids, prompt_lengths = jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_lengths, jnp.int32)
   batch, gen_length = tokens.shape
@@ -346,7 +367,7 @@ def trajectory_logprobs(
       f"G = {method.gen_length}] (the method's gen_length) and one prompt per rollout row."
     )
   if kind == "ar":
-    layout = ar_layout(prompt_ids, prompt_lengths, tokens)
+    layout = ar_layout(prompt_ids, prompt_lengths, tokens, left_padded=left_padded)
   else:
     config = model.config
     layout = refusion_layout(
@@ -359,6 +380,7 @@ def trajectory_logprobs(
       tail_length=max_tail_length(method) if tail_length is None else int(tail_length),
       mask_id=check_special_id("mask_id", config.mask_token_id if mask_id is None else mask_id, config),
       eos_id=check_special_id("eos_id", config.eos_token_id if eos_id is None else eos_id, config),
+      left_padded=left_padded,
     )
   rule = SamplingRule(
     temperature=_per_row(temperature, batch, jnp.float32),
@@ -366,7 +388,7 @@ def trajectory_logprobs(
     top_p=_per_row(top_p, batch, jnp.float32),
     min_p=_per_row(min_p, batch, jnp.float32),
   )
-  hidden, _ = model.features(layout.tokens, layout.positions, layout.sees)
+  hidden, _ = model.features(layout.tokens, layout.positions, layout.sees, dropout_key=dropout_key)
   predicting = jnp.take_along_axis(hidden, layout.predictor[..., None], axis=1)  # [B, G, embed]
   predicting = constrain(predicting, (*_ROWS, "activation_embed"))
   read = functools.partial(_policy_logprobs, model, rule)
