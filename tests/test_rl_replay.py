@@ -40,27 +40,8 @@ def random_model(seed: int):
   return random_weights(model, seed=seed, weight_std=0.3, head_std=1.0)
 
 
-def random_rollouts(rng, method: Layout, rows: int) -> tuple[list[list[int]], replay.Trajectory]:
-  prompts = [rng.integers(0, VOCAB - 1, int(n)).tolist() for n in rng.integers(1, 12, rows)]
-  if method.name == "ar":
-    tokens = rng.integers(0, VOCAB, (rows, method.gen_length))
-    for row in tokens:
-      eos = np.flatnonzero(row == EOS)
-      if len(eos):
-        row[eos[0] + 1 :] = -1
-    return prompts, replay.Trajectory(tokens, np.where(tokens >= 0, np.arange(method.gen_length), -1))
-  trajectories = [
-    replay_reference.random_refusion_trajectory(
-      rng,
-      gen_length=method.gen_length,
-      slot_size=method.slot_size,
-      serial_blocks=method.serial_blocks,
-      vocab_size=VOCAB,
-      eos_id=EOS,
-    )
-    for _ in range(rows)
-  ]
-  return prompts, replay.Trajectory(*(np.stack(x) for x in zip(*trajectories)))
+def random_rollouts(rng, method, rows: int) -> tuple[list[list[int]], replay.Trajectory]:
+  return replay_reference.random_rollouts(rng, method, rows, vocab_size=VOCAB, eos_id=EOS)
 
 
 def reference(model, prompts, rollout, method: Layout, sampling: dict) -> np.ndarray:
@@ -215,11 +196,13 @@ _SHARDED = textwrap.dedent("""
     from refusion_jax.parallel import sharding
     from refusion_jax.parallel.activations import sharded_activations
     from refusion_jax.rl import replay
-    from test_rl_replay import Layout, random_rollouts, EOS, MASK, VOCAB
     from refusion_jax.decoding.prompts import pad_prompts
+    import refusion_jax as rj
+    VOCAB, MASK, EOS = 24, 23, 5
 
-    method = Layout("refusion", gen_length=8, slot_size=2)
-    prompts, rollout = random_rollouts(np.random.default_rng(3), method, rows=8)
+    method = rj.ReFusion(gen_length=8, slot_size=2, acceptance="speculative")
+    rng = np.random.default_rng(3)
+    prompts, rollout = replay_reference.random_rollouts(rng, method, rows=8, vocab_size=VOCAB, eos_id=EOS)
     ids, lengths = pad_prompts(prompts, pad_id=0)
     model = random_weights(init_model(tiny(vocab_size=VOCAB)), seed=2, weight_std=0.3, head_std=1.0)
     graphdef, params = nnx.split(model)

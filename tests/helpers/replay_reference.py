@@ -20,6 +20,7 @@ from flax import nnx
 
 from refusion_jax.model.cache import KVCache
 from refusion_jax.model.transformer import Transformer
+from refusion_jax.rl import replay
 
 
 def policy_distribution(logits: np.ndarray, temperature: float, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
@@ -190,3 +191,30 @@ def random_refusion_trajectory(
     if eos_seen:
       break
   return tokens, iteration
+
+
+def random_rollouts(
+  rng: np.random.Generator, method, rows: int, *, vocab_size: int, eos_id: int
+) -> tuple[list[list[int]], replay.Trajectory]:
+  """Random prompts (1 to 11 tokens) and random rollouts of `method` (AR answers cut after their first EOS, or
+  `random_refusion_trajectory`s)."""
+  prompts = [rng.integers(0, vocab_size - 1, int(n)).tolist() for n in rng.integers(1, 12, rows)]
+  if method.name == "ar":
+    tokens = rng.integers(0, vocab_size, (rows, method.gen_length))
+    for row in tokens:
+      eos = np.flatnonzero(row == eos_id)
+      if len(eos):
+        row[eos[0] + 1 :] = -1
+    return prompts, replay.Trajectory(tokens, np.where(tokens >= 0, np.arange(method.gen_length), -1))
+  trajectories = [
+    random_refusion_trajectory(
+      rng,
+      gen_length=method.gen_length,
+      slot_size=method.slot_size,
+      serial_blocks=method.serial_blocks,
+      vocab_size=vocab_size,
+      eos_id=eos_id,
+    )
+    for _ in range(rows)
+  ]
+  return prompts, replay.Trajectory(*(np.stack(x) for x in zip(*trajectories)))
