@@ -18,10 +18,11 @@ from flax import nnx  # noqa: E402
 from helpers.hf_utils import save_tiny_hf_model  # noqa: E402
 from helpers.torch_reference import torch  # noqa: E402
 
+import refusion_jax as rj  # noqa: E402
 from refusion_jax.checkpoints.hf import save_hf  # noqa: E402
 from refusion_jax.checkpoints.load import load_model  # noqa: E402
-from refusion_jax.rl.logprobs import ar_logprobs  # noqa: E402
 from refusion_jax.rl.objective import GRPOConfig, grpo_loss  # noqa: E402
+from refusion_jax.rl.replay import Trajectory, trajectory_logprobs  # noqa: E402
 
 VOCAB = 211
 BATCH, PROMPT, ANSWER = 4, 5, 7
@@ -92,8 +93,12 @@ def test_grpo_loss_and_gradients_for_ar_are_trls(tmp_path, loss_agg_mode):
   prompt_len = jnp.full((BATCH,), PROMPT, jnp.int32)
   graphdef, params = nnx.split(model)
 
-  def logprobs_of(params):
-    return ar_logprobs(nnx.merge(graphdef, params), prompt, prompt_len, jnp.asarray(answer), temperature=TEMPERATURE)
+  trajectory = Trajectory(jnp.asarray(answer), jnp.where(answer >= 0, jnp.arange(ANSWER), -1))
+  method = rj.AR(gen_length=ANSWER, temperature=TEMPERATURE)
+
+  def logprobs_of(params):  # the replay of the AR answers: what GRPO's update differentiates
+    model = nnx.merge(graphdef, params)
+    return trajectory_logprobs(model, prompt, prompt_len, trajectory, method, temperature=TEMPERATURE, chunk=4)
 
   # The old and reference policies a little off the current one, so that ratios leave the clip range both ways.
   current = np.asarray(logprobs_of(params))
@@ -119,8 +124,9 @@ def test_grpo_loss_and_gradients_for_ar_are_trls(tmp_path, loss_agg_mode):
       completion_ids=tensor(inputs["completion_ids"]),
       completion_mask=tensor(inputs["completion_mask"]),
       advantages=tensor(inputs["advantages"], torch.float32),
-      old_per_token_logps=tensor(old, torch.float32),
-      ref_per_token_logps=tensor(ref, torch.float32),
+      # Ours are NaN where nothing was committed (the replay's); TRL's are any finite number there.
+      old_per_token_logps=tensor(np.nan_to_num(old), torch.float32),
+      ref_per_token_logps=tensor(np.nan_to_num(ref), torch.float32),
     ),
   )
   trl_loss.backward()

@@ -46,7 +46,7 @@ def _flags(config) -> list[str]:
   """The command-line overrides that make configs/grpo_demo.py:smoke the test's config."""
   fields = dict(
     **{"data.data_dir": config.data.data_dir, "objective.kind": config.objective.kind},
-    **{f"grpo.{k}": config.grpo[k] for k in ("num_iterations", "beta", "epsilon_high", "use_rollout_logps")},
+    **{f"grpo.{k}": config.grpo[k] for k in ("num_iterations", "beta", "epsilon_high")},
     **{"grpo.rewards": repr(tuple(config.grpo.rewards))},
     **{"optimizer.lr": config.optimizer.lr, "num_train_steps": config.num_train_steps},
   )
@@ -175,3 +175,17 @@ def test_bad_prompts_and_misbehaving_rewards_are_refused_by_name(tmp_path, data_
   config.grpo.rewards = ("helpers.rl_utils.no_such_reward",)
   with pytest.raises(ValueError, match="has no callable 'no_such_reward'"):
     RecordingSteps(config)
+
+
+def test_refusion_rollouts_are_replayed_to_their_own_probabilities(tmp_path, data_dir):
+  # One update per rollout: its ratio is the replay's probability over the decoder's own, 1 when both are exact.
+  config = grpo_config(data_dir, kind="refusion", num_train_steps=2)
+  config.grpo.num_iterations = 1
+  steps = RecordingSteps(config)
+  train_and_evaluate(config, str(tmp_path), steps)
+  for metrics in steps.metrics:
+    assert metrics["ratio_max"] == pytest.approx(1.0, abs=1e-3) and metrics["ratio_mean"] == pytest.approx(
+      1.0, abs=1e-4
+    )
+    assert metrics["clip_fraction"] == 0.0
+    assert metrics["rollout_tpf"] >= 1.0

@@ -1,27 +1,21 @@
-"""Each recorded answer token's log-probability under the current weights, differentiably: what GRPO's ratio reads.
+"""A step's rollouts as GRPO's update reads them, and their log-probabilities under the weights being trained.
 
-A rollout (`RolloutBatch`) records, per answer, the tokens its decoder committed and when. The policy's
-probability of a token depends on the method that drew it:
-
-- AR (`ar_logprobs`): token t is drawn from softmax(logits / T) given the prompt and tokens < t, so one
-  teacher-forced causal forward over [prompt][answer] gives every token's log-probability (TRL's and tunix's
-  `get_per_token_logps`, at true positions: a left-padded prompt's positions start at 0);
-- ReFusion with speculative acceptance: a slot's first token from the plan distribution, its other tokens from
-  the AR distribution given the slot's earlier tokens, in commit order (docs/rl.md §1); `replay.py`'s
-  `trajectory_logprobs` replays the whole trajectory in one forward.
-
-`policy_logprobs` picks the one of the objective's kind. Neither materialises [batch, length, vocab] logits
-(`training.cross_entropy.token_log_probs` walks the answer in chunks).
+`RolloutBatch` holds a step's answers (prompts left-padded, the committed trajectories, the old and reference
+log-probabilities, the advantages); `policy_logprobs` replays them under the current weights in one
+differentiable forward per answer (`replay.trajectory_logprobs`, docs/rl.md §2): AR's [prompt][answer] with the
+shift (TRL's and tunix's per-token log-probabilities, at true positions), speculative ReFusion's trajectory in
+commit order. Neither builds [rows, length, vocab] logits.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.struct
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from refusion_jax.training.cross_entropy import token_log_probs
+from refusion_jax.rl.replay import Trajectory, trajectory_logprobs
 
 
 @flax.struct.dataclass
@@ -51,70 +45,29 @@ class RolloutBatch:
   ref_logprobs: jax.Array
 
 
-def ar_logprobs(
-  model: nnx.Module,
-  prompt: jax.Array,
-  prompt_len: jax.Array,
-  tokens: jax.Array,
-  *,
-  temperature: float = 1.0,
-  chunk: int = 0,
-  dropout_key: jax.Array | None = None,
-) -> jax.Array:
-  """Each answer token's log softmax(logits / temperature) given the prompt and the answer's earlier tokens.
-
-  Args:
-    model: the backbone (a `Transformer`, LoRA adapters and all).
-    prompt: [B, P] int32 prompts left-padded to P.
-    prompt_len: [B] int32 true prompt lengths (>= 1).
-    tokens: [B, G] int32 answers; -1 past an answer's end (those get log-probabilities of token 0: mask them).
-    temperature: the sampling temperature (<= 0 reads as 1: greedy takes the mode of the model's own distribution).
-    chunk: answer tokens whose logits exist at once (0: all).
-    dropout_key: the LoRA adapters' dropout (training); None: none.
-
-  Returns:
-    [B, G] float32.
-  """
-  width = prompt.shape[1]
-  answer = jnp.maximum(tokens, 0)
-  sequence = jnp.concatenate([prompt, answer], axis=1)
-  index = jnp.arange(sequence.shape[1], dtype=jnp.int32)[None]
-  start = (width - prompt_len)[:, None]
-  real = (index >= start) & jnp.concatenate([jnp.ones_like(prompt, bool), tokens >= 0], axis=1)
-  positions = jnp.maximum(index - start, 0)
-  hidden, _ = model.features(sequence, positions, segment_ids=real.astype(jnp.int32), dropout_key=dropout_key)
-  # The hidden state before each answer token predicts it: the last prompt token's, then the answer's own.
-  before = jax.lax.dynamic_slice_in_dim(hidden, width - 1, tokens.shape[1], axis=1)
-  temperature = temperature if temperature > 0 else 1.0
-  return token_log_probs(model.logits, before, answer, temperature=temperature, chunk=chunk)
-
-
 def policy_logprobs(
   model: nnx.Module,
   batch: RolloutBatch,
-  kind: str,
+  method: Any,
   *,
   temperature: float,
-  chunk: int = 0,
+  mask_id: int | None = None,
+  eos_id: int | None = None,
+  chunk: int = 256,
   dropout_key: jax.Array | None = None,
 ) -> jax.Array:
-  """[R, G] float32: each recorded token's log-probability under `model` as the method `kind` ("ar" or
-  "refusion": speculative acceptance) draws it."""
-  if kind == "ar":
-    return ar_logprobs(
-      model,
-      batch.prompt,
-      batch.prompt_len,
-      batch.tokens,
-      temperature=temperature,
-      chunk=chunk,
-      dropout_key=dropout_key,
-    )
-  if kind == "refusion":
-    from refusion_jax.rl import replay  # noqa: PLC0415 (its own module, being written beside this one)
-
-    return replay.trajectory_logprobs(model, batch, temperature=temperature, chunk=chunk, dropout_key=dropout_key)
-  raise ValueError(
-    f"GRPO trains the policy of the 'ar' or 'refusion' objective, not {kind!r} (an MDM answer has no tractable "
-    "probability): set config.objective.kind."
+  """[R, G] float32: each recorded token's log-probability under `model` as `method` (`rj.AR` or speculative
+  `rj.ReFusion`, the rollout's) draws it at `temperature`; NaN where nothing was committed."""
+  return trajectory_logprobs(
+    model,
+    batch.prompt,
+    batch.prompt_len,
+    Trajectory(batch.tokens, batch.iteration),
+    method,
+    temperature=temperature,
+    mask_id=mask_id,
+    eos_id=eos_id,
+    chunk=chunk,
+    prompt_padding="left",
+    dropout_key=dropout_key,
   )

@@ -12,7 +12,7 @@ reference policy:
 which is tunix's `grpo_loss_fn` (tunix/rl/algo_core.py) and TRL's `GRPOTrainer._compute_loss` (`loss_type`
 "grpo" = "sequence-mean-token-mean", "bnpo" = "token-mean", "dr_grpo" = "sequence-mean-token-scale") on the same
 inputs: tests/test_rl_objective.py holds the AR case to TRL's own loss and gradients. The method-specific part, the
-per-token log-probabilities of a recorded answer under the current weights, is `refusion_jax.rl.logprobs`.
+per-token log-probabilities of a recorded answer under the current weights, is `refusion_jax.rl.replay`.
 
 Everything here is a function of [batch, answer] arrays (batch = prompts x num_generations, group-major: the
 answers of prompt j are rows j * G ... j * G + G - 1).
@@ -180,8 +180,8 @@ def grpo_loss(
     where the clipped term is the larger loss: tunix's pg_clipfrac), ratio_mean, ratio_max.
   """
   mask = mask.astype(jnp.float32)
-  logprobs = logprobs.astype(jnp.float32)
-  # Off the mask the inputs may be anything (NaN for "nothing committed"): zero them before they meet a gradient.
+  # Off the mask the inputs may be anything (NaN for "nothing committed"): replaced before they meet a product.
+  logprobs = jnp.where(mask > 0, logprobs.astype(jnp.float32), 0.0)
   old_logprobs = jnp.where(mask > 0, old_logprobs.astype(jnp.float32), logprobs)
   advantages = advantages.astype(jnp.float32)
   advantages = advantages[:, None] if advantages.ndim == 1 else advantages

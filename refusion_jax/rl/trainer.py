@@ -106,15 +106,14 @@ class GRPOSteps(Steps):
     if not config.grpo.rewards:
       raise ValueError("config.grpo.rewards names no reward function; e.g. ('refusion_jax.rl.rewards.exact_match',).")
     self.rewards = [rewards.load_reward(path) for path in config.grpo.rewards]
-    self.kind = config.objective.kind
     self.temperature = float(config.grpo.temperature)
     if self.temperature <= 0:
       raise ValueError(
         f"config.grpo.temperature={self.temperature}: GRPO learns from sampled answers, give a temperature > 0."
       )
-    # Old-policy log-probabilities: the rollout's own, or recomputed before the first update (AR only: ReFusion's
-    # need the recorded trajectory, which only a rollout with log-probabilities records).
-    self.use_rollout_logps = bool(config.grpo.get("use_rollout_logps", True)) or self.kind == "refusion"
+    # Old-policy log-probabilities: the rollout's own (tunix's default), or recomputed by the replay before the
+    # first update.
+    self.use_rollout_logps = bool(config.grpo.get("use_rollout_logps", True))
     self.method = rollout_method(config)
     self.max_prompt_length = int(config.grpo.max_prompt_length)
 
@@ -159,12 +158,21 @@ class _GRPOStep:
   ):
     self.steps, self.config, self.grpo = steps, config, steps.grpo
     self.graphdef, self.placement, self.tokenizer = graphdef, run.placement, run.tokenizer
-    kind, temperature, chunk, grpo = steps.kind, steps.temperature, objective.loss_chunk, steps.grpo
+    method, temperature, chunk, grpo = steps.method, steps.temperature, objective.loss_chunk, steps.grpo
+    # The rollouts record their trajectories (`logprobs`); the replay lays them out with the decode's mask and EOS
+    # ids (the tokenizer's, else the model config's).
+    options = DecodeOptions(seed=config.seed, mesh=run.placement.mesh, logprobs=True)
+    self._options = options.with_tokenizer_ids(run.tokenizer, run.origin.model_config)
+    special = dict(mask_id=self._options.mask_id, eos_id=self._options.eos_id)
+
+    def logprobs_of_model(model: nnx.Module, rollout: RolloutBatch, dropout_key: jax.Array | None) -> jax.Array:
+      return policy_logprobs(
+        model, rollout, method, temperature=temperature, chunk=chunk, dropout_key=dropout_key, **special
+      )
 
     def loss_of_model(model: nnx.Module, batch: dict, key: jax.Array) -> tuple[jax.Array, dict]:
       rollout = RolloutBatch(**batch)
-      dropout = lora.dropout_key(model, key)
-      logps = policy_logprobs(model, rollout, kind, temperature=temperature, chunk=chunk, dropout_key=dropout)
+      logps = logprobs_of_model(model, rollout, lora.dropout_key(model, key))
       reference = rollout.ref_logprobs if grpo.beta else None
       return grpo_loss(logps, rollout.old_logprobs, rollout.advantages, rollout.mask, grpo, reference)
 
@@ -173,14 +181,13 @@ class _GRPOStep:
     self._update = run.placement.jit_step(update, batch_example=example)
 
     def logprobs_of(params: nnx.State, batch: dict) -> jax.Array:
-      model = nnx.merge(graphdef, params)
-      return policy_logprobs(model, RolloutBatch(**batch), kind, temperature=temperature, chunk=chunk)
+      return logprobs_of_model(nnx.merge(graphdef, params), RolloutBatch(**batch), None)
 
     shardings = sharding.batch_shardings(example, run.placement.mesh, run.placement.rules)
     self._logprobs = jax.jit(
       logprobs_of, in_shardings=(run.placement.state_shardings.params, shardings), out_shardings=shardings["tokens"]
     )
-    # The reference policy, frozen at the start: a LoRA run's base with its adapters off (`_adapters_off`, the
+    # The reference policy, frozen at the start: a LoRA run's base with its adapters off (`_reference_params`: the
     # state's own base arrays); a full run's starting parameters, kept (reloaded when the run resumes).
     self._lora = run_config.lora_config_from(config).enabled
     self._reference = None
@@ -189,11 +196,6 @@ class _GRPOStep:
         self._reference = jax.tree.map(jnp.copy, run.state.params)  # the state's own are donated to the update
       else:
         self._reference = start.starting_params(config, run.checkpoint_dir, run.origin.model_config, run.placement)
-    # The rollout's log-probabilities are asked for only where they are used (the old policy's, or ReFusion's
-    # trajectory).
-    logprobs = {"logprobs": True} if steps.use_rollout_logps else {}
-    options = DecodeOptions(seed=config.seed, mesh=run.placement.mesh, **logprobs)
-    self._options = options.with_tokenizer_ids(run.tokenizer, run.origin.model_config)
     self._rows = int(config.grpo.get("rollout_rows") or steps.rows(config) // jax.process_count())
     self._prompt_width = bucket_length(steps.max_prompt_length)
     self._pad_id = run.tokenizer.pad_id
@@ -244,20 +246,13 @@ class _GRPOStep:
 
   def _rollout_batch(self, prompt_ids: list[list[int]], result: Any, advantages: np.ndarray) -> dict[str, np.ndarray]:
     """The update's inputs (`RolloutBatch`'s fields) as host arrays."""
-    rows, width, gen_length = len(prompt_ids), self.steps.max_prompt_length, self.steps.method.gen_length
+    rows, width = len(prompt_ids), self.steps.max_prompt_length
     prompt = np.full((rows, width), self._pad_id, np.int32)
     for row, ids in enumerate(prompt_ids):
       prompt[row, width - len(ids) :] = ids
-    trajectory = getattr(result, "rollout", None)
-    if trajectory is not None:
-      tokens, iteration = np.asarray(trajectory.tokens, np.int32), np.asarray(trajectory.iteration, np.int32)
-      phase, old = np.asarray(trajectory.phase, np.int32), np.asarray(trajectory.logprobs, np.float32)
-    else:  # AR without the rollout's log-probabilities: its answers are its trajectory, a token per iteration
-      tokens = np.full((rows, gen_length), -1, np.int32)
-      for row, answer in enumerate(result.tokens):
-        tokens[row, : len(answer)] = answer
-      iteration = np.where(tokens >= 0, np.arange(gen_length, dtype=np.int32), -1)
-      phase, old = np.zeros_like(tokens), np.full(tokens.shape, np.nan, np.float32)
+    trajectory = result.rollout
+    tokens, iteration = np.asarray(trajectory.tokens, np.int32), np.asarray(trajectory.iteration, np.int32)
+    phase, old = np.asarray(trajectory.phase, np.int32), np.asarray(trajectory.logprobs, np.float32)
     mask = (tokens >= 0).astype(np.float32)
     return dict(
       prompt=prompt,

@@ -19,7 +19,6 @@ def grpo_config(data_dir: str, kind: str = "ar", **overrides: Any) -> ml_collect
   config.data.data_dir = data_dir
   config.objective.kind = kind
   config.grpo.update(num_iterations=2, beta=0.04, epsilon_high=0.28)
-  config.grpo.use_rollout_logps = kind != "ar"  # AR's old policy recomputed (until the rollout's lands)
   config.grpo.rewards = (*config.grpo.rewards, "helpers.rl_utils.stalls_in_step_3_when_asked")
   config.optimizer.lr = 1e-2
   config.update({"num_train_steps": 4, **overrides})
