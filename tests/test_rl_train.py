@@ -7,11 +7,13 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import numpy as np
 import pytest
 from flax import nnx
+from helpers.fake_devices import run_json
 from helpers.rl_utils import RecordingSteps, grpo_config
 from helpers.train_utils import REPO
 
@@ -48,7 +50,7 @@ def _flags(config) -> list[str]:
     **{"data.data_dir": config.data.data_dir, "objective.kind": config.objective.kind},
     **{f"grpo.{k}": config.grpo[k] for k in ("num_iterations", "beta", "epsilon_high")},
     **{"grpo.rewards": repr(tuple(config.grpo.rewards))},
-    **{"optimizer.lr": config.optimizer.lr, "num_train_steps": config.num_train_steps},
+    **{"optimizer.lr": config.optimizer.lr, "num_train_steps": config.num_train_steps, "batch_size": config.batch_size},
   )
   return [f"--config.{k}={v}" for k, v in fields.items()]
 
@@ -84,8 +86,9 @@ def _run_until(
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, data_dir):
-  """A 4-step AR GRPO run in one go: (config, its recording steps, result, final parameters)."""
-  config = grpo_config(data_dir)
+  """A 4-step AR GRPO run in one go, 4 prompts x 2 answers a step: (config, its recording steps, result, final
+  parameters)."""
+  config = grpo_config(data_dir, batch_size=4)
   steps = RecordingSteps(config)
   workdir = str(tmp_path_factory.mktemp("straight"))
   result = train_and_evaluate(config, workdir, steps)
@@ -189,3 +192,33 @@ def test_refusion_rollouts_are_replayed_to_their_own_probabilities(tmp_path, dat
     )
     assert metrics["clip_fraction"] == 0.0
     assert metrics["rollout_tpf"] >= 1.0
+
+
+# Runs in a subprocess: the device count must be set before JAX initialises.
+_ON_8_DEVICES = textwrap.dedent("""
+    import json, os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    sys.path.insert(0, "tests")
+    import jax
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_default_matmul_precision", "highest")
+    from helpers.rl_utils import RecordingSteps, grpo_config
+    from refusion_jax.training.loop import train_and_evaluate
+
+    config = grpo_config(sys.argv[1], batch_size=4)
+    config.mesh.update(data=2, fsdp=4, tensor=1)
+    steps = RecordingSteps(config)
+    train_and_evaluate(config, sys.argv[2], steps)
+    print(json.dumps(steps.metrics))
+""")
+
+
+def test_eight_devices_give_the_one_device_steps(straight, tmp_path, data_dir):
+  # The straight run's 4 prompts x 2 answers: a row per device on data=2 x fsdp=4 (parameters sharded four ways).
+  sharded = run_json(_ON_8_DEVICES, data_dir, str(tmp_path / "eight"), timeout=600)
+  steps = straight[1]
+  assert len(sharded) == len(steps.metrics) == 4
+  for one, eight in zip(steps.metrics, sharded):
+    assert eight["reward_mean"] == one["reward_mean"]  # the same answers were sampled
+    for name in ("loss", "pg_loss", "kl", "grad_norm", "ratio_mean"):
+      assert eight[name] == pytest.approx(one[name], rel=1e-4, abs=1e-6), name
