@@ -1,4 +1,4 @@
-"""GRPO's objective in tunix's vocabulary: group-relative advantages, the clipped ratio, a KL penalty (docs/rl.md §2).
+"""GRPO's objective in tunix's vocabulary: group-relative advantages, the clipped ratio, a KL penalty (docs/rl.md §4).
 
 For each prompt the policy samples `num_generations` answers, a reward function scores them, and each answer's
 advantage is its reward against its group's (`group_advantages`). The loss of a token t of answer i is PPO's
@@ -43,7 +43,7 @@ _STD_EPSILON = 1e-6
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GRPOConfig:
-  """GRPO's settings, named as tunix's `GRPOConfig` names them (docs/rl.md §2). Hashable: a static jit argument.
+  """GRPO's settings, named as tunix's `GRPOConfig` names them (docs/rl.md §4). Hashable: a static jit argument.
 
   Attributes:
     num_generations: G, the answers sampled per prompt (the group an advantage is relative to); >= 2.

@@ -1,4 +1,4 @@
-"""GRPO's data: prompts with the columns their rewards read, checked up front, and batches of them (docs/rl.md §3).
+"""GRPO's data: prompts with the columns their rewards read, checked up front, and batches of them (docs/rl.md §6).
 
 A prompt record is a JSON object with a "query" (the prompt's text) and any other columns the rewards read (the
 built-in rewards read "response" and "task"). `config.data.dataset` says where they come from:

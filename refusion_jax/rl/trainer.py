@@ -1,4 +1,4 @@
-"""GRPO's training step inside the training loop: roll out, score, update (docs/rl.md §3).
+"""GRPO's training step inside the training loop: roll out, score, update (docs/rl.md §5).
 
     python -m refusion_jax.train --config configs/grpo_demo.py --workdir /tmp/grpo_demo
 
