@@ -36,7 +36,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 from flax import nnx
 
 from refusion_jax.data.tokenizer import Tokenizer, format_prompt
@@ -52,8 +51,7 @@ from refusion_jax.rl import prompts, rewards
 from refusion_jax.rl.logprobs import RolloutBatch, policy_logprobs
 from refusion_jax.rl.objective import GRPOConfig, group_advantages, grpo_loss
 from refusion_jax.training import run_config, start
-from refusion_jax.training.loop import Steps, TrainResult, train_and_evaluate
-from refusion_jax.training.objective import ObjectiveConfig
+from refusion_jax.training.loop import StepParts, Steps, TrainResult, train_and_evaluate
 from refusion_jax.training.state import TrainState, make_update_step
 
 # The GRPOConfig fields a config's `grpo` section sets (the rest of the section configures the trainer).
@@ -131,34 +129,18 @@ class GRPOSteps(Steps):
     )
     return prompts.prompt_batches(source, config.batch_size // jax.process_count(), config.seed)
 
-  def build(
-    self,
-    config: ml_collections.ConfigDict,
-    run: start.Started,
-    graphdef: nnx.GraphDef,
-    tx: optax.GradientTransformation,
-    schedule: optax.Schedule,
-    objective: ObjectiveConfig,
-  ) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
-    return _GRPOStep(self, config, run, graphdef, tx, schedule, objective)
+  def build(self, parts: StepParts) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
+    return _GRPOStep(self, parts)
 
 
 class _GRPOStep:
   """One GRPO step, (state, prompt records) -> (state, metrics), its compiled parts built once."""
 
-  def __init__(
-    self,
-    steps: GRPOSteps,
-    config: ml_collections.ConfigDict,
-    run: start.Started,
-    graphdef: nnx.GraphDef,
-    tx: optax.GradientTransformation,
-    schedule: optax.Schedule,
-    objective: ObjectiveConfig,
-  ):
+  def __init__(self, steps: GRPOSteps, parts: StepParts):
+    config, run, graphdef = parts.config, parts.run, parts.graphdef
     self.steps, self.config, self.grpo = steps, config, steps.grpo
     self.graphdef, self.placement, self.tokenizer = graphdef, run.placement, run.tokenizer
-    method, temperature, chunk, grpo = steps.method, steps.temperature, objective.loss_chunk, steps.grpo
+    method, temperature, chunk, grpo = steps.method, steps.temperature, parts.objective.loss_chunk, steps.grpo
     # The rollouts record their trajectories (`logprobs`); the replay lays them out with the decode's mask and EOS
     # ids (the tokenizer's, else the model config's).
     options = DecodeOptions(seed=config.seed, mesh=run.placement.mesh, logprobs=True)
@@ -177,7 +159,9 @@ class _GRPOStep:
       return grpo_loss(logps, rollout.old_logprobs, rollout.advantages, rollout.mask, grpo, reference)
 
     example = {key: np.zeros((1,) * rank, np.int32) for key, rank in _BATCH_RANKS.items()}
-    update = make_update_step(graphdef, tx, schedule, loss_of_model, config.grad_accum_steps, grpo.num_iterations)
+    update = make_update_step(
+      graphdef, parts.tx, parts.schedule, loss_of_model, config.grad_accum_steps, grpo.num_iterations
+    )
     self._update = run.placement.jit_step(update, batch_example=example)
 
     def logprobs_of(params: nnx.State, batch: dict) -> jax.Array:

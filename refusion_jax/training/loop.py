@@ -213,7 +213,7 @@ def _train(
   objective = objective_config_from(config, model_config)
   lora_config = lora_config_from(config)
   graphdef, _ = lora.abstract_lora_model(model_config, lora_config)
-  step_fn = steps.build(config, run, graphdef, tx, schedule, objective)
+  step_fn = steps.build(StepParts(config, run, graphdef, tx, schedule, objective))
   eval_fn = run.placement.jit_eval(make_eval_step(graphdef, objective))
 
   # ------------------------------------------------------------ 5. the loop and its periodic actions
@@ -295,6 +295,19 @@ def _train(
 # ------------------------------------------------------------------ what a step is
 
 
+@dataclasses.dataclass(frozen=True)
+class StepParts:
+  """What a step is built from: the config, the started run (its tokenizer, placement and state), the model's
+  graph, the optimizer and its schedule, the objective of `config.objective`."""
+
+  config: ml_collections.ConfigDict
+  run: start.Started
+  graphdef: nnx.GraphDef
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule
+  objective: ObjectiveConfig
+
+
 class Steps:
   """What a run's training step is: the batches it reads and the function that updates the train state with one.
 
@@ -321,15 +334,7 @@ class Steps:
     """The training split `source` as this process's grain dataset of step inputs."""
     raise NotImplementedError
 
-  def build(
-    self,
-    config: ml_collections.ConfigDict,
-    run: start.Started,
-    graphdef: nnx.GraphDef,
-    tx: optax.GradientTransformation,
-    schedule: optax.Schedule,
-    objective: ObjectiveConfig,
-  ) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
+  def build(self, parts: StepParts) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
     """The step function (state, one element of `batches`) -> (state, metrics), compiled where it needs to be.
 
     Metrics hold at least `loss` and `grad_norm` (checked finite before a step is saved).
@@ -349,17 +354,11 @@ class SupervisedSteps(Steps):
   ) -> grain.IterDataset:
     return inputs.batches(source, tokenizer, config, train=True)
 
-  def build(
-    self,
-    config: ml_collections.ConfigDict,
-    run: start.Started,
-    graphdef: nnx.GraphDef,
-    tx: optax.GradientTransformation,
-    schedule: optax.Schedule,
-    objective: ObjectiveConfig,
-  ) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
-    jitted = run.placement.jit_step(make_train_step(graphdef, tx, schedule, objective, config.grad_accum_steps))
-    return lambda state, batch: jitted(state, run.placement.batch(batch))
+  def build(self, parts: StepParts) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
+    placement = parts.run.placement
+    step = make_train_step(parts.graphdef, parts.tx, parts.schedule, parts.objective, parts.config.grad_accum_steps)
+    jitted = placement.jit_step(step)
+    return lambda state, batch: jitted(state, placement.batch(batch))
 
   def meter(self, model_config: ModelConfig, objective: ObjectiveConfig, lora_config: lora.LoraConfig) -> _Throughput:
     return _Throughput(model_config, causal=objective.kind != "mdm", lora_config=lora_config)

@@ -10,6 +10,7 @@ import ml_collections
 from helpers.train_utils import load_config
 from refusion_jax.decoding.compilations import compilations
 from refusion_jax.rl.trainer import GRPOSteps
+from refusion_jax.training.loop import StepParts
 
 
 def grpo_config(data_dir: str, kind: str = "ar", **overrides: Any) -> ml_collections.ConfigDict:
@@ -33,8 +34,8 @@ class RecordingSteps(GRPOSteps):
     self.metrics: list[dict[str, float]] = []
     self.compilations: list[int] = []
 
-  def build(self, *args: Any) -> Any:
-    step = super().build(*args)
+  def build(self, parts: StepParts) -> Any:
+    step = super().build(parts)
 
     def recorded(state: Any, batch: Any) -> Any:
       state, metrics = step(state, batch)
