@@ -27,7 +27,6 @@ class RolloutBatch:
   tokens:        [R, G] int32, the committed trajectory by answer position (`Rollout.tokens`: -1 where nothing
                  was committed; ReFusion's may extend past the EOS, uncut).
   iteration:     [R, G] int32, the iteration that committed each token (-1 none).
-  phase:         [R, G] int32, how it was committed (`result.PHASE_*`).
   old_logprobs:  [R, G] float32, each token's log-probability under the policy that drew it (NaN where none).
   mask:          [R, G] float32, 1 on the tokens the loss counts (the committed ones).
   advantages:    [R] float32, each answer's group-relative advantage.
@@ -38,7 +37,6 @@ class RolloutBatch:
   prompt_len: jax.Array
   tokens: jax.Array
   iteration: jax.Array
-  phase: jax.Array
   old_logprobs: jax.Array
   mask: jax.Array
   advantages: jax.Array

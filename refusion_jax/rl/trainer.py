@@ -61,9 +61,7 @@ _TRAINER_FIELDS = ("temperature", "rewards", "max_prompt_length", "rollout_rows"
 # The methods whose answers have a probability GRPO can differentiate.
 _POLICY_KINDS = ("refusion", "ar")
 # Keys of the update's batch, with their ranks (the row axis first, split over the batch-parallel devices).
-_BATCH_RANKS = dict(
-  prompt=2, prompt_len=1, tokens=2, iteration=2, phase=2, old_logprobs=2, mask=2, advantages=1, ref_logprobs=2
-)
+_BATCH_RANKS = dict(prompt=2, prompt_len=1, tokens=2, iteration=2, old_logprobs=2, mask=2, advantages=1, ref_logprobs=2)
 
 
 def grpo_config_from(config: ml_collections.ConfigDict) -> GRPOConfig:
@@ -130,6 +128,11 @@ class GRPOSteps(Steps):
     return prompts.prompt_batches(source, config.batch_size // jax.process_count(), config.seed)
 
   def build(self, parts: StepParts) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
+    if jax.process_count() > 1:
+      raise NotImplementedError(
+        "GRPO runs in one process for now (its rollouts decode each process's own prompts, which one engine over "
+        "a multi-process mesh does not do yet): run it on one host, whose devices the mesh may span."
+      )
     return _GRPOStep(self, parts)
 
 
@@ -236,14 +239,13 @@ class _GRPOStep:
       prompt[row, width - len(ids) :] = ids
     trajectory = result.rollout
     tokens, iteration = np.asarray(trajectory.tokens, np.int32), np.asarray(trajectory.iteration, np.int32)
-    phase, old = np.asarray(trajectory.phase, np.int32), np.asarray(trajectory.logprobs, np.float32)
+    old = np.asarray(trajectory.logprobs, np.float32)
     mask = (tokens >= 0).astype(np.float32)
     return dict(
       prompt=prompt,
       prompt_len=np.array([len(ids) for ids in prompt_ids], np.int32),
       tokens=tokens,
       iteration=iteration,
-      phase=phase,
       old_logprobs=np.where(mask > 0, old, 0.0).astype(np.float32),
       mask=mask,
       advantages=advantages.astype(np.float32),
