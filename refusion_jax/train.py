@@ -48,7 +48,7 @@ def main(argv: Sequence[str]) -> None:
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax and grain log every save at INFO
   if os.environ.get("REFUSION_DISTRIBUTED"):
-    initialize_distributed(**jax_distributed_timeouts(flags.FLAGS.config.faults))
+    initialize_distributed(service_apart=True, **jax_distributed_timeouts(flags.FLAGS.config.faults))
 
   def train() -> None:
     if train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir).stopped_by == "preempted":
