@@ -21,18 +21,19 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 LINE = re.compile(r"refusion_jax: process (\d): (.*)\. The run reached step (\d+); a restart resumes from (.*)\. Exit")
 # A job that would go on for long: a fault or stop_after_step ends it.
 LONG = "--config.num_train_steps=100000"
+# The coordinator's port of the jobs this process starts.
+PORT = 20000 + os.getpid() % 20000
 
 
 def start(workdir, shared: tuple[str, str], *overrides: str) -> list[subprocess.Popen]:
   """The two processes of launch/local_multiprocess.sh (one CPU device each), started here to know their pids."""
   data_dir, cache = shared
-  port = 20000 + os.getpid() % 20000
   processes = []
   for index in range(2):
     env = dict(
       os.environ,
       REFUSION_DISTRIBUTED="1",
-      JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+      JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{PORT}",
       JAX_NUM_PROCESSES="2",
       JAX_PROCESS_ID=str(index),
       JAX_PLATFORMS="cpu",
@@ -57,6 +58,19 @@ def wait_for_checkpoint(workdir, processes: list[subprocess.Popen], after: int) 
       return
     time.sleep(0.2)
   raise AssertionError(f"no checkpoint past step {after} in time: {logs(workdir)}")
+
+
+def service_processes() -> list[int]:
+  """The pids of the coordination service processes (training/coordinator.py) of the jobs started here."""
+  found = []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      command = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+      continue
+    if "refusion_jax.training.coordinator" in command and f":{PORT}" in command:
+      found.append(int(pid))
+  return found
 
 
 def steps(workdir) -> list[int]:
