@@ -14,11 +14,10 @@ from helpers.pod_faults import LINE, LONG, fault_one, logs, service_processes, s
 from refusion_jax.training import faults
 
 
-def _faults(
-  heartbeat_timeout_s: float = 10, step_timeout_s: float = 0.5, startup_timeout_s: float = 60
-) -> ml_collections.ConfigDict:
+def _faults(heartbeat_timeout_s: float = 10, step_timeout_s: float = 0.5, **more: float) -> ml_collections.ConfigDict:
+  settings = {"startup_timeout_s": 60, "initialization_timeout_s": 60, "shutdown_timeout_s": 60, **more}
   return ml_collections.ConfigDict(
-    dict(heartbeat_timeout_s=heartbeat_timeout_s, step_timeout_s=step_timeout_s, startup_timeout_s=startup_timeout_s)
+    dict(heartbeat_timeout_s=heartbeat_timeout_s, step_timeout_s=step_timeout_s, **settings)
   )
 
 
@@ -105,6 +104,20 @@ def test_a_start_that_never_reaches_its_first_step_ends_the_run(tmp_path, capsys
     r"the start of this run \(restoring its newest checkpoint\) did not end in \d s \(faults.startup_timeout_s=0.5\)",
     what,
   )
+
+
+def test_processes_that_do_not_all_join_end_this_one_with_the_restart_status(tmp_path, capsys):
+  exits = _Exits()
+  with faults.joining(_faults(initialization_timeout_s=0.2), str(tmp_path), index=1, exit_=exits):
+    _wait_for_exit(exits)  # jax.distributed.initialize waiting for a process that never comes
+  assert exits.statuses == [faults.RESTART_STATUS]
+  line = re.search(
+    r"refusion_jax: process 1: (.*)\. Nothing was trained in this start; a restart resumes from",
+    capsys.readouterr().err,
+  )
+  assert line is not None and line.group(1).startswith("the job's processes did not all join within 0.2 s")
+  # JAX's own timeout, which aborts the process, comes later.
+  assert faults.jax_distributed_timeouts(_faults(initialization_timeout_s=300))["initialization_timeout"] > 300
 
 
 def test_timeouts_that_cannot_work_are_refused_naming_the_field():

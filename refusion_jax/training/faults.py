@@ -52,8 +52,8 @@ import ml_collections
 # The exit status that means "restart me": a lost or stalled process, nothing wrong with the run itself. 75 is
 # EX_TEMPFAIL of sysexits.h ("a temporary failure; the user is invited to retry"); launch/*.sh restart on it.
 RESTART_STATUS = 75
-# JAX's heartbeat check aborts the process (a C++ fatal error, status 134): it gets this many seconds more than
-# ours, so that ours, which names the lost process and the checkpoint, always acts first.
+# JAX's heartbeat and joining checks abort the process (a C++ fatal error, status 134): they get this many seconds
+# more than ours, so that ours, which names what happened and the checkpoint, always acts first.
 _JAX_BACKSTOP_S = 10
 # A slow phase (compiling, evaluating, saving) may take this many step timeouts before it counts as a stall.
 _PAUSE_FACTOR = 10
@@ -74,7 +74,7 @@ def jax_distributed_timeouts(faults: ml_collections.ConfigDict) -> dict[str, int
   _check_config(faults)
   return dict(
     heartbeat_timeout_seconds=_jax_heartbeat_timeout_s(faults),
-    initialization_timeout=int(faults.initialization_timeout_s),
+    initialization_timeout=int(faults.initialization_timeout_s) + _JAX_BACKSTOP_S,  # `joining` speaks first
     shutdown_timeout_seconds=int(faults.shutdown_timeout_s),
   )
 
@@ -324,17 +324,58 @@ class FaultWatch:
     if self._closed.is_set():
       return
     self._closed.set()
-    print(
-      f"\nrefusion_jax: process {self._index}: {what}. The run reached step {self.step}; a restart resumes from "
-      f"{_resume_point(self._checkpoint_dir)}. Exiting with status {RESTART_STATUS} (restart the job).",
-      file=sys.stderr,
-      flush=True,
-    )
+    _restart(f"process {self._index}", what, f"The run reached step {self.step}", self._checkpoint_dir)
     _patiently(self._before_exit)
-    if marker := os.environ.get("REFUSION_RESTART_MARKER"):  # launch/restarting.sh under srun: "restart"
-      _patiently(lambda: open(marker, "a").close())
-    sys.stdout.flush()
     self._exit(RESTART_STATUS)
+
+
+@contextlib.contextmanager
+def joining(
+  faults: ml_collections.ConfigDict,
+  checkpoint_dir: str,
+  index: int | None,
+  *,
+  exit_: Callable[[int], None] = os._exit,
+) -> Iterator[None]:
+  """Around joining the job (`jax.distributed.initialize`): processes that have not all joined within
+  `faults.initialization_timeout_s` end this one with the line and the restart status (JAX's own timeout,
+  `_JAX_BACKSTOP_S` later, aborts the process with a C++ dump).
+
+  Args:
+    index: this process's index where known before joining (else it is named by its host).
+  """
+  joined = threading.Event()
+  timeout_s = float(faults.initialization_timeout_s)
+
+  def watch() -> None:
+    if not joined.wait(timeout_s):
+      who = f"process {index}" if index is not None else f"the process on host {socket.gethostname()}"
+      what = (
+        f"the job's processes did not all join within {timeout_s:g} s (faults.initialization_timeout_s): one did "
+        "not start, stalls, or cannot reach the coordinator"
+      )
+      _restart(who, what, "Nothing was trained in this start", checkpoint_dir)
+      exit_(RESTART_STATUS)
+
+  threading.Thread(target=watch, name="refusion-fault-join", daemon=True).start()
+  try:
+    yield
+  finally:
+    joined.set()
+
+
+def _restart(who: str, what: str, reached: str, checkpoint_dir: str) -> None:
+  """Print the line of a fault (`who`: what happened; how far the run got and where a restart resumes) and mark
+  the restart for launch/restarting.sh; the caller exits with `RESTART_STATUS`."""
+  print(
+    f"\nrefusion_jax: {who}: {what}. {reached}; a restart resumes from {_resume_point(checkpoint_dir)}. Exiting "
+    f"with status {RESTART_STATUS} (restart the job).",
+    file=sys.stderr,
+    flush=True,
+  )
+  if marker := os.environ.get("REFUSION_RESTART_MARKER"):  # launch/restarting.sh under srun: "restart"
+    _patiently(lambda: open(marker, "a").close())
+  sys.stdout.flush()
 
 
 def _client():
