@@ -106,7 +106,8 @@ def _job(options: dict[str, Any]) -> tuple[str, int, int] | None:
       address, count, index, _ = clusters.ClusterEnv.auto_detect_unset_distributed_params(
         address, count, index, None, None, options.get("initialization_timeout", 300)
       )
-    except Exception:
+    except Exception as error:
+      _say(f"JAX's cluster detection could not be asked for its address first: {error!r}")
       return None
   if None in (address, count, index) or ":" not in str(address):
     return None

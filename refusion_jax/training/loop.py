@@ -198,7 +198,7 @@ def _train(
   tx, schedule = make_optimizer(config.optimizer, total_steps)
   mesh = sharding.make_mesh(dict(config.mesh))
   sharding.check_batch_split(config.batch_size, config.grad_accum_steps, mesh, config.sharding_rules)
-  watch.starting("restoring its newest checkpoint, or loading the model it starts from")
+  watch.starting("restoring its newest checkpoint, or building the model it starts from")
   run = start.begin(config, checkpoints, tx, mesh, splits["train"], interrupts)
   if validation is not None:
     with interrupts.phase("checking the validation data", blocking=True):
