@@ -13,8 +13,8 @@ step reached and the checkpoint a restart resumes from, and exit status
   store of `jax.distributed` (a counter, its step and whether its step clock is
   paused), and reads the others' beats. A process whose beat has not changed
   for the timeout is lost; a store that has not answered for the timeout means
-  the coordinator (on process 0's host) is. JAX's own check gets `_JAX_BACKSTOP_S`
-  more so that it stays a backstop: ours speaks first.
+  the coordinator (on process 0's host) is. JAX's own check gets enough more
+  (`_jax_heartbeat_timeout_s`) that it stays a backstop: ours speaks first.
 - **Stalled** (`faults.step_timeout_s`): a step that has not completed within the
   timeout ends the run, naming the processes whose beats had not reached it.
   The clock runs only between steps: evaluating and saving pause it
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import socket
 import sys
@@ -52,8 +53,8 @@ import ml_collections
 # The exit status that means "restart me": a lost or stalled process, nothing wrong with the run itself. 75 is
 # EX_TEMPFAIL of sysexits.h ("a temporary failure; the user is invited to retry"); launch/*.sh restart on it.
 RESTART_STATUS = 75
-# JAX's heartbeat and joining checks abort the process (a C++ fatal error, status 134): they get this many seconds
-# more than ours, so that ours, which names what happened and the checkpoint, always acts first.
+# JAX's heartbeat and joining checks abort the process (a C++ fatal error, status 134): they come at least this many
+# seconds after ours, so that ours, which names what happened and the checkpoint, always acts first.
 _JAX_BACKSTOP_S = 10
 # A slow phase (compiling, evaluating, saving) may take this many step timeouts before it counts as a stall.
 _PAUSE_FACTOR = 10
@@ -80,8 +81,15 @@ def jax_distributed_timeouts(faults: ml_collections.ConfigDict) -> dict[str, int
 
 
 def _jax_heartbeat_timeout_s(faults: ml_collections.ConfigDict) -> int:
-  """JAX's own heartbeat timeout: ours plus a margin, so that JAX's abort stays a backstop."""
-  return int(faults.heartbeat_timeout_s) + _JAX_BACKSTOP_S
+  """JAX's own heartbeat timeout, long enough that its abort stays a backstop.
+
+  JAX's client beats every half of its timeout, so its service may find a process lost as early as half the timeout
+  after the loss (measured: 10.6 s after a SIGKILL with a timeout of 20 s). Ours finds it at the latest one
+  timeout, two beats and a judge tick after the loss; half of JAX's timeout is that plus `_JAX_BACKSTOP_S`.
+  """
+  ours = float(faults.heartbeat_timeout_s)
+  latest = ours * (1 + 2 / _BEATS_PER_TIMEOUT) + 1
+  return math.ceil(2 * (latest + _JAX_BACKSTOP_S))
 
 
 def _check_config(faults: ml_collections.ConfigDict) -> None:
