@@ -165,7 +165,7 @@ def test_a_killed_or_stopped_process_ends_the_job_with_a_line_and_a_restart_resu
   assert line.group(1) == "0" and re.match(r"process 1 \(host .+\) was lost: no heartbeat for", line.group(2))
   print(f"SIGKILL: process 0 exited {seconds:.1f} s after the fault, naming step {resume}")
 
-  # A stalled process (SIGSTOP of process 0, the coordinator): found by the step watchdog of process 1.
+  # A stalled process (SIGSTOP of process 0): found by the step watchdog of process 1.
   restarted = start(tmp_path, *job)
   first_resume = resume
   stopped_at, line, resume = _ended_by_its_line(tmp_path, restarted, signal.SIGSTOP, victim=0, after=resume)
