@@ -164,7 +164,7 @@ class FaultWatch:
     self._pauses = 0
     # The slow phase under way: from here to the first timed step, the start of the run.
     self._pause: _Phase | None = _Phase(
-      "the start of this run (opening its checkpoints)",
+      "the start of this run (taking the workdir's lock, opening its checkpoints)",
       time.monotonic(),
       self._startup_timeout_s,
       f"faults.startup_timeout_s={self._startup_timeout_s:g}",
