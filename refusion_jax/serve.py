@@ -1,20 +1,23 @@
 """Serve a model over HTTP with OpenAI's API: completions and chat, streamed or not (docs/serving.md).
 
     python -m refusion_jax.serve --random_init tiny --tokenizer bytes             # a random tiny model, for a try
-    python -m refusion_jax.serve --checkpoint WORKDIR --batch_size 8              # a trained demo run
+    python -m refusion_jax.serve --checkpoint WORKDIR --rows 8                    # a trained demo run
     python -m refusion_jax.serve --checkpoint HF_DIR --paper_task gsm8k_cot --dtype bfloat16 --mesh data:-1
     curl 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
       -d '{"model": "tiny", "prompt": "2 + 2 =", "max_tokens": 16}'
 
 The model and decoding flags are `python -m refusion_jax.sample`'s. K rows
-(`--batch_size`) decode continuously: a request joins at the next loop-call
-boundary (`--chunk_iterations`), with its own max_tokens, temperature, seed
-and stop strings. The decode loop is compiled and warmed before the server
-listens, for prompts up to `--max_prompt_tokens` (one prompt bucket), and
-nothing compiles again (/metrics counts compilations). The server binds
-127.0.0.1 unless --host says otherwise; with --api_key (or REFUSION_API_KEY)
-every path but /health needs `Authorization: Bearer KEY`. SIGTERM stops
-admitting and ends within --shutdown_seconds, exit status 0.
+(`--rows`) decode continuously: a request joins at the next loop-call
+boundary (`--chunk_iterations`), with its own max_tokens, temperature, seed,
+top_k/top_p/min_p, stop strings (up to --max_stop) and stop ids, n answers per
+prompt and several prompts. The decode loop is compiled and warmed before the
+server listens, for prompts up to `--max_prompt_tokens` (one prompt bucket),
+and nothing compiles again (/metrics counts compilations); a failed warm-up
+exits with status 1 and its cause. The server binds 127.0.0.1 unless --host
+says otherwise; with --api_key (or REFUSION_API_KEY) every path but /health
+needs `Authorization: Bearer KEY`. SIGTERM stops admitting and ends within
+--shutdown_seconds, exit status 0; an engine that dies or hangs for
+--watchdog_seconds turns /health to 503 and ends the server with status 1.
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ from refusion_jax.checkpoints.load import load
 from refusion_jax.cli import UsageError, add_decode_flags, add_model_flags, decode_options, model_request, run_argparse
 from refusion_jax.decoding.methods import add_method_flags, field_names, flag_values, method_value
 from refusion_jax.decoding.paper import PAPER_TASKS, paper_method
-from refusion_jax.serving.app import DEFAULT_MAX_BODY_BYTES
+from refusion_jax.serving.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_STOP, DEFAULT_WATCHDOG_SECONDS
 from refusion_jax.serving.auth import API_KEY_ENV, server_key
-from refusion_jax.serving.server import ServerOptions, build_server
+from refusion_jax.serving.server import ServerFailure, ServerOptions, build_server
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
   server.add_argument(
     "--shutdown_seconds", type=int, default=30, help="after SIGTERM, how long held requests may finish."
   )
+  server.add_argument(
+    "--max_stop", type=int, default=DEFAULT_MAX_STOP, help="the most stop strings (and stop ids) a request may give."
+  )
+  server.add_argument(
+    "--watchdog_seconds",
+    type=float,
+    default=DEFAULT_WATCHDOG_SECONDS,
+    help="a loop call running longer than this (a hung device) turns /health to 503 and ends the server (status 1).",
+  )
   server.add_argument("--log_level", default="info", choices=("debug", "info", "warning", "error"))
   return parser
 
@@ -99,6 +111,8 @@ def run(args: argparse.Namespace) -> None:
   log.addHandler(handler)
   log.setLevel(args.log_level.upper())
   log.propagate = False
+  if args.max_stop < 1 or args.watchdog_seconds <= 0:
+    raise UsageError("--max_stop must be at least 1 and --watchdog_seconds above 0.")
   method = method_from_flags(args)
   key = server_key(args.api_key)
   decode = decode_options(args)
@@ -114,17 +128,26 @@ def run(args: argparse.Namespace) -> None:
     max_body_bytes=args.max_body_bytes,
     shutdown_seconds=args.shutdown_seconds,
     log_level=args.log_level,
+    max_stop=args.max_stop,
+    watchdog_seconds=args.watchdog_seconds,
   )
   server = build_server(model, tokenizer, options, host=args.host, port=args.port)
   # uvicorn re-raises the signal that stopped it once it is done; these handlers make that a clean exit 0.
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: None)
   server.run()
+  if server.failure is not None:
+    raise ServerFailure(server.failure)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """Entry point; returns the exit status (2 on bad input, 0 after SIGTERM)."""
-  return run_argparse(build_parser(), run, argv)
+  """Entry point; returns the exit status (2 on bad input, 0 after SIGTERM, 1 when the warm-up failed or the
+  engine died or hung)."""
+  try:
+    return run_argparse(build_parser(), run, argv)
+  except ServerFailure as failure:
+    print(f"error: {failure}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":
