@@ -470,7 +470,7 @@ class _Reply:
         schemas.ChatChoice(
           index=c.index,
           message=schemas.AssistantMessage(content=c.text),
-          logprobs=self._chat_logprobs(c.logprobs.take(len(c.text), final=True)) if c.logprobs else None,
+          logprobs=self._chat_logprobs(c.logprobs.take(c.text, final=True)) if c.logprobs else None,
           finish_reason=c.last.finish_reason,
           refusion=s,
         )
@@ -482,7 +482,7 @@ class _Reply:
         schemas.CompletionChoice(
           index=c.index,
           text=c.text,
-          logprobs=self._completion_logprobs(c.logprobs.take(len(c.text), final=True)) if c.logprobs else None,
+          logprobs=self._completion_logprobs(c.logprobs.take(c.text, final=True)) if c.logprobs else None,
           finish_reason=c.last.finish_reason,
           refusion=s,
         )
@@ -518,7 +518,7 @@ class _Reply:
       fields["refusion"] = self.state.stats(choice.job, finish)
       if len(self.choices) == 1 and not self.include_usage:
         fields["usage"] = _usage(self.choices)
-    tokens = choice.logprobs.take(len(choice.text), final=finish is not None) if choice.logprobs and not role else []
+    tokens = choice.logprobs.take(choice.text, final=finish is not None) if choice.logprobs and not role else []
     if self.chat:
       delta = schemas.Delta(role="assistant" if role else None, content=text)
       logprobs = self._chat_logprobs(tokens) if tokens else None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Sequence
 
 from refusion_jax.data.tokenizer import ByteTokenizer, Tokenizer
@@ -63,13 +64,14 @@ class AnswerLogprobs:
     self.tokens += [int(t) for t in tokens]
     self.logprobs += [float(p) for p in logprobs]
 
-  def take(self, sent: int, final: bool) -> list[TokenLogprob]:
-    """The tokens not given out yet that the answer's first `sent` characters cover.
+  def take(self, text: str, final: bool) -> list[TokenLogprob]:
+    """The tokens not given out yet that `text`, the answer's text sent so far, covers.
 
     Args:
-      sent: characters of the answer's text sent so far (all of it when `final`).
+      text: the answer's text sent so far (all of it when `final`).
       final: the answer is over: also give out a token that a stop string cut, and a closing EOS.
     """
+    rest = text[self.offset :]
     pieces: dict[int, str] = {}
 
     def piece(end: int) -> str:  # the text of tokens[given:end], decoded together (a token alone may decode apart)
@@ -77,18 +79,20 @@ class AnswerLogprobs:
         pieces[end] = self.tokenizer.decode(self.tokens[self.given : end])
       return pieces[end]
 
-    begins = lambda k: self.offset + len(piece(k).rstrip(REPLACEMENT_CHARACTER))  # noqa: E731  (token k's offset)
+    def begins(k: int) -> int:  # where token k's text begins: tokens inside a character begin where it does
+      return self.offset + len(os.path.commonprefix([piece(k), rest]))
+
     end = self.given
     if final:
-      while end < len(self.tokens) and begins(end) < sent:  # it begins within the text
+      while end < len(self.tokens) and begins(end) < len(text):
         end += 1
       while end < len(self.tokens) and not self.tokenizer.decode(self.tokens[end : end + 1]):  # EOS, specials
         end += 1
-    else:
+    else:  # the longest run of tokens whose text is wholly sent
       for stop in range(self.given + 1, len(self.tokens) + 1):
-        if begins(stop) > sent:
+        if len(piece(stop).rstrip(REPLACEMENT_CHARACTER)) > len(rest):
           break
-        if not piece(stop).endswith(REPLACEMENT_CHARACTER) and self.offset + len(piece(stop)) <= sent:
+        if rest.startswith(piece(stop)):
           end = stop
     given = [
       TokenLogprob(self.tokens[k], self.tokenizer.decode([self.tokens[k]]), writable(self.logprobs[k]), begins(k))
