@@ -331,13 +331,12 @@ def create_app(
   @app.get("/tokenizer_info")
   async def tokenizer_info() -> JSONResponse:
     """vLLM's: the tokenizer's special tokens and chat template (lm-eval's remote tokenizer reads them)."""
-    spelled = lambda token: _spelling(tokenizer, token)  # noqa: E731
     return JSONResponse(
       dict(
         tokenizer_class=type(tokenizer).__name__,
-        eos_token=spelled(tokenizer.eos_id),
-        bos_token=spelled(tokenizer.bos_id),
-        pad_token=spelled(tokenizer.pad_id),
+        eos_token=_spelling(tokenizer, tokenizer.eos_id),
+        bos_token=_spelling(tokenizer, tokenizer.bos_id),
+        pad_token=_spelling(tokenizer, tokenizer.pad_id),
         chat_template=getattr(tokenizer, "chat_template", None),
         model_max_length=worker.max_prompt_tokens + worker.gen_length,
       )

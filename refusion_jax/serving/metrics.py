@@ -68,8 +68,9 @@ def _escape(value: str) -> str:
   return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def _number(value: float) -> str:
-  return "+Inf" if value == math.inf else repr(float(value)) if isinstance(value, float) else str(value)
+def _bound(value: float) -> str:
+  """A bucket's upper bound as Prometheus writes it."""
+  return "+Inf" if value == math.inf else repr(float(value))
 
 
 @dataclasses.dataclass
@@ -93,7 +94,7 @@ class Histogram:
     lines, running = [], 0
     for bound, count in zip([*self.bounds, math.inf], self.counts):
       running += count
-      lines.append(f'{name}_bucket{{le="{_number(bound)}"}} {running}')
+      lines.append(f'{name}_bucket{{le="{_bound(bound)}"}} {running}')
     return lines + [f"{name}_sum {self.total}", f"{name}_count {self.count}"]
 
 

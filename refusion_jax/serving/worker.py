@@ -74,7 +74,7 @@ class Job:
     stop_ids: token ids that end the answer (`TextStream.stop_ids`).
     logprobs: deliver each answer token's log-probability (`Update.logprobs`).
     arrived, admitted, started: when the request arrived, was handed to the engine, and its row began decoding
-      it (the boundary before the loop call that prefilled it).
+      it (the start of the loop call that prefilled it: the wait for a free row counts as queue time).
   """
 
   prompt_ids: list[int]
