@@ -85,8 +85,8 @@ setup(
     "serve": ["fastapi>=0.165,<1", "uvicorn>=0.55,<1", "jinja2>=3.1,<4"],
     # The paper's benchmark table through lm-evaluation-harness (python -m refusion_jax.harness): the lm-eval
     # the harness tests run against (~750 MB with datasets, pyarrow, scikit-learn; no torch). eval-math adds
-    # what minerva_math imports (sympy, math_verify, antlr4). Its [api] part (aiohttp, tenacity, tiktoken) runs lm-eval's
-    # local-completions against our server (docs/serving.md).
+    # what minerva_math imports (sympy, math_verify, antlr4). Its [api] part (aiohttp, tenacity, tiktoken) runs
+    # lm-eval's local-completions against our server (docs/serving.md).
     "eval": ["lm-eval[api]==0.4.13"],
     "eval-math": ["lm-eval[math]==0.4.13"],
     "tpu": jax_requirements("[tpu]"),
