@@ -199,8 +199,8 @@ def add_decode_flags(
   chunk_iterations: int | None = None,
 ) -> None:
   """The flags of `DecodeOptions`, alike in every command that decodes (`decode_options` reads them back):
-  --rows, --seed, --mask_id, --eos_id, --pad_id, --mesh, --chunk_iterations. The arguments set a command's own
-  defaults and the help that says what an unset flag means."""
+  --rows, --seed, --mask_id, --eos_id, --pad_id, --mesh, --chunk_iterations, --logprobs. The arguments set a
+  command's own defaults and the help that says what an unset flag means."""
   parser.add_argument(
     "--rows", type=int, default=rows, help=f"K, the rows the decode loop keeps busy (default: {rows_help})."
   )
@@ -214,6 +214,12 @@ def add_decode_flags(
     type=int,
     default=chunk_iterations,
     help="loop iterations per call (default: until the host must refill the queue).",
+  )
+  parser.add_argument(
+    "--logprobs",
+    action="store_true",
+    default=None,
+    help='also report each answer token\'s log-probability (docs/sampling.md, "Log-probabilities").',
   )
 
 

@@ -20,6 +20,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+import numpy as np
+
 from refusion_jax.checkpoints.load import load
 from refusion_jax.cli import UsageError, add_decode_flags, add_model_flags, decode_options, model_request, run_argparse
 from refusion_jax.data.tokenizer import Tokenizer
@@ -88,6 +90,8 @@ def report(
     if path:
       plot_trace(result, row, tokenizer=tokenizer, path=path)
     stats = dict(num_forwards=int(result.num_forwards[row]), tpf=float(result.tpf[row]), seconds=result.seconds)
+    if result.logprobs is not None:
+      stats["logprob"] = float(np.sum(result.logprobs[row, : len(result.tokens[row])]))
     if args.json:
       print(json.dumps(dict(tokens=result.tokens[row], text=answer, **stats)))
       continue
@@ -96,6 +100,7 @@ def report(
     print(
       f"[{row}] {len(result.tokens[row])} tokens, {stats['num_forwards']} forwards, TPF {stats['tpf']:.2f}, "
       f"{stats['seconds']:.2f}s for the batch"
+      + (f", log-probability {stats['logprob']:.3f}" if "logprob" in stats else "")
     )
     if path:
       print(format_trace_terminal(result, row, tokenizer))

@@ -111,8 +111,7 @@ def test_decode_gives_each_method_the_tokens_of_its_eager_reference():
   )
   got = rj.decode(model, prompts, refusion, mask_id=MASK, eos_id=EOS)
   for row, prompt in enumerate(prompts):
-    fields = {f.name: getattr(refusion, f.name) for f in dataclasses.fields(refusion) if f.name != "fit_width"}
-    want = decode_reference(model, prompt, mask_id=MASK, eos_id=EOS, **fields)
+    want = decode_reference(model, prompt, mask_id=MASK, eos_id=EOS, **refusion.reference_fields)
     assert got.tokens[row] == want.tokens[0], f"seed {seed}, refusion row {row}"
   ar = rj.decode(model, prompts, rj.AR(gen_length=8), eos_id=EOS, rows=2)
   assert ar.tokens == [naive_greedy(model, p, 8, eos_id=EOS) for p in prompts], f"seed {seed}"

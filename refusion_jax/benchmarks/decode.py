@@ -90,8 +90,7 @@ def decoders(bench: BenchModel, options: DecodeBenchOptions) -> dict[str, Callab
   calls = {
     name: functools.partial(decode, bench.model, method=method, **ids) for name, method in options.methods.items()
   }
-  fields = dataclasses.asdict(options.refusion)
-  del fields["fit_width"]  # the eager reference always runs the whole block
+  fields = options.refusion.reference_fields
   eager = lambda p: decode_reference(bench.model, p[0], **fields, mask_id=bench.mask_id, eos_id=bench.eos_id)
   return {"refusion": calls["refusion"], EAGER: eager, "ar": calls["ar"], "mdm": calls["mdm"]}
 

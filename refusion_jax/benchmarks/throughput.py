@@ -110,8 +110,8 @@ def throughput_modes(bench: BenchModel, options: ThroughputOptions) -> list[Mode
 
     official = OfficialDecoder(bench.model, options.official_repo)
     label = f"{OFFICIAL} {official.device.type} {bench.model.config.dtype}"
-    fields = dataclasses.asdict(method)
-    del fields["temperature"], fields["fit_width"]  # the official decoder is greedy and runs whole blocks
+    fields = method.reference_fields
+    del fields["temperature"]  # the official decoder is greedy
     decode_official = lambda ps: [official.decode(ps, **fields, mask_id=bench.mask_id, eos_id=bench.eos_id)]
     modes.append(Mode(label, 1, decode_official, official=True))
   return modes

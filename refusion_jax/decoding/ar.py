@@ -61,11 +61,14 @@ class _RowState:
   done: jax.Array
 
 
-def _record(out: DecodeOutputs, entry: jax.Array, step: jax.Array, token: jax.Array) -> DecodeOutputs:
-  """Write `token` [K] at answer offset `step` [K] of queue entries `entry` [K] (Q: none) as one more step and
-  forward."""
+def _record(
+  out: DecodeOutputs, entry: jax.Array, step: jax.Array, token: jax.Array, logprob: jax.Array
+) -> DecodeOutputs:
+  """Write `token` [K] (and its log-probability) at answer offset `step` [K] of queue entries `entry` [K] (Q:
+  none) as one more step and forward."""
   return out.replace(
     answer=out.answer.at[entry, step].set(token, mode="drop"),
+    logprob=out.logprob.at[entry, step].set(logprob, mode="drop"),
     commit_iteration=out.commit_iteration.at[entry, step].set(step, mode="drop"),
     commit_phase=out.commit_phase.at[entry, step].set(PHASE_STEP, mode="drop"),
     num_forwards=out.num_forwards.at[entry].add(1, mode="drop"),
@@ -88,13 +91,12 @@ def _admit(
   """Prefill the prompt of `entry` into row `row`; the prefill yields the first token (a `contract.Admit`)."""
   logits, one = prefill(model, tokens[None], length[None], state.cache.capacity)
   last = jax.lax.dynamic_slice_in_dim(logits, length - 1, 1, axis=1)
-  first, _ = pick_tokens(
-    last, sampling.key[None], sampling.temperature[None], jnp.zeros((1,), jnp.int32), settings.sample
-  )
+  rule = jax.tree.map(lambda x: x[None], sampling.rule)
+  first, _, logprob = pick_tokens(last, sampling.key[None], rule, jnp.zeros((1,), jnp.int32), settings.sample)
   first = first[:, 0]
   done = (first == knobs.eos_id) | (settings.gen_length == 1)
   state = put_row(state, row, _RowState(cache=one, prompt_length=length[None], token=first, done=done))
-  return state, _record(out, entry[None], jnp.zeros((1,), jnp.int32), first)
+  return state, _record(out, entry[None], jnp.zeros((1,), jnp.int32), first, logprob[:, 0])
 
 
 def _step(
@@ -115,9 +117,9 @@ def _step(
   mask = kv_cache.block_mask(state.cache, jnp.ones((live.shape[0], 1, 1), bool))
   logits, kv = model(state.token[:, None], positions, mask, state.cache)
   cache = kv_cache.append(state.cache, kv, positions, working[:, None])
-  token, _ = pick_tokens(logits, sampling.key, sampling.temperature, step, settings.sample)
+  token, _, logprob = pick_tokens(logits, sampling.key, sampling.rule, step, settings.sample)
   token = token[:, 0]
-  out = _record(out, jnp.where(working, entry, out.steps.shape[0]), step, token)
+  out = _record(out, jnp.where(working, entry, out.steps.shape[0]), step, token, logprob[:, 0])
   done = state.done | (working & ((token == knobs.eos_id) | (step + 1 >= settings.gen_length)))
   widths = count_width(widths, 1, jnp.any(working)[None])
   return state.replace(cache=cache, token=jnp.where(working, token, state.token), done=done), out, widths, live & done

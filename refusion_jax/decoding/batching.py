@@ -69,6 +69,7 @@ class LoopState:
   queue_prompt:  [Q] int32 each entry's prompt: its number in the engine's input (order of admission)
   queue_key:     [Q, key data] uint32 each entry's noise key (`contract.Sampling.key`, as `jax.random.key_data`)
   queue_temperature: [Q] float32 each entry's temperature (`contract.Sampling.temperature`)
+  queue_top_k, queue_top_p, queue_min_p: [Q] each entry's sampling filters (int32, float32, float32)
   waiting:       [Q] bool the entry holds a prompt not yet admitted
   more:          bool the host holds prompts not yet queued: a row left idle hands back to the host
   out:           `DecodeOutputs` of every entry
@@ -84,6 +85,9 @@ class LoopState:
   queue_prompt: jax.Array
   queue_key: jax.Array
   queue_temperature: jax.Array
+  queue_top_k: jax.Array
+  queue_top_p: jax.Array
+  queue_min_p: jax.Array
   waiting: jax.Array
   more: jax.Array
   out: DecodeOutputs
@@ -103,6 +107,9 @@ class LoopState:
       queue_prompt=np.zeros((entries,), np.int32),
       queue_key=np.zeros((entries, *_key_data_shape()), np.uint32),
       queue_temperature=np.zeros((entries,), np.float32),
+      queue_top_k=np.zeros((entries,), np.int32),
+      queue_top_p=np.ones((entries,), np.float32),
+      queue_min_p=np.zeros((entries,), np.float32),
       waiting=np.zeros((entries,), bool),
       more=np.bool_(False),
       out=DecodeOutputs.empty(entries, gen_length),
@@ -120,6 +127,9 @@ class LoopState:
       queue_prompt=rows(self.queue_prompt),
       queue_key=rows(self.queue_key),
       queue_temperature=rows(self.queue_temperature),
+      queue_top_k=rows(self.queue_top_k),
+      queue_top_p=rows(self.queue_top_p),
+      queue_min_p=rows(self.queue_min_p),
       waiting=rows(self.waiting),
       more=replicated,
       out=rows(self.out),
@@ -141,7 +151,13 @@ def run_rows(
     return jnp.any(~b.busy) & jnp.any(b.waiting)
 
   def sampling(b: LoopState, entry: jax.Array) -> Sampling:
-    return Sampling(key=jax.random.wrap_key_data(b.queue_key[entry]), temperature=b.queue_temperature[entry])
+    return Sampling(
+      key=jax.random.wrap_key_data(b.queue_key[entry]),
+      temperature=b.queue_temperature[entry],
+      top_k=b.queue_top_k[entry],
+      top_p=b.queue_top_p[entry],
+      min_p=b.queue_min_p[entry],
+    )
 
   def admit_next(b: LoopState) -> LoopState:
     # The first idle row takes the waiting prompt that comes first in the input.

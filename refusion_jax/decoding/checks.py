@@ -86,6 +86,22 @@ def check_temperature(temperature: float) -> float:
   return float(temperature)
 
 
+def check_choice(name: str, value: str, choices: Sequence[str]) -> None:
+  if value not in choices:
+    raise ValueError(f"{name}={value!r} must be one of {', '.join(repr(c) for c in choices)}.")
+
+
+def check_sampling_filters(top_k: int, top_p: float, min_p: float) -> None:
+  """A request's sampling filters (`scoring.SamplingRule`): top_k an integer >= 0 (0: off), top_p in (0, 1] (1:
+  off), min_p in [0, 1] (0: off)."""
+  if isinstance(top_k, (bool, np.bool_)) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+    raise ValueError(f"top_k={top_k!r} must be an integer >= 0 (0 keeps every token), e.g. top_k=50.")
+  if not _is_number(top_p) or not 0.0 < top_p <= 1.0:
+    raise ValueError(f"top_p={top_p!r} must lie in (0, 1] (1 keeps every token), e.g. top_p=0.95.")
+  if not _is_number(min_p) or not 0.0 <= min_p <= 1.0:
+    raise ValueError(f"min_p={min_p!r} must lie in [0, 1] (0 keeps every token), e.g. min_p=0.05.")
+
+
 def check_count(name: str, value: int, example: int) -> None:
   """A method's count (answer length, slot size, steps) must be a positive integer; `example` is one to use."""
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:

@@ -28,6 +28,7 @@ import numpy as np
 
 from refusion_jax.data.special_tokens import SpecialTokens
 from refusion_jax.decoding.result import PHASE_NONE, DecodeResult
+from refusion_jax.decoding.scoring import SamplingRule
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer
 
@@ -39,6 +40,8 @@ class DecodeOutputs:
   answer:           [Q, G] int32 ids by answer offset (anything where none was committed)
   commit_iteration: [Q, G] int32 iteration (0-based) that committed each offset, -1 where none
   commit_phase:     [Q, G] int32 PHASE_* of each offset, PHASE_NONE where none
+  logprob:          [Q, G] float32 log-probability of each offset's token under the distribution it was drawn from
+                    (`scoring.policy_logprobs`), NaN where none
   num_forwards:     [Q] int32 forwards the prompt's row took part in (its prefill included)
   steps:            [Q] int32 decode iterations of the prompt
   """
@@ -46,6 +49,7 @@ class DecodeOutputs:
   answer: jax.Array
   commit_iteration: jax.Array
   commit_phase: jax.Array
+  logprob: jax.Array
   num_forwards: jax.Array
   steps: jax.Array
 
@@ -54,7 +58,8 @@ class DecodeOutputs:
     """Nothing committed yet, as host arrays (starting a batch dispatches no device work), one per field."""
     none = lambda: np.full((entries, gen_length), -1, np.int32)
     zeros = lambda: np.zeros((entries,), np.int32)
-    return cls(none(), none(), np.full((entries, gen_length), PHASE_NONE, np.int32), zeros(), zeros())
+    phase = np.full((entries, gen_length), PHASE_NONE, np.int32)
+    return cls(none(), none(), phase, np.full((entries, gen_length), np.nan, np.float32), zeros(), zeros())
 
 
 class Settings(Hashable, Protocol):
@@ -74,10 +79,19 @@ class Sampling:
 
   key:         typed PRNG key: fold_in(key(seed), the prompt's index); its step s draws from fold_in(key, s)
   temperature: float32 Gumbel-max temperature; 0 adds no noise: greedy, bit for bit, where the program samples
+  top_k, top_p, min_p: the filters of what the prompt draws from (`scoring.SamplingRule`; 0, 1, 0: off)
   """
 
   key: jax.Array
   temperature: jax.Array
+  top_k: jax.Array
+  top_p: jax.Array
+  min_p: jax.Array
+
+  @property
+  def rule(self) -> SamplingRule:
+    """What the prompt draws from, without its noise key."""
+    return SamplingRule(self.temperature, self.top_k, self.top_p, self.min_p)
 
 
 # The per-row state: a pytree whose leaves lead with the row axis K (a `KVCache` in it holds K on axis 1).

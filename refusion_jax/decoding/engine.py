@@ -23,6 +23,7 @@ from refusion_jax.decoding.checks import (
   check_method,
   check_positive,
   check_prompts,
+  check_sampling_filters,
   check_special_id,
   check_temperature,
   decoder_special_tokens,
@@ -32,10 +33,23 @@ from refusion_jax.decoding.mesh import padded_rows, pick_rows_on
 from refusion_jax.decoding.options import DecodeOptions, decode_options
 from refusion_jax.decoding.programs import placed_program, start_for
 from refusion_jax.decoding.prompts import bucket_length
-from refusion_jax.decoding.result import PHASE_NONE, DecodeResult
+from refusion_jax.decoding.result import PHASE_NONE, DecodeResult, Rollout
 from refusion_jax.model.transformer import Transformer, inference_view
 from refusion_jax.parallel.hosts import to_host
 from refusion_jax.parallel.sharding import LOGICAL_AXIS_RULES, Rules
+
+
+@dataclasses.dataclass(frozen=True)
+class _Submitted:
+  """A request waiting on the host for a free queue entry: its prompt, noise key data and sampling rule."""
+
+  request: int
+  prompt: list[int]
+  key: np.ndarray
+  temperature: float
+  top_k: int
+  top_p: float
+  min_p: float
 
 
 class Engine:
@@ -118,12 +132,13 @@ class Engine:
     self._tokens, self._lengths = np.array(state.queue_tokens), np.array(state.queue_lengths)
     self._prompt, self._waiting = np.array(state.queue_prompt), np.array(state.waiting)
     self._key, self._temperature = np.array(state.queue_key), np.array(state.queue_temperature)
+    self._top_k, self._top_p = np.array(state.queue_top_k), np.array(state.queue_top_p)
+    self._min_p = np.array(state.queue_min_p)
     self._busy, self._entry = np.array(state.busy), np.array(state.entry)
     self._out: DecodeOutputs = state.out
     self._widths = np.array(state.widths)
     self._held = np.full(self._waiting.shape, -1)  # the request each entry holds, -1 where free
-    # (request, prompt ids, its noise key data, its temperature), in submission order.
-    self._pending: collections.deque[tuple[int, list[int], np.ndarray, float]] = collections.deque()
+    self._pending: collections.deque[_Submitted] = collections.deque()  # in submission order
     self._finished: dict[int, dict[str, Any]] = {}
     self._next_request = 0
     self.loop_calls, self.host_seconds = 0, 0.0  # the host's own work over the loop calls (`DecodeResult`)
@@ -140,13 +155,24 @@ class Engine:
     """Forwards by query width over the engine's life so far (`DecodeResult.widths`)."""
     return _width_counts(self.decoder.method.width_names, self._widths)
 
-  def submit(self, prompt_ids: Sequence[int], *, temperature: float | None = None, seed: int | None = None) -> int:
+  def submit(
+    self,
+    prompt_ids: Sequence[int],
+    *,
+    temperature: float | None = None,
+    seed: int | None = None,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+  ) -> int:
     """Queue one prompt of token ids (at most `prompt_width` of them); returns its request number.
 
     Args:
       temperature: this request's (None: the method's); above 0 needs an engine that samples (`sampling`).
       seed: this request's noise is then that of prompt 0 of a decode with this seed, what `decode(model,
         [prompt_ids], method, seed=seed)` draws (None: the engine's seed, folding in the request number).
+      top_k, top_p, min_p: this request's sampling filters (`scoring.SamplingRule`; 0, 1, 0: off), read only
+        where it samples; traced, so any values share the compiled program.
     """
     check_prompts([prompt_ids], self.config, self.decoder.settings.gen_length)
     if len(prompt_ids) > self.prompt_width:
@@ -158,6 +184,7 @@ class Engine:
       self._next_request = 0
     temperature = self.decoder.method.temperature if temperature is None else temperature
     check_temperature(temperature)
+    check_sampling_filters(top_k, top_p, min_p)
     if temperature > 0 and not self.decoder.settings.sample:
       raise ValueError(
         f"temperature={temperature} needs an engine that samples: build it with sampling=True (or a method "
@@ -165,7 +192,9 @@ class Engine:
       )
     request = self._next_request
     self._next_request += 1
-    self._pending.append((request, [int(t) for t in prompt_ids], self._noise_key(request, seed), temperature))
+    prompt = [int(t) for t in prompt_ids]
+    key = self._noise_key(request, seed)
+    self._pending.append(_Submitted(request, prompt, key, temperature, int(top_k), float(top_p), float(min_p)))
     return request
 
   def _noise_key(self, request: int, seed: int | None) -> np.ndarray:
@@ -207,6 +236,14 @@ class Engine:
     count = int(np.argmin(committed)) if not committed.all() else len(committed)
     return _cut(np.asarray(self._out.answer[entries[0], :count]).tolist(), self.decoder.eos_id)
 
+  def partial_logprobs(self, request: int) -> list[float]:
+    """The log-probabilities of `partial(request)`'s tokens (`DecodeResult.logprobs`), in the same order."""
+    count = len(self.partial(request))
+    if request in self._finished:
+      return [float(x) for x in self._finished[request]["logprobs"][:count]]
+    entries = self._entries_of(request)
+    return [float(x) for x in np.asarray(self._out.logprob[entries[0], :count])] if len(entries) else []
+
   def forwards(self, request: int) -> int:
     """Forwards the row of `request` took part in so far, its prefill included (0 while it waits on the host)."""
     if request in self._finished:
@@ -217,7 +254,7 @@ class Engine:
   def _entries_of(self, request: int) -> np.ndarray:
     """The queue entry holding `request` ([] while it waits on the host)."""
     entries = np.flatnonzero(self._held == request)
-    if not len(entries) and all(item[0] != request for item in self._pending):
+    if not len(entries) and all(item.request != request for item in self._pending):
       raise ValueError(
         f"Request {request} is neither decoding nor finished, nor queued (cancelled, popped or never submitted)."
       )
@@ -227,7 +264,7 @@ class Engine:
     """Drop `request`: from the host's queue, or from its entry (and its row, which turns idle)."""
     self._finished.pop(request, None)
     pending = len(self._pending)
-    self._pending = collections.deque(item for item in self._pending if item[0] != request)
+    self._pending = collections.deque(item for item in self._pending if item.request != request)
     self._queue_changed |= len(self._pending) != pending
     for entry in np.flatnonzero(self._held == request):
       self._held[entry] = -1
@@ -245,7 +282,7 @@ class Engine:
       raise ValueError(f"Requests {missing} have not finished; advance the engine until advance() returns them.")
     rows = [self._finished.pop(r) for r in requests]
     field = lambda name: np.stack([row[name] for row in rows]) if rows else np.zeros((0,), np.int32)
-    return DecodeResult(
+    result = DecodeResult(
       tokens=[list(row["tokens"]) for row in rows],
       num_forwards=field("num_forwards"),
       steps=field("steps"),
@@ -253,6 +290,13 @@ class Engine:
       commit_phase=field("commit_phase"),
       widths=self.widths,
     )
+    if self.options.logprobs:
+      result.logprobs = field("logprobs")
+      result.rollout = Rollout(
+        *(field(name) for name in ("rollout_tokens", "rollout_iteration", "rollout_phase")),
+        logprobs=field("rollout_logprobs"),
+      )
+    return result
 
   def run(self, prompt_ids: Sequence[Sequence[int]], chunk_iterations: int | None = None) -> DecodeResult:
     """Decode `prompt_ids` to the end from idle, advancing by `chunk_iterations` iterations a call (None: the
@@ -287,12 +331,13 @@ class Engine:
       return
     out = jax.tree.map(np.array, self._out)
     for entry in free:
-      request, prompt, key, temperature = self._pending.popleft()
-      self._held[entry] = request
-      self._key[entry], self._temperature[entry] = key, temperature
+      item = self._pending.popleft()
+      self._held[entry] = item.request
+      self._key[entry], self._temperature[entry] = item.key, item.temperature
+      self._top_k[entry], self._top_p[entry], self._min_p[entry] = item.top_k, item.top_p, item.min_p
       self._tokens[entry] = self.pad_id
-      self._tokens[entry, : len(prompt)] = prompt
-      self._lengths[entry], self._prompt[entry], self._waiting[entry] = len(prompt), request, True
+      self._tokens[entry, : len(item.prompt)] = item.prompt
+      self._lengths[entry], self._prompt[entry], self._waiting[entry] = len(item.prompt), item.request, True
       for field, blank in zip(jax.tree.leaves(out), jax.tree.leaves(DecodeOutputs.empty(1, out.answer.shape[1]))):
         field[entry] = blank[0]
     # Copies: a CPU device may keep using the host buffer it was given, which the next refill writes.
@@ -302,6 +347,9 @@ class Engine:
       queue_prompt=self._prompt.copy(),
       queue_key=self._key.copy(),
       queue_temperature=self._temperature.copy(),
+      queue_top_k=self._top_k.copy(),
+      queue_top_p=self._top_p.copy(),
+      queue_min_p=self._min_p.copy(),
       waiting=self._waiting.copy(),
       more=np.bool_(len(self._pending) > 0),
       out=out,
@@ -332,12 +380,18 @@ class Engine:
     tokens = _cut(out.answer[entry].tolist(), self.decoder.eos_id)
     # Past the answer nothing counts as committed (a slot after the EOS may have been).
     answered = np.arange(out.answer.shape[1]) < len(tokens)
+    committed = out.commit_iteration[entry] >= 0
     return dict(
       tokens=tokens,
       num_forwards=np.array(out.num_forwards[entry]),
       steps=np.array(out.steps[entry]),
       commit_iteration=np.where(answered, out.commit_iteration[entry], -1),
       commit_phase=np.where(answered, out.commit_phase[entry], PHASE_NONE),
+      logprobs=np.where(answered, out.logprob[entry], np.nan).astype(np.float32),
+      rollout_tokens=np.where(committed, out.answer[entry], -1).astype(np.int32),
+      rollout_iteration=np.array(out.commit_iteration[entry]),
+      rollout_phase=np.array(out.commit_phase[entry]),
+      rollout_logprobs=np.where(committed, out.logprob[entry], np.nan).astype(np.float32),
     )
 
 

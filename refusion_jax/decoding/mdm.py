@@ -97,12 +97,14 @@ class _RowState:
   prompt_length: [K] int32
   answer:        [K, G] int32 the answer so far, mask ids where still masked
   committed_at:  [K, G] int32 step that unmasked each offset, -1 where none
+  logprob:       [K, G] float32 each unmasked token's log-probability at the step that unmasked it, NaN where none
   """
 
   prompt: jax.Array
   prompt_length: jax.Array
   answer: jax.Array
   committed_at: jax.Array
+  logprob: jax.Array
 
 
 def _admit(
@@ -125,6 +127,7 @@ def _admit(
     prompt_length=length[None],
     answer=jnp.full((1, G), knobs.mask_id, jnp.int32),
     committed_at=jnp.full((1, G), -1, jnp.int32),
+    logprob=jnp.full((1, G), jnp.nan, jnp.float32),
   )
   return put_row(state, row, fresh), out
 
@@ -159,7 +162,7 @@ def _step(
   key_valid = jnp.concatenate([columns < state.prompt_length[:, None], jnp.ones((batch, G), bool)], 1)
   mask = jnp.broadcast_to(key_valid[:, None, :], (batch, width + G, width + G))
   logits, _ = model(jnp.concatenate([state.prompt, state.answer], 1), positions, mask)
-  draft, confidence = pick_tokens(logits[:, width:], sampling.key, sampling.temperature, step, settings.sample)
+  draft, confidence, draft_logprob = pick_tokens(logits[:, width:], sampling.key, sampling.rule, step, settings.sample)
   block_of = jnp.arange(G) // settings.block_length
   candidate = (state.answer == knobs.mask_id) & (block_of[None, :] == (step // per_block)[:, None])
   confidence = jnp.where(candidate, confidence, -jnp.inf)
@@ -169,16 +172,18 @@ def _step(
   transfer = candidate & (rank < transfer_counts[step % per_block][:, None]) & live[:, None]
   answer = jnp.where(transfer, draft, state.answer)
   committed_at = jnp.where(transfer, step[:, None], state.committed_at)
+  logprob = jnp.where(transfer, draft_logprob, state.logprob)
 
   out = out.replace(
     answer=out.answer.at[entry].set(answer, mode="drop"),
     commit_iteration=out.commit_iteration.at[entry].set(committed_at, mode="drop"),
+    logprob=out.logprob.at[entry].set(logprob, mode="drop"),
     commit_phase=out.commit_phase.at[entry].set(jnp.where(committed_at >= 0, PHASE_STEP, PHASE_NONE), mode="drop"),
     num_forwards=out.num_forwards.at[entry].add(1, mode="drop"),
     steps=out.steps.at[entry].add(1, mode="drop"),
   )
   widths = count_width(widths, width + G, jnp.ones((1,), jnp.int32))
-  state = state.replace(answer=answer, committed_at=committed_at)
+  state = state.replace(answer=answer, committed_at=committed_at, logprob=logprob)
   return state, out, widths, live & (step + 1 >= settings.steps)
 
 
@@ -193,6 +198,7 @@ def start_rows(
     prompt_length=np.zeros((rows,), np.int32),
     answer=np.zeros((rows, G), np.int32),
     committed_at=np.zeros((rows, G), np.int32),
+    logprob=np.zeros((rows, G), np.float32),
   )
   return state, np.zeros((1, prompt_width + G + 1), np.int32)
 

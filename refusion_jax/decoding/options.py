@@ -40,6 +40,8 @@ class DecodeOptions:
       device.
     chunk_iterations: a loop call runs at most this many iterations (state in, state out, as a server drives
       it), with the same results; None: each call runs until the queue needs the host.
+    logprobs: return each answer token's log-probability (`DecodeResult.logprobs`) and the whole committed
+      trajectory (`DecodeResult.rollout`); the loop records them either way, so nothing compiles again.
   """
 
   rows: int | None = None
@@ -49,10 +51,13 @@ class DecodeOptions:
   pad_id: int | None = None
   mesh: jax.sharding.Mesh | None = None
   chunk_iterations: int | None = None
+  logprobs: bool = False
 
   def __post_init__(self) -> None:
     check_positive("rows", self.rows, "every prompt of a call at once")
     check_positive("chunk_iterations", self.chunk_iterations, "run the loop until the host must refill it")
+    if not isinstance(self.logprobs, bool):
+      raise ValueError(f"logprobs={self.logprobs!r} must be True or False.")
     if isinstance(self.seed, bool) or not isinstance(self.seed, int):
       raise ValueError(f"seed={self.seed!r} must be an integer.")
     for name in ("mask_id", "eos_id", "pad_id"):

@@ -45,6 +45,7 @@ import numpy as np
 from refusion_jax.data.special_tokens import SpecialTokens
 from refusion_jax.decoding.batching import count_width, host_zeros, put_row
 from refusion_jax.decoding.checks import (
+  check_choice,
   check_count,
   check_flag,
   check_slot_layout,
@@ -71,7 +72,11 @@ from refusion_jax.model.cache import KVCache
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer
 
-__all__ = ["ReFusion", "ReFusionKnobs", "ReFusionSettings", "start_rows"]
+__all__ = ["ACCEPTANCE_RULES", "ReFusion", "ReFusionKnobs", "ReFusionSettings", "start_rows"]
+
+# How a slot's tokens after its first are accepted: the official decoder's probability thresholds, or the
+# speculative rule whose every answer is a sample of a named distribution (docs/method.md §6).
+ACCEPTANCE_RULES = ("threshold", "speculative")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +88,9 @@ class ReFusionSettings:
   serial_blocks: int
   # Gumbel noise on the plan step (temperature > 0); the temperature itself is traced.
   sample: bool
+  # The speculative acceptance rule (docs/method.md §6): exact samples of a named policy; False: the official
+  # threshold rule.
+  speculative: bool = False
   # Forwards only as wide as the active slots (False: always the whole block, one compiled width).
   fit_width: bool = True
   # Narrow forwards of fewer rows than K (`scheduler.forward_shapes`); False on a TPU and where rows are split
@@ -130,6 +138,7 @@ class _RowState:
   chosen:        [K, N] bool slots chosen by the last plan (still alive in the infill)
   accepted:      [K, N] int32 accepted prefix length of each chosen slot (infill)
   drafts:        [K, T] int32 current drafts of the chosen slots
+  draft_logprob: [K, T] float32 each draft's log-probability under the distribution it was drawn from
   eos_seen:      [K] bool an EOS was committed: no later block is started
   waited:        [K] int32 iterations the row has waited for a forward
   """
@@ -142,6 +151,7 @@ class _RowState:
   chosen: jax.Array
   accepted: jax.Array
   drafts: jax.Array
+  draft_logprob: jax.Array
   eos_seen: jax.Array
   waited: jax.Array
 
@@ -159,6 +169,7 @@ def _fresh_rows(settings: ReFusionSettings, batch: int) -> _RowState:
     chosen=jnp.zeros((batch, N), bool),
     accepted=jnp.zeros((batch, N), jnp.int32),
     drafts=jnp.zeros((batch, T), jnp.int32),
+    draft_logprob=jnp.zeros((batch, T), jnp.float32),
     eos_seen=jnp.zeros((batch,), bool),
     waited=zeros,
   )
@@ -206,15 +217,13 @@ def _query(state: _RowState, settings: ReFusionSettings, mask_id: jax.Array):
   return tokens, sees
 
 
-def _plan(scores: TokenScores, state: _RowState, knobs: ReFusionKnobs, settings: ReFusionSettings):
-  """Step 1: drafts [B, T] of every slot and the chosen slots [B, N]."""
-  # Slot confidence: the un-noised probability of the slot's first drafted token.
-  first_prob = scores.planned_prob[:, :: settings.slot_size]
-  confident = state.undecided & (first_prob > knobs.slot_threshold)
-  best = jnp.argmax(jnp.where(state.undecided, first_prob, -1.0), axis=-1)
+def _chosen_slots(confidence: jax.Array, state: _RowState, knobs: ReFusionKnobs, settings: ReFusionSettings):
+  """Step 1's choice [B, N]: the undecided slots whose confidence [B, N] is above the slot threshold, else the
+  single most confident one."""
+  confident = state.undecided & (confidence > knobs.slot_threshold)
+  best = jnp.argmax(jnp.where(state.undecided, confidence, -1.0), axis=-1)
   single = jax.nn.one_hot(best, settings.slots_per_block, dtype=bool)
-  chosen = jnp.where(jnp.any(confident, axis=-1, keepdims=True), confident, single)
-  return scores.planned, chosen
+  return jnp.where(jnp.any(confident, axis=-1, keepdims=True), confident, single)
 
 
 def _global_verify(scores: TokenScores, state: _RowState, knobs: ReFusionKnobs, settings: ReFusionSettings):
@@ -239,11 +248,12 @@ def _global_verify(scores: TokenScores, state: _RowState, knobs: ReFusionKnobs, 
 
 
 def _infill_draft(scores: TokenScores, state: _RowState, settings: ReFusionSettings):
-  """Step 3a: argmax drafts for the chosen slots' unaccepted tokens."""
+  """Step 3a: argmax drafts for the chosen slots' unaccepted tokens; returns the drafts [B, T] and which were
+  drawn again [B, T]."""
   S = settings.slot_size
   unaccepted = _offset_in_slot(settings)[None] >= _per_token(state.accepted, S)
   redraft = _per_token(state.chosen, S) & unaccepted
-  return jnp.where(redraft, scores.greedy, state.drafts)
+  return jnp.where(redraft, scores.greedy, state.drafts), redraft
 
 
 def _infill_check(scores: TokenScores, state: _RowState, knobs: ReFusionKnobs, settings: ReFusionSettings):
@@ -254,17 +264,30 @@ def _infill_check(scores: TokenScores, state: _RowState, knobs: ReFusionKnobs, s
     and take [B, T]: the tokens to commit, all False until every chosen slot
     is accepted.
   """
+  S = settings.slot_size
+  # Accepted tokens and the first one after them pass without a test.
+  forced = _offset_in_slot(settings)[None] <= _per_token(state.accepted, S)
+  passes = forced | (scores.previous_prob > knobs.token_threshold)
+  return _close_slots(state.drafts, state.chosen, _leading_run(passes, S), knobs, settings)
+
+
+def _close_slots(drafts, chosen, accepted, knobs: ReFusionKnobs, settings: ReFusionSettings):
+  """An accepted EOS ends its slot and drops the chosen slots after it; once every chosen slot is accepted, its
+  tokens are taken, up to the first EOS.
+
+  Args:
+    drafts: [B, T] the chosen slots' tokens; chosen: [B, N]; accepted: [B, N] each slot's accepted prefix.
+
+  Returns:
+    chosen [B, N], accepted [B, N] and take [B, T] (all False until every chosen slot is accepted).
+  """
   S, T = settings.slot_size, settings.block_length
   offset = _offset_in_slot(settings)
-  # Accepted tokens and the first one after them pass without a test.
-  forced = offset[None] <= _per_token(state.accepted, S)
-  passes = forced | (scores.previous_prob > knobs.token_threshold)
-  accepted = _leading_run(passes, S)
-  is_eos = state.drafts == knobs.eos_id
-  accepted_eos = _per_token(state.chosen, S) & (offset[None] < _per_token(accepted, S)) & is_eos
+  is_eos = drafts == knobs.eos_id
+  accepted_eos = _per_token(chosen, S) & (offset[None] < _per_token(accepted, S)) & is_eos
   has_eos, eos_slot = _first_true(jnp.any(accepted_eos.reshape(-1, T // S, S), axis=-1))
   slot_index = jnp.arange(T // S)[None]
-  chosen = state.chosen & ~(has_eos[:, None] & (slot_index > eos_slot[:, None]))
+  chosen = chosen & ~(has_eos[:, None] & (slot_index > eos_slot[:, None]))
   accepted = jnp.where(has_eos[:, None] & (slot_index == eos_slot[:, None]), S, accepted)
   done = jnp.all(~chosen | (accepted == S), axis=-1)
 
@@ -272,6 +295,43 @@ def _infill_check(scores: TokenScores, state: _RowState, knobs: ReFusionKnobs, s
   cut_eos, cut_at = _first_true(chosen_tok & is_eos)
   take = chosen_tok & (~cut_eos[:, None] | (jnp.arange(T)[None] <= cut_at[:, None]))
   return chosen, accepted, take & done[:, None]
+
+
+def _speculative(scores: TokenScores, state: _RowState, knobs: ReFusionKnobs, settings: ReFusionSettings, stage):
+  """One forward of the speculative rule (docs/method.md §6) for rows in `stage` [B] (plan, draft or check).
+
+  A plan chooses slots by the model's confidence (its largest probability at each slot's first token, not the
+  draw) and keeps each chosen slot's first draw. A check grows each slot's accepted prefix by the run of drafts
+  equal to the AR draws made with the same noise, then by the first AR draw that differs; a draft grows it by the
+  AR draw after the accepted prefix and draws the slot's remaining tokens again from their masks. So every token
+  after a slot's first is a draw of the AR distribution given the slot's earlier tokens.
+
+  Returns:
+    drafts [B, T], their log-probabilities [B, T], chosen [B, N], accepted [B, N], take [B, T] (the tokens to
+    commit) and full [B] (every chosen slot is accepted, committed or not).
+  """
+  S = settings.slot_size
+  is_plan, is_check = (stage == STAGE_PLAN)[:, None], (stage == STAGE_CHECK)[:, None]
+  confidence = jnp.exp(scores.greedy_logprob[:, ::S])
+  chosen = jnp.where(is_plan, _chosen_slots(confidence, state, knobs, settings), state.chosen)
+  chosen_tok = _per_token(chosen, S)
+  offset = _offset_in_slot(settings)[None]
+  before = offset < _per_token(state.accepted, S)
+  matches = is_check & (state.drafts == scores.next_draw)
+  grown = jnp.minimum(_leading_run(before | matches, S) + 1, S)
+  accepted = jnp.where(is_plan, jnp.where(chosen, 1, 0), grown)
+  new = chosen_tok & ~before & (offset < _per_token(accepted, S))
+  redraw = chosen_tok & ~is_check & (offset >= _per_token(accepted, S))
+  drafts = jnp.where(new & ~is_plan, scores.next_draw, state.drafts)
+  logprob = jnp.where(new & ~is_plan, scores.next_logprob, state.draft_logprob)
+  drafts = jnp.where(is_plan | redraw, scores.planned, drafts)
+  logprob = jnp.where(is_plan | redraw, scores.planned_logprob, logprob)
+  chosen, accepted, take = _close_slots(drafts, chosen, accepted, knobs, settings)
+  # The cache holds the keys and values of the tokens this forward was fed: only a check fed with every token
+  # taken may commit them; slots completed by draws it was not fed take one more check.
+  full = jnp.any(take, axis=-1)
+  fed = jnp.all(~take | (drafts == state.drafts), axis=-1)
+  return drafts, logprob, chosen, accepted, take & (is_check & fed[:, None]), full
 
 
 def _commit(state: _RowState, out: DecodeOutputs, take, settings, eos_id, entry, phase):
@@ -301,6 +361,7 @@ def _commit(state: _RowState, out: DecodeOutputs, take, settings, eos_id, entry,
       jnp.broadcast_to(iteration[:, None], take.shape), mode="drop"
     ),
     commit_phase=out.commit_phase.at[rows, target].set(jnp.broadcast_to(phase[:, None], take.shape), mode="drop"),
+    logprob=out.logprob.at[rows, target].set(state.draft_logprob, mode="drop"),
   )
   state = state.replace(cache=cache, undecided=state.undecided & ~removed, eos_seen=state.eos_seen | has_eos)
   return state, out
@@ -326,43 +387,64 @@ def _step(
   active = _per_token(jnp.where((stage == STAGE_PLAN)[:, None], state.undecided, state.chosen) & live[:, None], S)
   noise = None
   if settings.sample:
-    noise = sampling_noise(sampling.key, sampling.temperature, steps, (T, model.config.vocab_size))
-  query = BlockQuery(tokens=tokens, positions=positions, sees=sees, active=active, noise=noise)
-  scores, cache, served, width = scheduled_forward(model, state.cache, state.waited, query, live, settings.layout)
+    # The threshold rule draws fresh noise per plan step; the speculative rule one noise per answer position,
+    # the same in every forward of its block (docs/method.md §6).
+    draw_key = state.block if settings.speculative else steps
+    noise = sampling_noise(sampling.key, sampling.temperature, draw_key, (T, model.config.vocab_size))
+  query = BlockQuery(tokens=tokens, positions=positions, sees=sees, active=active, noise=noise, rule=sampling.rule)
+  scores, cache, served, width = scheduled_forward(
+    model, state.cache, state.waited, query, live, settings.layout, next_draws=settings.speculative
+  )
   waiting = live & ~served
   live = served  # this iteration, only the rows that ran advance
   state = state.replace(cache=cache, waited=jnp.where(waiting, state.waited + 1, 0))
   stage_counts = jnp.sum(live[None] & (stage[None] == jnp.arange(len(STAGE_NAMES))[:, None]), axis=-1)
   widths = count_width(widths, width, jnp.concatenate([jnp.ones(1), stage_counts]))
 
+  row = lambda flags: flags[:, None]
   is_plan, is_verify = live & (stage == STAGE_PLAN), live & (stage == STAGE_VERIFY)
   is_draft, is_check = live & (stage == STAGE_DRAFT), live & (stage == STAGE_CHECK)
-  plan_drafts, plan_chosen = _plan(scores, state, knobs, settings)
-  verify_take, verify_accepted = _global_verify(scores, state, knobs, settings)
-  check_chosen, check_accepted, check_take = _infill_check(scores, state, knobs, settings)
-
-  row = lambda flags: flags[:, None]
-  drafts = jnp.where(row(is_plan), plan_drafts, state.drafts)
-  drafts = jnp.where(row(is_draft), _infill_draft(scores, state, settings), drafts)
-  take = (row(is_verify) & verify_take) | (row(is_check) & check_take)
+  if settings.speculative:
+    drafts, logprob, chosen, accepted, take, full = _speculative(scores, state, knobs, settings, stage)
+    keep = lambda new, old: jnp.where(row(live), new, old)
+    take = row(live) & take
+    state = state.replace(
+      drafts=keep(drafts, state.drafts),
+      draft_logprob=keep(logprob, state.draft_logprob),
+      chosen=keep(chosen, state.chosen),
+      accepted=keep(accepted, state.accepted),
+    )
+  else:
+    plan_chosen = _chosen_slots(scores.planned_prob[:, ::S], state, knobs, settings)
+    verify_take, verify_accepted = _global_verify(scores, state, knobs, settings)
+    check_chosen, check_accepted, check_take = _infill_check(scores, state, knobs, settings)
+    infill_drafts, redrawn = _infill_draft(scores, state, settings)
+    redrawn = row(is_draft) & redrawn
+    drafts = jnp.where(row(is_plan), scores.planned, jnp.where(redrawn, infill_drafts, state.drafts))
+    logprob = jnp.where(row(is_plan), scores.planned_logprob, state.draft_logprob)
+    take = (row(is_verify) & verify_take) | (row(is_check) & check_take)
+    state = state.replace(
+      drafts=drafts,
+      draft_logprob=jnp.where(redrawn, scores.greedy_logprob, logprob),
+      chosen=jnp.where(row(is_plan), plan_chosen, jnp.where(row(is_check), check_chosen, state.chosen)),
+      accepted=jnp.where(row(is_verify), verify_accepted, jnp.where(row(is_check), check_accepted, state.accepted)),
+    )
   committed = jnp.any(take, axis=-1)
   out = out.replace(
     num_forwards=out.num_forwards.at[entry].add(live, mode="drop"),
     steps=out.steps.at[entry].add(is_plan, mode="drop"),
   )
-  state = state.replace(
-    drafts=drafts,
-    chosen=jnp.where(row(is_plan), plan_chosen, jnp.where(row(is_check), check_chosen, state.chosen)),
-    accepted=jnp.where(row(is_verify), verify_accepted, jnp.where(row(is_check), check_accepted, state.accepted)),
-  )
   phase = jnp.where(stage == STAGE_VERIFY, PHASE_VERIFY, PHASE_INFILL)
   state, out = _commit(state, out, take, settings, knobs.eos_id, entry, phase)
 
-  next_stage = jnp.select(
-    [is_plan, is_verify | is_check, is_draft],
-    [STAGE_VERIFY, jnp.where(committed, STAGE_PLAN, STAGE_DRAFT), STAGE_CHECK],
-    stage,
-  )
+  if settings.speculative:  # plan -> check, check -> draft -> check ..., until a check commits the chosen slots
+    next_stage = jnp.select([live & committed, is_check & ~full, live], [STAGE_PLAN, STAGE_DRAFT, STAGE_CHECK], stage)
+  else:
+    next_stage = jnp.select(
+      [is_plan, is_verify | is_check, is_draft],
+      [STAGE_VERIFY, jnp.where(committed, STAGE_PLAN, STAGE_DRAFT), STAGE_CHECK],
+      stage,
+    )
   block_done = live & committed & ~jnp.any(state.undecided, axis=-1)
   finish = block_done & (state.eos_seen | (state.block == settings.serial_blocks - 1))
   advance = block_done & ~finish
@@ -422,6 +504,9 @@ class ReFusion(MethodFacts):
     fit_width: run each forward only as wide as the rows' active slots (a few compiled widths); False:
       always the whole block (one compiled width, which can pay off where a forward costs the same at any
       small width).
+    acceptance: "threshold", the official rule (token_threshold decides which drafts are kept), or
+      "speculative": every answer a draw of a named distribution whose log-probability the decoder reports,
+      exactly (docs/method.md §6; token_threshold unused).
 
   A decode's `DecodeResult`: num_forwards counts the prompt prefill and every plan, verification, infill
   draft and infill verify pass; steps counts plans; commit_iteration is the plan step whose cycle committed
@@ -442,9 +527,11 @@ class ReFusion(MethodFacts):
   token_threshold: float = 0.9
   temperature: float = 0.0
   fit_width: bool = True
+  acceptance: str = "threshold"
 
   def __post_init__(self) -> None:
     check_count("gen_length", self.gen_length, 64)
+    check_choice("acceptance", self.acceptance, ACCEPTANCE_RULES)
     check_count("slot_size", self.slot_size, 4)
     check_count("serial_blocks", self.serial_blocks, 1)
     check_slot_layout(self.gen_length, self.slot_size, self.serial_blocks)
@@ -454,7 +541,23 @@ class ReFusion(MethodFacts):
     check_flag("fit_width", self.fit_width)
 
   @property
+  def speculative(self) -> bool:
+    return self.acceptance == "speculative"
+
+  @property
+  def reference_fields(self) -> dict:
+    """The fields the eager reference decoder (`reference.decode_reference`) and the official one take: all but
+    `fit_width` (both run whole blocks) and `acceptance` (both are the threshold rule, which they must be)."""
+    if self.speculative:
+      raise ValueError("The eager reference and the official decoder implement the threshold rule only.")
+    fields = dataclasses.asdict(self)
+    del fields["fit_width"], fields["acceptance"]
+    return fields
+
+  @property
   def label(self) -> str:
+    if self.speculative:
+      return f"refusion S{self.slot_size} {self.slot_threshold:g} speculative"
     return f"refusion S{self.slot_size} {self.slot_threshold:g}/{self.token_threshold:g}"
 
   @property
@@ -518,6 +621,7 @@ class ReFusion(MethodFacts):
       self.slot_size,
       self.serial_blocks,
       sample,
+      speculative=self.speculative,
       fit_width=self.fit_width,
       pick_rows=pick_rows,
     )

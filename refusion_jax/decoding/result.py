@@ -26,6 +26,25 @@ STAGE_NAMES = ("plan", "verify", "draft", "check")
 
 
 @dataclasses.dataclass
+class Rollout:
+  """Every token a decode committed, by answer position, the answer's end not applied: what an answer's exact
+  probability is a sum over (a slot after the first EOS may have been committed before it, and the plans after it
+  saw it; docs/method.md §6). All [B, G].
+
+  Attributes:
+    tokens: int32 committed ids, -1 where nothing was committed.
+    iteration: int32 the iteration that committed each (`DecodeResult.commit_iteration`), -1 where none.
+    phase: int32 `PHASE_*`.
+    logprobs: float32 each token's log-probability under the distribution it was drawn from, NaN where none.
+  """
+
+  tokens: np.ndarray
+  iteration: np.ndarray
+  phase: np.ndarray
+  logprobs: np.ndarray
+
+
+@dataclasses.dataclass
 class DecodeResult:
   """The output of a decode call over a batch of B prompts.
 
@@ -46,6 +65,9 @@ class DecodeResult:
       forwards (prefills not included) by their query width (tokens per row);
       ReFusion adds one entry per stage (`STAGE_NAMES`) counting each row's
       forwards in that stage by the width they ran at.
+    logprobs: [B, G] float32 each answer token's log-probability under the distribution it was drawn from
+      (docs/sampling.md, "Log-probabilities"), NaN past each answer; None unless asked for (`logprobs=True`).
+    rollout: every committed token, past the answers' ends too (`Rollout`); None unless asked for.
   """
 
   tokens: list[list[int]]
@@ -57,6 +79,8 @@ class DecodeResult:
   loop_calls: int = 0
   host_seconds: float = 0.0
   widths: dict[str, dict[int, int]] = dataclasses.field(default_factory=dict)
+  logprobs: np.ndarray | None = None
+  rollout: Rollout | None = None
 
   @property
   def tpf(self) -> np.ndarray:

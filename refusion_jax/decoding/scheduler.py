@@ -20,7 +20,15 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from refusion_jax.decoding.scoring import first_argmax, log_partition, token_probs
+from refusion_jax.decoding.scoring import (
+  SamplingRule,
+  draw,
+  filter_floor,
+  first_argmax,
+  log_partition,
+  policy_logprobs,
+  token_probs,
+)
 from refusion_jax.model import cache as kv_cache
 from refusion_jax.model.transformer import Transformer
 
@@ -64,17 +72,26 @@ class ForwardLayout:
 class TokenScores:
   """What the stage logic reads from a forward, per block token [B, T] (junk on inactive tokens).
 
-  greedy:        argmax of the logits (the infill drafts)
-  planned:       the plan's draft: argmax of the logits, plus Gumbel noise when sampling
-  planned_prob:  the un-noised probability of `planned`
-  previous_prob: the probability of the token fed at t under the logits at t - 1 (AR
-                 verification; read only where t is not the first of its slot)
+  greedy:          argmax of the logits (the threshold rule's infill drafts)
+  greedy_logprob:  its log-probability under the model's softmax (log of the largest probability)
+  planned:         the draw at t from the logits at t (`scoring.draw`: argmax plus Gumbel noise when sampling)
+  planned_prob:    the un-noised probability of `planned`
+  planned_logprob: the log-probability of `planned` under what the row draws from (`scoring.policy_logprobs`)
+  previous_prob:   the probability of the token fed at t under the logits at t - 1 (AR
+                   verification; read only where t is not the first of its slot)
+  next_draw:       the draw at t from the logits at t - 1 with t's noise (the speculative rule's AR sample;
+                   None under the threshold rule)
+  next_logprob:    its log-probability under what the row draws from (None under the threshold rule)
   """
 
   greedy: jax.Array
+  greedy_logprob: jax.Array
   planned: jax.Array
   planned_prob: jax.Array
+  planned_logprob: jax.Array
   previous_prob: jax.Array
+  next_draw: jax.Array | None = None
+  next_logprob: jax.Array | None = None
 
 
 def _gather_columns(x: jax.Array, columns: jax.Array, axis: int, batch_axis: int = 0) -> jax.Array:
@@ -84,17 +101,42 @@ def _gather_columns(x: jax.Array, columns: jax.Array, axis: int, batch_axis: int
   return jnp.take_along_axis(x, columns.reshape(shape), axis=axis)
 
 
-def token_scores(logits: jax.Array, tokens: jax.Array, noise: jax.Array | None) -> TokenScores:
-  """The per-token reads of the stage logic from logits [B, W, vocab] of the fed tokens [B, W]."""
+def _after_first(first: jax.Array, rest: jax.Array) -> jax.Array:
+  """[B, 1] and [B, W - 1] -> [B, W]: a read of t from the logits at t - 1, with `first` where there is none."""
+  return jnp.concatenate([first, rest], axis=1)
+
+
+def token_scores(
+  logits: jax.Array, tokens: jax.Array, noise: jax.Array | None, rule: SamplingRule, next_draws: bool = False
+) -> TokenScores:
+  """The per-token reads of the stage logic from logits [B, W, vocab] of the fed tokens [B, W].
+
+  Args:
+    noise: [B, W, vocab] the temperature-scaled Gumbel noise of each token (None: greedy).
+    rule: each row's `SamplingRule` ([B] fields).
+    next_draws: also draw each token from its predecessor's logits (the speculative rule, static).
+  """
   log_z = log_partition(logits)  # probabilities of given tokens only, never [B, W, vocab] (docs/method.md §3)
+  floor = jnp.full(log_z.shape, -jnp.inf, jnp.float32) if noise is None else filter_floor(logits, rule)
   greedy = first_argmax(logits)
-  planned = greedy if noise is None else first_argmax(logits + noise)
+  planned = draw(logits, noise, rule, floor)
   previous = token_probs(logits[:, :-1], log_z[:, :-1], tokens[:, 1:])
-  return TokenScores(
+  scores = TokenScores(
     greedy=greedy,
+    greedy_logprob=jnp.max(logits, axis=-1).astype(jnp.float32) - log_z,
     planned=planned,
     planned_prob=token_probs(logits, log_z, planned),
-    previous_prob=jnp.concatenate([jnp.ones_like(previous[:, :1]), previous], axis=1),
+    planned_logprob=policy_logprobs(logits, planned, rule, floor),
+    previous_prob=_after_first(jnp.ones_like(previous[:, :1]), previous),
+  )
+  if not next_draws:
+    return scores
+  before, before_floor = logits[:, :-1], floor[:, :-1]
+  following = draw(before, None if noise is None else noise[:, 1:], rule, before_floor)
+  following_logprob = policy_logprobs(before, following, rule, before_floor)
+  return scores.replace(
+    next_draw=_after_first(planned[:, :1], following),
+    next_logprob=_after_first(scores.planned_logprob[:, :1], following_logprob),
   )
 
 
@@ -172,7 +214,8 @@ class BlockQuery:
   positions: [K, T] int32 their true positions
   sees:      [K, T, T] bool which block tokens each query token sees
   active:    [K, T] bool the tokens whose outputs matter (whole slots)
-  noise:     [K, T, vocab] scaled Gumbel noise of the plan, or None (greedy)
+  noise:     [K, T, vocab] temperature-scaled Gumbel noise of each token's draw, or None (greedy)
+  rule:      each row's `scoring.SamplingRule` ([K] fields)
   """
 
   tokens: jax.Array
@@ -180,6 +223,7 @@ class BlockQuery:
   sees: jax.Array
   active: jax.Array
   noise: jax.Array | None
+  rule: SamplingRule
 
 
 def _choose_shape(
@@ -212,6 +256,7 @@ def _run_shape(
   index: int,
   width: int,
   tokens_out: int,
+  next_draws: bool,
   query: BlockQuery,
   order: jax.Array,
   back: jax.Array,
@@ -238,7 +283,8 @@ def _run_shape(
   noise = None if query.noise is None else _gather_columns(rows(query.noise), columns, 1)
   to_block = jnp.minimum(rows(back), width - 1)
   scores = jax.tree.map(
-    lambda x: _put_rows(batch, _gather_columns(x, to_block, 1), pick), token_scores(logits, fed, noise)
+    lambda x: _put_rows(batch, _gather_columns(x, to_block, 1), pick),
+    token_scores(logits, fed, noise, rows(query.rule), next_draws),
   )
   token_rows = jnp.broadcast_to((jnp.arange(batch) if pick is None else pick)[:, None], fed.shape)
   offsets = jnp.broadcast_to(jnp.arange(width), fed.shape)
@@ -260,6 +306,7 @@ def scheduled_forward(
   query: BlockQuery,
   live: jax.Array,
   layout: ForwardLayout,
+  next_draws: bool = False,
 ) -> tuple[TokenScores, kv_cache.KVCache, jax.Array, jax.Array]:
   """One forward of the rows and columns that fit the best compiled (rows, width) shape (`_choose_shape`).
 
@@ -271,6 +318,7 @@ def scheduled_forward(
   Args:
     waited: [K] int32 iterations each row has waited for a forward.
     live: [K] bool the rows decoding.
+    next_draws: also draw each token from its predecessor's logits (`token_scores`; static).
 
   Returns:
     `TokenScores` [K, T] in block order (junk on inactive tokens and left-out
@@ -285,7 +333,9 @@ def scheduled_forward(
   shape_index, picks, served = _choose_shape(shapes, query, waited, live)
   order, back = _compact_order(query.active)
   tokens_out = max(rows * width for rows, width in shapes)
-  branches = [functools.partial(_run_shape, model, i, width, tokens_out) for i, (_, width) in enumerate(shapes)]
+  branches = [
+    functools.partial(_run_shape, model, i, width, tokens_out, next_draws) for i, (_, width) in enumerate(shapes)
+  ]
   scores, staged = jax.lax.switch(shape_index, branches, query, order, back, picks, cache)
   width = jnp.asarray([width for _, width in shapes], jnp.int32)[shape_index]
   return scores, kv_cache.stage(cache, *staged), served[shape_index], width

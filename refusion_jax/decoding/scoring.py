@@ -1,12 +1,17 @@
-"""The decoders' reads of the logits: the first maximum, token probabilities without a softmax, Gumbel noise.
+"""The decoders' reads of the logits: the first maximum, token probabilities without a softmax, Gumbel noise,
+the sampling filters and the log-probability of a drawn token.
 
 Sampling is Gumbel-max with noise keyed by (prompt, step), so a sampled
 decode is the same whichever row decodes a prompt and however the rows of a
-batch advance (docs/method.md §4).
+batch advance (docs/method.md §4). What a row draws from (docs/sampling.md,
+"Sampling fields"): softmax(logits / temperature) cut by top_k, top_p and
+min_p in that order and renormalised; temperature 0 is greedy, and a greedy
+token's log-probability is read under the model's own softmax.
 """
 
 from __future__ import annotations
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -47,6 +52,88 @@ def token_probs(logits: jax.Array, log_z: jax.Array, tokens: jax.Array) -> jax.A
   return jnp.exp(picked.astype(jnp.float32) - log_z)
 
 
+@flax.struct.dataclass
+class SamplingRule:
+  """The distribution each row draws from (traced, each field [B]; no recompilation for new values).
+
+  temperature: float32, 0 = greedy (filters ignored)
+  top_k:       int32 keep the k most likely tokens, 0 = off
+  top_p:       float32 keep the smallest most-likely set of mass >= top_p (after top_k), 1 = off
+  min_p:       float32 keep tokens of probability >= min_p x the most likely one's, 0 = off
+  """
+
+  temperature: jax.Array
+  top_k: jax.Array
+  top_p: jax.Array
+  min_p: jax.Array
+
+  @classmethod
+  def greedy(cls, rows: int) -> SamplingRule:
+    return cls(
+      temperature=jnp.zeros((rows,), jnp.float32),
+      top_k=jnp.zeros((rows,), jnp.int32),
+      top_p=jnp.ones((rows,), jnp.float32),
+      min_p=jnp.zeros((rows,), jnp.float32),
+    )
+
+
+def _per_row(x: jax.Array, ndim: int) -> jax.Array:
+  """[B] -> [B, 1, ...] broadcastable against an array of `ndim` dimensions."""
+  return x.reshape(-1, *(1,) * (ndim - 1))
+
+
+def tempered(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+  """logits / temperature per row (the raw logits on greedy rows), float32: [B, L, V], [B] -> [B, L, V]."""
+  t = _per_row(temperature, logits.ndim)
+  logits = logits.astype(jnp.float32)
+  return jnp.where(t > 0, logits / jnp.where(t > 0, t, 1.0), logits)
+
+
+def filter_floor(logits: jax.Array, rule: SamplingRule) -> jax.Array:
+  """[B, L, V] -> [B, L] float32: the smallest tempered logit each row's filters keep (-inf: all are kept).
+
+  Every filter keeps the tokens at or above some tempered logit, so one floor per position states them all and
+  the [B, L, V] mask is never kept. The sort over the vocabulary runs only in calls where some sampling row
+  filters.
+  """
+  length = logits.shape[1]
+
+  def floor() -> jax.Array:
+    z = jnp.sort(tempered(logits, rule.temperature), axis=-1)[..., ::-1]  # most likely first
+    vocab = z.shape[-1]
+    k = _per_row(jnp.where(rule.top_k > 0, jnp.minimum(rule.top_k, vocab), vocab), 3)
+    in_k = jnp.arange(vocab) < k
+    p = jax.nn.softmax(jnp.where(in_k, z, -jnp.inf), axis=-1)
+    before = jnp.cumsum(p, axis=-1) - p  # the mass of the more likely tokens
+    kept = jnp.sum(in_k & (before < _per_row(rule.top_p, 3)), axis=-1)  # >= 1: the first has none before it
+    nucleus = jnp.take_along_axis(z, (kept - 1)[..., None], axis=-1)[..., 0]
+    # min_p: p >= min_p * p_max, i.e. z >= z_max + log(min_p) (log 0 = -inf: off)
+    floor = jnp.maximum(nucleus, z[..., 0] + jnp.log(_per_row(rule.min_p, 2)))
+    return jnp.where(_per_row(rule.temperature, 2) > 0, floor, -jnp.inf)
+
+  filters = (rule.top_k > 0) | (rule.top_p < 1) | (rule.min_p > 0)
+  none = lambda: jnp.full((logits.shape[0], length), -jnp.inf, jnp.float32)
+  return jax.lax.cond(jnp.any((rule.temperature > 0) & filters), floor, none)
+
+
+def draw(logits: jax.Array, noise: jax.Array | None, rule: SamplingRule, floor: jax.Array) -> jax.Array:
+  """[B, L] int32 tokens drawn by Gumbel-max: the first maximum of the kept logits + temperature-scaled noise
+  (`sampling_noise`; None: greedy, the first maximum of the logits)."""
+  if noise is None:
+    return first_argmax(logits)
+  kept = tempered(logits, rule.temperature) >= floor[..., None]
+  return first_argmax(jnp.where(kept, logits, -jnp.inf) + noise)
+
+
+def policy_logprobs(logits: jax.Array, tokens: jax.Array, rule: SamplingRule, floor: jax.Array) -> jax.Array:
+  """[B, L] float32 log-probabilities of `tokens` [B, L] under what each row draws from: the tempered softmax
+  over the kept tokens (-inf for a token outside them); greedy rows: the model's own log-softmax."""
+  z = tempered(logits, rule.temperature)
+  log_z = jax.nn.logsumexp(jnp.where(z >= floor[..., None], z, -jnp.inf), axis=-1)
+  picked = jnp.take_along_axis(z, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  return jnp.where(picked >= floor, picked - log_z, -jnp.inf)
+
+
 def row_gumbel_noise(keys: jax.Array, steps: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   """Gumbel noise [B, *shape]: row b (its prompt's key k_b, at step s_b) draws from fold_in(k_b, s_b).
 
@@ -74,27 +161,29 @@ def sampling_noise(keys: jax.Array, temperatures: jax.Array, steps: jax.Array, s
 
 
 def pick_tokens(
-  logits: jax.Array, keys: jax.Array, temperatures: jax.Array, steps: jax.Array, sample: bool
-) -> tuple[jax.Array, jax.Array]:
-  """Greedy or Gumbel-max sampled tokens and their probabilities (the AR and MDM baselines).
+  logits: jax.Array, keys: jax.Array, rule: SamplingRule, steps: jax.Array, sample: bool
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Greedy or Gumbel-max sampled tokens, their probabilities and log-probabilities (the AR and MDM baselines).
 
   Gumbel-max on `logits + temperature * gumbel` samples from
   softmax(logits / temperature), which is what LLaDA's `add_gumbel_noise`
-  computes in another form. The noise is `row_gumbel_noise` (keyed by prompt
-  and step), as the ReFusion decoder's. The returned
-  probability is that of the chosen token under the un-noised softmax
-  (LLaDA's confidence).
+  computes in another form; the filters of `rule` cut that distribution first.
+  The noise is `row_gumbel_noise` (keyed by prompt and step), as the ReFusion
+  decoder's. The returned probability is that of the chosen token under the
+  un-noised softmax (LLaDA's confidence); the log-probability is under what
+  the row draws from (`policy_logprobs`).
 
   Args:
     logits: [batch, length, vocab] float32.
-    keys, temperatures, steps: [batch] each row's prompt's noise key and temperature (0: greedy), and its step.
+    keys, steps: [batch] each row's prompt's noise key and its step; rule: each row's `SamplingRule`.
     sample: False for greedy (argmax, first maximum) whatever the temperatures; a static switch.
 
   Returns:
-    tokens [batch, length] int32 and their probabilities [batch, length] float32.
+    tokens [batch, length] int32, their probabilities and their log-probabilities [batch, length] float32.
   """
-  scores = logits
+  noise, floor = None, jnp.full(logits.shape[:2], -jnp.inf, jnp.float32)
   if sample:
-    scores = logits + sampling_noise(keys, temperatures, steps, logits.shape[1:])
-  tokens = first_argmax(scores)
-  return tokens, token_probs(logits, log_partition(logits), tokens)
+    noise = sampling_noise(keys, rule.temperature, steps, logits.shape[1:])
+    floor = filter_floor(logits, rule)
+  tokens = draw(logits, noise, rule, floor)
+  return tokens, token_probs(logits, log_partition(logits), tokens), policy_logprobs(logits, tokens, rule, floor)

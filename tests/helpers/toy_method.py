@@ -73,7 +73,9 @@ def _admit(model: Transformer, knobs, settings, rows, out, row, entry, sampling:
   logits, one = prefill(model, tokens[None], length[None], rows.cache.capacity)
   last = jax.lax.dynamic_slice_in_dim(logits, length - 1, 1, axis=1)
   zero = jnp.zeros((1,), jnp.int32)
-  first = pick_tokens(last, sampling.key[None], sampling.temperature[None], zero, settings.sample)[0][:, 0]
+  first = pick_tokens(last, sampling.key[None], jax.tree.map(lambda x: x[None], sampling.rule), zero, settings.sample)[
+    0
+  ][:, 0]
   done = (first == knobs.eos_id) | (settings.gen_length == 1)
   rows = put_row(rows, row, _Rows(one, length[None], first, jnp.ones((1,), jnp.int32), done))
   out = _write(out, entry[None], zero, first, zero)
@@ -92,7 +94,7 @@ def _step(model: Transformer, knobs, settings, rows, out, widths, live, entry, s
     mask = kv_cache.block_mask(rows.cache, jnp.ones((live.shape[0], 1, 1), bool))
     logits, kv = model(rows.token[:, None], positions, mask, rows.cache)
     cache = kv_cache.append(rows.cache, kv, positions, working[:, None])
-    token = pick_tokens(logits, sampling.key, sampling.temperature, rows.length, settings.sample)[0][:, 0]
+    token = pick_tokens(logits, sampling.key, sampling.rule, rows.length, settings.sample)[0][:, 0]
     out = _write(out, jnp.where(working, entry, queue), rows.length, token, iteration)
     ended = working & ((token == knobs.eos_id) | (rows.length + 1 >= settings.gen_length))
     widths = count_width(widths, 1, jnp.any(working)[None])
