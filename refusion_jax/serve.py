@@ -10,14 +10,17 @@ The model and decoding flags are `python -m refusion_jax.sample`'s. K rows
 (`--rows`) decode continuously: a request joins at the next loop-call
 boundary (`--chunk_iterations`), with its own max_tokens, temperature, seed,
 top_k/top_p/min_p, stop strings (up to --max_stop) and stop ids, n answers per
-prompt and several prompts. The decode loop is compiled and warmed before the
-server listens, for prompts up to `--max_prompt_tokens` (one prompt bucket),
-and nothing compiles again (/metrics counts compilations); a failed warm-up
-exits with status 1 and its cause. The server binds 127.0.0.1 unless --host
-says otherwise; with --api_key (or REFUSION_API_KEY) every path but /health
-needs `Authorization: Bearer KEY`. SIGTERM stops admitting and ends within
---shutdown_seconds, exit status 0; an engine that dies or hangs for
---watchdog_seconds turns /health to 503 and ends the server with status 1.
+prompt and several prompts. A decode loop is compiled and warmed for each of a
+ladder of prompt buckets (`--prompt_buckets`, `--bucket_rows`) before the
+server listens, for prompts up to `--max_prompt_tokens` (by default what the
+model's context holds with the answer), and nothing compiles again (/metrics
+counts compilations); prompts that begin alike share their KV
+(`--prefix_cache_tokens`); a failed warm-up exits with status 1 and its cause.
+The server binds 127.0.0.1 unless --host says otherwise; with --api_key (or
+REFUSION_API_KEY) every path but /health needs `Authorization: Bearer KEY`.
+SIGTERM stops admitting and ends within --shutdown_seconds, exit status 0; an
+engine that dies or hangs for --watchdog_seconds turns /health to 503 and ends
+the server with status 1.
 """
 
 from __future__ import annotations
@@ -31,11 +34,16 @@ from collections.abc import Sequence
 
 from refusion_jax.checkpoints.load import load
 from refusion_jax.cli import UsageError, add_decode_flags, add_model_flags, decode_options, model_request, run_argparse
+from refusion_jax.decoding.ladder import FULL_ROWS_UP_TO, LADDER_STEP, SMALLEST_BUCKET
 from refusion_jax.decoding.methods import add_method_flags, field_names, flag_values, method_value
 from refusion_jax.decoding.paper import PAPER_TASKS, paper_method
 from refusion_jax.serving.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_STOP, DEFAULT_WATCHDOG_SECONDS
 from refusion_jax.serving.auth import API_KEY_ENV, server_key
 from refusion_jax.serving.server import ServerFailure, ServerOptions, build_server
+
+# The server keeps a prefix cache by default: prompts that begin alike (a system prompt, a few-shot header, the n
+# choices of one prompt) prefill only what differs.
+DEFAULT_PREFIX_CACHE_TOKENS = 8192
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,11 +66,27 @@ def build_parser() -> argparse.ArgumentParser:
     rows_help="8",
     seed_help="a new one for each request that gives none",
     chunk_iterations=8,
+    prefix_cache_tokens=DEFAULT_PREFIX_CACHE_TOKENS,
   )
 
   server = parser.add_argument_group("server")
   server.add_argument(
-    "--max_prompt_tokens", type=int, default=128, help="longest prompt (rounded up to its bucket), compiled at start."
+    "--max_prompt_tokens",
+    type=int,
+    help="the longest prompt (default: what the model's context holds with an answer of --gen_length tokens).",
+  )
+  server.add_argument(
+    "--prompt_buckets",
+    type=_counts,
+    help=f"the prompt buckets compiled at start, comma-separated and increasing, the last at least "
+    f"--max_prompt_tokens; a prompt runs in the smallest that holds it (default: {SMALLEST_BUCKET}, x{LADDER_STEP} "
+    "each, then --max_prompt_tokens).",
+  )
+  server.add_argument(
+    "--bucket_rows",
+    type=_counts,
+    help=f"the rows of each prompt bucket, comma-separated (default: --rows up to {FULL_ROWS_UP_TO} tokens, fewer "
+    f"above: the rows that --rows x ({FULL_ROWS_UP_TO} + G) cache tokens hold, at least 1).",
   )
   server.add_argument("--max_queue", type=int, default=64, help="requests held beyond the K rows before 429s.")
   server.add_argument("--host", default="127.0.0.1", help="the address to bind (0.0.0.0: every interface).")
@@ -84,6 +108,17 @@ def build_parser() -> argparse.ArgumentParser:
   )
   server.add_argument("--log_level", default="info", choices=("debug", "info", "warning", "error"))
   return parser
+
+
+def _counts(text: str) -> tuple[int, ...]:
+  """A comma-separated list of positive integers (a flag's value)."""
+  try:
+    values = tuple(int(part) for part in text.split(","))
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 64,256,1024") from None
+  if any(value < 1 for value in values):
+    raise argparse.ArgumentTypeError(f"{text!r}: every value must be positive.")
+  return values
 
 
 def method_from_flags(args: argparse.Namespace):
@@ -121,6 +156,8 @@ def run(args: argparse.Namespace) -> None:
     method=method,
     decode=decode,
     max_prompt_tokens=args.max_prompt_tokens,
+    prompt_buckets=args.prompt_buckets,
+    bucket_rows=args.bucket_rows,
     max_queue=args.max_queue,
     seed=args.seed,
     model_name=model_name(args),

@@ -650,7 +650,8 @@ def test_a_failed_warm_up_stops_the_start_with_its_cause_and_status_1(monkeypatc
   from refusion_jax import serve
 
   class FailingWorker:
-    max_prompt_tokens = 16
+    max_prompt_tokens, max_queue, held = 16, 4, 0
+    engine = types.SimpleNamespace(rows=1, buckets=(16,))
 
     def token_limit(self, max_tokens):
       return 4

@@ -11,7 +11,7 @@ Tokens per forward is a gauge over the counters: answer tokens / forwards.
 Every label value comes from a bounded set: requests are counted by their
 route's template (`/v1/models/{model}`), never by the raw path, and a path no
 route matches counts as `UNMATCHED`; so no client can grow the number of series
-(docs/serving.md §Health and metrics).
+(docs/serving.md, "Health and metrics").
 """
 
 from __future__ import annotations

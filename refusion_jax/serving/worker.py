@@ -1,8 +1,9 @@
-"""The server's decode worker: a thread driving one `Engine`; requests join at the next loop-call boundary.
+"""The server's decode worker: a thread driving the engines; requests join at the next loop-call boundary.
 
-The worker's thread owns a `refusion_jax.decoding.engine.Engine` (one compiled loop of
-K rows over a queue, docs/method.md §3.4) and drives it in calls of a few
-iterations (`chunk_iterations`). Between two calls it hands the engine the
+The worker's thread owns a `refusion_jax.decoding.ladder.EngineLadder` (one
+compiled loop of K rows over a queue per prompt bucket, docs/method.md §3.4;
+a request runs in the smallest bucket that holds its prompt) and drives it in
+calls of a few iterations (`chunk_iterations`), one bucket's loop per call. Between two calls it hands the engine the
 requests that arrived, cancels those whose client left or whose answer is
 complete, and reads every running answer's committed prefix into its
 `TextStream`, delivering the new text. So a request starts decoding as soon as
@@ -30,7 +31,7 @@ import time
 from collections.abc import Callable
 
 from refusion_jax.data.tokenizer import Tokenizer
-from refusion_jax.decoding.engine import Engine
+from refusion_jax.decoding.ladder import EngineLadder
 from refusion_jax.decoding.text_stream import TextStream
 from refusion_jax.serving.errors import APIError
 from refusion_jax.serving.metrics import Metrics
@@ -102,7 +103,7 @@ class DecodeWorker:
 
   def __init__(
     self,
-    engine: Engine,
+    engine: EngineLadder,
     tokenizer: Tokenizer,
     *,
     max_queue: int,
@@ -112,7 +113,7 @@ class DecodeWorker:
   ):
     """
     Args:
-      engine: the compiled decode loop (K rows, prompt bucket P), warmed up by the caller.
+      engine: the compiled decode loops (their rows, their prompt buckets), warmed up by the caller.
       tokenizer: decodes answers.
       max_queue: requests held beyond the K decoding ones before 429s.
       chunk_iterations: loop iterations per call: new requests wait at most this long for a boundary.
