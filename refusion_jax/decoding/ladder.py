@@ -29,13 +29,11 @@ SMALLEST_BUCKET, LADDER_STEP = 64, 4
 # Buckets up to this many prompt tokens get all K rows by default; a longer bucket gets the rows that K rows of
 # this bucket's cache hold, at least one, so no bucket's cache exceeds K × (FULL_ROWS_UP_TO + G) tokens.
 FULL_ROWS_UP_TO = 1024
-# The top bucket is the longest prompt rounded up to a multiple of this.
-BUCKET_GRAIN = 16
 
 
 def default_buckets(max_prompt_tokens: int) -> tuple[int, ...]:
-  """SMALLEST_BUCKET, × LADDER_STEP ..., below `max_prompt_tokens`, then it (rounded up to BUCKET_GRAIN)."""
-  top = -(-max_prompt_tokens // BUCKET_GRAIN) * BUCKET_GRAIN
+  """SMALLEST_BUCKET, × LADDER_STEP ..., below `max_prompt_tokens`, then it."""
+  top = max_prompt_tokens
   buckets, bucket = [], SMALLEST_BUCKET
   while bucket < top:
     buckets.append(bucket)
@@ -74,7 +72,7 @@ class EngineLadder:
     engines: one per bucket, smallest first (`Engine.prompt_width` its bucket, `Engine.rows` its rows).
     prefix_cache: the `PrefixCache` every engine shares (None: off; `DecodeOptions.prefix_cache_tokens`).
     rows: the rows of all engines together.
-    prompt_width: the largest bucket: longer prompts are refused.
+    prompt_width: the longest prompt taken (`max_prompt_tokens`, else the largest bucket).
   """
 
   def __init__(
@@ -86,6 +84,7 @@ class EngineLadder:
     buckets: Sequence[int],
     bucket_rows: Sequence[int] | None = None,
     sampling: bool = False,
+    max_prompt_tokens: int | None = None,
   ):
     """
     Args:
@@ -94,11 +93,17 @@ class EngineLadder:
       buckets: the prompt buckets, increasing.
       bucket_rows: the rows of each bucket (None: `default_bucket_rows`).
       sampling: as `Engine`'s: requests may bring their own temperatures.
+      max_prompt_tokens: the longest prompt taken (None: the largest bucket), at most the largest bucket.
     """
     if options.rows is None and bucket_rows is None:
       raise ValueError("A ladder needs its rows: give DecodeOptions(rows=K) or bucket_rows=(...) per bucket.")
     bucket_rows = default_bucket_rows(buckets, options.rows, method.gen_length) if bucket_rows is None else bucket_rows
     check_ladder(buckets, bucket_rows)
+    if max_prompt_tokens is not None and not 0 < max_prompt_tokens <= buckets[-1]:
+      raise ValueError(
+        f"max_prompt_tokens={max_prompt_tokens} must be positive and fit the largest bucket, {buckets[-1]}."
+      )
+    self.prompt_width = buckets[-1] if max_prompt_tokens is None else max_prompt_tokens
     model = inference_view(model)  # cast once for every bucket (a view of a view is itself)
     self.engines: list[Engine] = []
     self.prefix_cache: PrefixCache | None = None
@@ -132,10 +137,6 @@ class EngineLadder:
     return sum(self.bucket_rows)
 
   @property
-  def prompt_width(self) -> int:
-    return self.engines[-1].prompt_width
-
-  @property
   def decoder(self) -> Decoder:
     """The method split as every engine runs it."""
     return self.engines[0].decoder
@@ -160,11 +161,11 @@ class EngineLadder:
   def engine_for(self, length: int) -> Engine:
     """The engine of the smallest bucket that holds a prompt of `length` tokens."""
     for engine in self.engines:
-      if length <= engine.prompt_width:
+      if length <= min(engine.prompt_width, self.prompt_width):
         return engine
     raise ValueError(
-      f"A prompt of {length} tokens does not fit the largest prompt bucket, {self.prompt_width} tokens; shorten it "
-      "or serve with a larger bucket (--max_prompt_tokens)."
+      f"A prompt of {length} tokens is longer than the longest this ladder takes, {self.prompt_width} tokens; "
+      "shorten it or serve longer prompts (--max_prompt_tokens)."
     )
 
   def submit(self, prompt_ids: Sequence[int], **sampling: Any) -> int:
@@ -205,6 +206,11 @@ class EngineLadder:
     """`Engine.partial_logprobs` of the request, in its bucket's engine."""
     engine, number = self._find(request)
     return engine.partial_logprobs(number)
+
+  def reused_tokens(self, request: int) -> int:
+    """`Engine.reused_tokens` of the request: its prompt tokens taken from the prefix cache."""
+    engine, number = self._find(request)
+    return engine.reused_tokens(number)
 
   def forwards(self, request: int) -> int:
     """`Engine.forwards` of the request, in its bucket's engine."""

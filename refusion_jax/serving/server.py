@@ -159,7 +159,8 @@ def warm_up(worker: DecodeWorker, vocab_size: int, timeout: float = DEFAULT_WATC
     ids = [(7 * i + seed) % vocab_size for i in range(lengths.get(length, length))]
     return Job(ids, worker.token_limit(None), temperature, seed, ("\n\n",), deliver, **fields)
 
-  requests = [*_WARM_UP, *((bucket, *_WARM_UP_BUCKET) for bucket in worker.engine.buckets)]
+  longest = worker.max_prompt_tokens
+  requests = [*_WARM_UP, *((min(bucket, longest), *_WARM_UP_BUCKET) for bucket in worker.engine.buckets)]
   jobs = [job(*request) for request in requests]
   cancelled = job(3, 0.5, 4, {})
   worker.submit(cancelled)
@@ -177,8 +178,9 @@ def warm_up(worker: DecodeWorker, vocab_size: int, timeout: float = DEFAULT_WATC
     raise ServerFailure(f"the warm-up failed: {errors[0].message}")
 
 
-def prompt_ladder(options: ServerOptions, config: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  """The prompt buckets and their rows the server compiles: `options`' or the defaults (`ServerOptions`).
+def prompt_ladder(options: ServerOptions, config: ModelConfig) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+  """The longest prompt, the prompt buckets and their rows the server compiles: `options`' or the defaults
+  (`ServerOptions`).
 
   Raises:
     ValueError: a longest prompt that leaves no room for the answer in the model's context, or a ladder that
@@ -200,7 +202,7 @@ def prompt_ladder(options: ServerOptions, config: ModelConfig) -> tuple[tuple[in
     )
   rows = options.bucket_rows or default_bucket_rows(buckets, options.decode.rows, gen_length)
   check_ladder(buckets, rows)
-  return tuple(buckets), tuple(rows)
+  return longest, tuple(buckets), tuple(rows)
 
 
 def start_worker(model: Transformer, tokenizer: Tokenizer, options: ServerOptions) -> DecodeWorker:
@@ -210,9 +212,11 @@ def start_worker(model: Transformer, tokenizer: Tokenizer, options: ServerOption
   if decode.rows is None or decode.chunk_iterations is None:
     raise ValueError("A server's decode options need rows and chunk_iterations set (e.g. rows=8, chunk_iterations=8).")
   decode = decode.with_tokenizer_ids(tokenizer, model.config)
-  buckets, rows = prompt_ladder(options, model.config)
+  longest, buckets, rows = prompt_ladder(options, model.config)
   # Requests bring their temperatures: every engine samples.
-  engine = EngineLadder(model, options.method, decode, buckets=buckets, bucket_rows=rows, sampling=True)
+  engine = EngineLadder(
+    model, options.method, decode, buckets=buckets, bucket_rows=rows, sampling=True, max_prompt_tokens=longest
+  )
   worker = DecodeWorker(
     engine, tokenizer, max_queue=options.max_queue, chunk_iterations=decode.chunk_iterations, seed=options.seed
   )
@@ -230,7 +234,7 @@ def ladder_gauges(ladder: EngineLadder) -> dict[str, tuple[str, Callable[[], flo
   counters in vLLM's words: prompt tokens queried and taken from the cache, and its blocks)."""
   gauges: dict[str, tuple[str, Callable[[], float]]] = {
     "prompt_buckets": ("Prompt buckets compiled at warm-up (each its own decode loop).", lambda: len(ladder.buckets)),
-    "max_prompt_tokens": ("The longest prompt served (the largest bucket).", lambda: ladder.prompt_width),
+    "max_prompt_tokens": ("The longest prompt served (--max_prompt_tokens).", lambda: ladder.prompt_width),
   }
   for bucket, rows in zip(ladder.buckets, ladder.bucket_rows):
     gauges[f"prompt_bucket_{bucket}_rows"] = (
