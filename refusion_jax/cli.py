@@ -204,10 +204,11 @@ def add_decode_flags(
   rows_help: str = "all prompts of a call at once",
   seed_help: str = "0",
   chunk_iterations: int | None = None,
+  prefix_cache_tokens: int = 0,
 ) -> None:
   """The flags of `DecodeOptions`, alike in every command that decodes (`decode_options` reads them back):
-  --rows, --seed, --mask_id, --eos_id, --pad_id, --mesh, --chunk_iterations, --logprobs. The arguments set a
-  command's own defaults and the help that says what an unset flag means."""
+  --rows, --seed, --mask_id, --eos_id, --pad_id, --mesh, --chunk_iterations, --logprobs, --prefix_cache_tokens. The
+  arguments set a command's own defaults and the help that says what an unset flag means."""
   parser.add_argument(
     "--rows", type=int, default=rows, help=f"K, the rows the decode loop keeps busy (default: {rows_help})."
   )
@@ -227,6 +228,12 @@ def add_decode_flags(
     action="store_true",
     default=None,
     help='also report each answer token\'s log-probability (docs/sampling.md, "Log-probabilities").',
+  )
+  parser.add_argument(
+    "--prefix_cache_tokens",
+    type=int,
+    default=prefix_cache_tokens,
+    help="prompt tokens whose KV is kept for later prompts that begin alike (0: off).",
   )
 
 
