@@ -149,6 +149,7 @@ SERVE_HELP = {
   "system_tokens": "shared_prefix: the system prompt's tokens, the same in every request.",
   "longest_prompt": "mixed and probe: the longest prompt, the top of the large server's ladder of buckets.",
   "prefix_cache_tokens": "the servers' prefix cache where it is on.",
+  "sharpen": "LM-head scale of a random model, so that slots pass as a trained model's do (1: as initialised).",
 }
 QUANT_HELP = {
   "checkpoint": "a trained run of the built-in tasks (its validation rows and queries); '': random weights.",
@@ -223,6 +224,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
     model, tokenizer = load(**model_request(args))
     method = method_value(args.method, flag_values(args, field_names(args.method)))
     options = ServeBenchOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServeBenchOptions)})
+    if options.sharpen != 1.0 and has_model(args):
+      raise UsageError("--sharpen scales a random model's LM head; a checkpoint's weights are measured as they are.")
     print(format_serve(run_serve_bench(model, tokenizer, method, options)))
     print(f"reproduce with: {reproduce_command(argv)}")
     return

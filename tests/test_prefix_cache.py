@@ -2,9 +2,12 @@
 prefix, and every decode is exactly the decode without the cache, for every method, under eviction and with stale
 plans; its host index is a bounded LRU over block chains."""
 
+import textwrap
+
 import numpy as np
 import pytest
 from helpers.decode_cases import random_weights, same_decode
+from helpers.fake_devices import run_json
 
 import refusion_jax as rj
 from refusion_jax.decoding.prefix_cache import PREFIX_BLOCK_TOKENS as BLOCK
@@ -63,6 +66,31 @@ def test_a_sampler_reuses_a_repeated_prompt_across_calls():
   again = sampler.decode_ids(prompts[:1])  # the first prompt again, from the cache this time: the same answer
   assert sampler.prefix_cache.hits == 4 * BLOCK
   assert not same_decode(first, again)
+
+
+_ON_A_MESH = textwrap.dedent("""
+    import json, os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    import numpy as np
+    import refusion_jax as rj
+
+    model, _ = rj.load("tiny", format="preset", tokenizer="bytes")
+    rng = np.random.default_rng(int(sys.argv[1]))
+    header = rng.integers(0, 256, 40).tolist()
+    prompts = [header + rng.integers(0, 256, int(n)).tolist() for n in rng.integers(1, 9, 5)]
+    method = rj.AR(gen_length=4)
+    single = rj.decode(model, prompts, method, rows=2)
+    mesh = rj.make_mesh({"data": 2, "tensor": 2})  # rows over data; the pool over tensor, as the cache
+    engine = rj.Engine(model, method, rows=2, prompt_width=64, mesh=mesh, prefix_cache_tokens=256)
+    sharded = engine.run(prompts)
+    print(json.dumps(dict(single=single.tokens, sharded=sharded.tokens, hits=engine.prefix_cache.hits)))
+""")
+
+
+@pytest.mark.slow  # two compilations in a process of 4 fake devices (~30 s of CPU)
+def test_on_a_mesh_the_pool_serves_rows_split_over_devices():
+  out = run_json(_ON_A_MESH, str(np.random.default_rng().integers(1 << 20)))
+  assert out["sharded"] == out["single"] and out["hits"] >= 4 * 2 * BLOCK
 
 
 def _cache(blocks: int) -> PrefixCache:

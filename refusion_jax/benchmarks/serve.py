@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterator, Sequence
 import httpx
 import numpy as np
 
+from refusion_jax.benchmarks.models import sharpen
 from refusion_jax.benchmarks.table import spread, table
 from refusion_jax.benchmarks.timer import Timing, log, time_rounds
 from refusion_jax.data.tokenizer import Tokenizer
@@ -72,6 +73,7 @@ class ServeBenchOptions:
   longest_prompt: int = 2048  # mixed and probe: the longest prompt, the top of the large server's ladder
   probes: int = 16  # probe: 16-token prompts sent one at a time
   prefix_cache_tokens: int = 8192  # the servers' prefix cache, where it is on
+  sharpen: float = 1.0  # LM-head scale of a random model (`benchmarks.models.sharpen`); 1: as initialised
 
   def __post_init__(self) -> None:
     unknown = sorted(set(self.names) - set(WORKLOADS))
@@ -251,7 +253,10 @@ def run_serve_bench(
 ) -> list[ServeBenchRow]:
   """Each workload's modes over its prompts, each after a warm-up pass that compiles what it runs (the module's
   docstring says which modes a workload has); the first mode of a workload is the Sampler one by one (prompts
-  padded to their own buckets), which the others' texts are compared with."""
+  padded to their own buckets), which the others' texts are compared with. With `options.sharpen`, `model`'s LM
+  head is sharpened in place first (random weights only)."""
+  if options.sharpen != 1.0:  # confident random weights: slots pass as a trained model's do, EOS never comes
+    model = sharpen(model, options.sharpen, never=tokenizer.eos_id)
   one = Sampler(model, tokenizer, method, seed=options.seed)
   batched = Sampler(model, tokenizer, method, rows=options.rows, seed=options.seed)
   small, large = options.max_prompt_tokens, options.longest_prompt

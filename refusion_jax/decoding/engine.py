@@ -76,7 +76,9 @@ class Engine:
   bring its own temperature and seed (`submit`; a server's requests do): they ride in its queue entry, so requests of
   any temperatures and seeds share the rows of one compiled program. The loop hands back to the host when a row turns
   idle while submitted prompts wait on the host, after `iterations` iterations, or when every entry is done; nothing
-  compiles again for new prompts of the bucket.
+  compiles again for new prompts of the bucket. With a prefix cache (`DecodeOptions.prefix_cache_tokens`, or one
+  shared with other engines), a prompt that begins as an earlier one did takes that beginning's KV from the cache
+  and prefills only the rest, with the same decode (docs/serving.md, "The prefix cache").
 
   Attributes:
     loop_calls, host_seconds: the loop calls so far and the host's work around them (refilling the queue,
@@ -85,6 +87,8 @@ class Engine:
     decoder: the method split for this engine (settings, knobs, the EOS id answers are cut after).
     rows: K, the requested rows rounded up to the mesh's batch-parallel devices.
     prompt_width: P, the prompt bucket: longer prompts are refused.
+    prefix_cache: its `PrefixCache` (None: off), whose counters say what was reused.
+    state_bytes: bytes of the loop's state (its rows' KV caches, mostly), the prefix cache's pool apart.
   """
 
   def __init__(
@@ -156,7 +160,8 @@ class Engine:
         raise ValueError("prefix_cache= belongs to a model of another config; give this engine its own.")
       self._prefix = PrefixQueue(self.prefix_cache, state.waiting.shape[0], prompt_width)
       shape = pool_shape(config, self.prefix_cache.blocks, self.prefix_cache.block_tokens)
-      abstract = PrefixPool(*(jax.ShapeDtypeStruct(shape, config.compute_dtype) for _ in "kv"), None)
+      blocks = jax.ShapeDtypeStruct(shape, config.compute_dtype)
+      abstract = PrefixPool(blocks, blocks, jax.ShapeDtypeStruct(shape[1:2], np.int32))  # made by the first call
       self._state = state.replace(queue_prefix=self._prefix.arrays(), prefix_pool=abstract)
       self._state_shardings = self._loop.state_shardings(self._state)
     self.state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(start.host))
@@ -365,6 +370,18 @@ class Engine:
     result.loop_calls, result.host_seconds = self.loop_calls - before[1], self.host_seconds - before[2]
     result.seconds = time.perf_counter() - start
     return result
+
+  def compile(self, iterations: int | None = None) -> None:
+    """Compile the loop now for `advance(iterations)` calls, without running it (the first call then compiles
+    nothing); an `EngineLadder` compiles its buckets' loops on threads at once this way."""
+    state, shardings = self._state, self._state_shardings  # the pool abstract or placed: its shape is all we read
+    subtrees = jax.tree.structure(shardings).flatten_up_to(state)
+    abstract = [
+      jax.tree.map(lambda x, s=sharding: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), subtree)
+      for subtree, sharding in zip(subtrees, jax.tree.leaves(shardings))
+    ]
+    abstract = jax.tree.structure(shardings).unflatten(abstract)
+    self._loop.compile(self._params, abstract, self._iterations(iterations), self._knobs)
 
   def _iterations(self, iterations: int | None) -> Any:
     """The placed iteration count of a loop call (placed once per distinct count)."""

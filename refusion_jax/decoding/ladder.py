@@ -12,6 +12,7 @@ with work, in turn. Nothing compiles after each engine's first call
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -157,6 +158,13 @@ class EngineLadder:
   @property
   def loop_calls(self) -> int:
     return sum(engine.loop_calls for engine in self.engines)
+
+  def compile(self, iterations: int | None = None) -> None:
+    """Compile every bucket's loop for `advance(iterations)` calls now, on threads at once (XLA compiles
+    outside Python's lock), so that no call compiles later (`Engine.compile`)."""
+    with concurrent.futures.ThreadPoolExecutor(len(self.engines)) as pool:
+      for done in [pool.submit(engine.compile, iterations) for engine in self.engines]:
+        done.result()
 
   def engine_for(self, length: int) -> Engine:
     """The engine of the smallest bucket that holds a prompt of `length` tokens."""

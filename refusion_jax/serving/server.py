@@ -220,6 +220,7 @@ def start_worker(model: Transformer, tokenizer: Tokenizer, options: ServerOption
   worker = DecodeWorker(
     engine, tokenizer, max_queue=options.max_queue, chunk_iterations=decode.chunk_iterations, seed=options.seed
   )
+  engine.compile(decode.chunk_iterations)  # every bucket's loop on threads at once, before the warm-up runs them
   worker.start()
   try:
     warm_up(worker, model.config.vocab_size, options.watchdog_seconds)
