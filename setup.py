@@ -88,6 +88,9 @@ setup(
     # what minerva_math imports (sympy, math_verify, antlr4). Its [api] part (aiohttp, tenacity, tiktoken) runs
     # lm-eval's local-completions against our server (docs/serving.md).
     "eval": ["lm-eval[api]==0.4.13"],
+    # TRL's GRPOTrainer, the reference GRPO's loss is checked against (tests/test_rl_objective.py). An extra, not
+    # part of [test]: it brings datasets, pyarrow and pandas, which [eval] installs anyway in CI's extras phase.
+    "trl": ["trl>=1.16,<2"],
     "eval-math": ["lm-eval[math]==0.4.13"],
     "tpu": jax_requirements("[tpu]"),
     "cuda12": [*jax_requirements("[cuda12]"), TOKAMAX],
