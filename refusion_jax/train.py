@@ -30,8 +30,8 @@ from refusion_jax.checkpoints.orbax import (
 )
 from refusion_jax.cli import BAD_INPUT, initialize_distributed, report_errors
 from refusion_jax.data.pipeline import DataError
-from refusion_jax.training import faults
 from refusion_jax.rl import train_grpo
+from refusion_jax.training import faults
 from refusion_jax.training.interrupts import RunInterrupted
 from refusion_jax.training.loop import NonFiniteLossError, train_and_evaluate
 from refusion_jax.training.run_config import RENAMED_FIELDS
