@@ -131,7 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
   )
   for name, field in ((f.name, f) for f in dataclasses.fields(ServeBenchOptions)):
     s.add_argument(
-      f"--{name}", type=int, default=field.default, help=REPEATS_HELP if name == "repeats" else "see benchmarks.serve."
+      f"--{name}",
+      type=type(field.default),
+      default=field.default,
+      help=SERVE_HELP.get(name, "see benchmarks.serve."),
     )
   add_model_flags(s)
   add_method_flags(s.add_argument_group("decoding"))
@@ -140,6 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 # What --repeats means in every mode (and in eval): benchmarks.timer's rounds.
 REPEATS_HELP = "timed rounds after a warm-up call per variant, interleaved across the variants; median and spread."
+SERVE_HELP = {
+  "repeats": REPEATS_HELP,
+  "workloads": "comma-separated: short, shared_prefix, mixed, probe (what each is: benchmarks.serve).",
+  "system_tokens": "shared_prefix: the system prompt's tokens, the same in every request.",
+  "longest_prompt": "mixed and probe: the longest prompt, the top of the large server's ladder of buckets.",
+  "prefix_cache_tokens": "the servers' prefix cache where it is on.",
+  "sharpen": "LM-head scale of a random model, so that slots pass as a trained model's do (1: as initialised).",
+}
 QUANT_HELP = {
   "checkpoint": "a trained run of the built-in tasks (its validation rows and queries); '': random weights.",
   "count": "teacher-forced rows (a quarter of them, at most, are the decode prompts without a checkpoint).",
@@ -213,6 +224,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
     model, tokenizer = load(**model_request(args))
     method = method_value(args.method, flag_values(args, field_names(args.method)))
     options = ServeBenchOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServeBenchOptions)})
+    if options.sharpen != 1.0 and has_model(args):
+      raise UsageError("--sharpen scales a random model's LM head; a checkpoint's weights are measured as they are.")
     print(format_serve(run_serve_bench(model, tokenizer, method, options)))
     print(f"reproduce with: {reproduce_command(argv)}")
     return

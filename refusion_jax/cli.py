@@ -34,21 +34,28 @@ BAD_INPUT = (ValueError, FileNotFoundError, NotImplementedError)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def initialize_distributed(**timeouts: int) -> None:
+def initialize_distributed(*, service_apart: bool = False, **timeouts: int) -> None:
   """Join the job's processes (launch/): Cloud TPU pods are auto-detected; a local run
   gives JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID.
 
+  service_apart: process 0 runs the job's coordination service in a process of its own, so that the others
+    outlive it (training/coordinator.py; training asks for it).
   timeouts: `jax.distributed.initialize`'s (heartbeat_timeout_seconds, initialization_timeout,
     shutdown_timeout_seconds); training passes its `config.faults` (training/faults.py), the rest JAX's defaults.
   """
   import jax
 
   count, index = os.environ.get("JAX_NUM_PROCESSES"), os.environ.get("JAX_PROCESS_ID")
-  jax.distributed.initialize(
+  options = dict(
     num_processes=None if count is None else int(count),
     process_id=None if index is None else int(index),
     **timeouts,
   )
+  if service_apart:
+    from refusion_jax.training import coordinator
+
+    options.update(coordinator.start_apart(**options))
+  jax.distributed.initialize(**options)
 
 
 class UsageError(ValueError):
@@ -197,10 +204,11 @@ def add_decode_flags(
   rows_help: str = "all prompts of a call at once",
   seed_help: str = "0",
   chunk_iterations: int | None = None,
+  prefix_cache_tokens: int = 0,
 ) -> None:
   """The flags of `DecodeOptions`, alike in every command that decodes (`decode_options` reads them back):
-  --rows, --seed, --mask_id, --eos_id, --pad_id, --mesh, --chunk_iterations, --logprobs. The arguments set a
-  command's own defaults and the help that says what an unset flag means."""
+  --rows, --seed, --mask_id, --eos_id, --pad_id, --mesh, --chunk_iterations, --logprobs, --prefix_cache_tokens. The
+  arguments set a command's own defaults and the help that says what an unset flag means."""
   parser.add_argument(
     "--rows", type=int, default=rows, help=f"K, the rows the decode loop keeps busy (default: {rows_help})."
   )
@@ -220,6 +228,12 @@ def add_decode_flags(
     action="store_true",
     default=None,
     help='also report each answer token\'s log-probability (docs/sampling.md, "Log-probabilities").',
+  )
+  parser.add_argument(
+    "--prefix_cache_tokens",
+    type=int,
+    default=prefix_cache_tokens,
+    help="prompt tokens whose KV is kept for later prompts that begin alike (0: off).",
   )
 
 

@@ -22,11 +22,16 @@ from collections.abc import Sequence
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from refusion_jax.checkpoints.orbax import CheckpointDamagedError, CheckpointMismatchError, CheckpointSaveError
+from refusion_jax.checkpoints.orbax import (
+  CHECKPOINT_SUBDIR,
+  CheckpointDamagedError,
+  CheckpointMismatchError,
+  CheckpointSaveError,
+)
 from refusion_jax.cli import BAD_INPUT, initialize_distributed, report_errors
 from refusion_jax.data.pipeline import DataError
 from refusion_jax.rl import train_grpo
-from refusion_jax.training.faults import jax_distributed_timeouts
+from refusion_jax.training import faults
 from refusion_jax.training.interrupts import RunInterrupted
 from refusion_jax.training.loop import NonFiniteLossError, train_and_evaluate
 from refusion_jax.training.run_config import RENAMED_FIELDS
@@ -51,7 +56,10 @@ def main(argv: Sequence[str]) -> None:
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax and grain log every save at INFO
   if os.environ.get("REFUSION_DISTRIBUTED"):
-    initialize_distributed(**jax_distributed_timeouts(flags.FLAGS.config.faults))
+    config, index = flags.FLAGS.config, os.environ.get("JAX_PROCESS_ID")
+    checkpoint_dir = os.path.join(flags.FLAGS.workdir, CHECKPOINT_SUBDIR)  # named in the line (a URL is refused later)
+    with faults.joining(config.faults, checkpoint_dir, None if index is None else int(index)):
+      initialize_distributed(service_apart=True, **faults.jax_distributed_timeouts(config.faults))
 
   config = flags.FLAGS.config
   trainer = train_grpo if "grpo" in config else train_and_evaluate

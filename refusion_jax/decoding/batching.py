@@ -33,6 +33,15 @@ import numpy as np
 
 from refusion_jax.decoding.contract import DecodeOutputs, Method, Sampling, Settings
 from refusion_jax.decoding.mesh import constrain_rows
+from refusion_jax.decoding.prefix_cache import (
+  PREFILL_UNUSED,
+  PrefixPool,
+  PrefixReuse,
+  QueuePrefix,
+  reusing,
+  store,
+  usable_tokens,
+)
 from refusion_jax.model.cache import KVCache
 from refusion_jax.model.transformer import Transformer
 
@@ -75,6 +84,9 @@ class LoopState:
   out:           `DecodeOutputs` of every entry
   widths:        [names, largest width + 1] int32 forwards counted by query width, one row per
                  name of the decoder's `width_names` (`DecodeResult.widths`)
+  queue_prefix:  `prefix_cache.QueuePrefix`: where each entry's prompt blocks are in the prefix pool (None: no
+                 prefix cache)
+  prefix_pool:   `prefix_cache.PrefixPool`, the cached prompt blocks every engine of the cache shares (None: none)
   """
 
   rows: Any
@@ -92,6 +104,8 @@ class LoopState:
   more: jax.Array
   out: DecodeOutputs
   widths: jax.Array
+  queue_prefix: QueuePrefix | None = None
+  prefix_pool: PrefixPool | None = None
 
   @classmethod
   def create(cls, rows: Any, widths: np.ndarray, prompt_width: int, gen_length: int) -> LoopState:
@@ -134,6 +148,8 @@ class LoopState:
       more=replicated,
       out=rows(self.out),
       widths=replicated,
+      queue_prefix=rows(self.queue_prefix),
+      prefix_pool=None if self.prefix_pool is None else PrefixPool(replicated, replicated, replicated),
     )
 
 
@@ -159,11 +175,8 @@ def run_rows(
       min_p=b.queue_min_p[entry],
     )
 
-  def admit_next(b: LoopState) -> LoopState:
-    # The first idle row takes the waiting prompt that comes first in the input.
-    row = jnp.argmin(b.busy)
-    entry = jnp.argmin(jnp.where(b.waiting, b.queue_prompt, jnp.iinfo(jnp.int32).max))
-    rows, out = method.admit(
+  def admit(b: LoopState, row: jax.Array, entry: jax.Array) -> tuple[Any, DecodeOutputs]:
+    return method.admit(
       model,
       knobs,
       settings,
@@ -175,6 +188,15 @@ def run_rows(
       b.queue_tokens[entry],
       b.queue_lengths[entry],
     )
+
+  def admit_next(b: LoopState) -> LoopState:
+    # The first idle row takes the waiting prompt that comes first in the input.
+    row = jnp.argmin(b.busy)
+    entry = jnp.argmin(jnp.where(b.waiting, b.queue_prompt, jnp.iinfo(jnp.int32).max))
+    if b.prefix_pool is None:
+      rows, out = admit(b, row, entry)
+    else:
+      rows, out, b = _admit_with_prefix(b, row, entry, admit)
     return b.replace(
       rows=rows,
       out=out,
@@ -204,6 +226,29 @@ def run_rows(
 
   state, _ = jax.lax.while_loop(cond, lambda carry: pin(body(carry)), pin((state, jnp.int32(0))))
   return state
+
+
+def _admit_with_prefix(
+  b: LoopState, row: jax.Array, entry: jax.Array, admit: Callable[[LoopState, jax.Array, jax.Array], Any]
+) -> tuple[Any, DecodeOutputs, LoopState]:
+  """`admit` of `entry` into `row` offered the entry's cached prompt prefix (`prefix_cache.reusing`: a method whose
+  admit prefills through `prompts.prefill` takes it), then the prompt's new blocks stored in the pool from the
+  row's cache; `b` returned with the pool and the entry's reused tokens."""
+  plan = jax.tree.map(lambda x: x[entry], b.queue_prefix)
+  tokens = usable_tokens(b.prefix_pool, plan.slot, plan.generation, plan.cached)
+  with reusing(PrefixReuse(b.prefix_pool, plan.slot, tokens)) as reuse:
+    rows, out = admit(b, row, entry)
+  pool = b.prefix_pool
+  caches = [x for x in jax.tree.leaves(rows, is_leaf=_is_cache) if isinstance(x, KVCache)]
+  if reuse.used and len(caches) == 1:  # the row's cache holds the prompt, as the prefill left it
+    pool = store(pool, caches[0], row, plan.slot, plan.generation, plan.cached, b.queue_lengths[entry])
+  reused = tokens if reuse.used else jnp.int32(PREFILL_UNUSED)
+  queue_prefix = b.queue_prefix.replace(reused=b.queue_prefix.reused.at[entry].set(reused))
+  return rows, out, b.replace(prefix_pool=pool, queue_prefix=queue_prefix)
+
+
+def _is_cache(x: Any) -> bool:
+  return isinstance(x, KVCache)
 
 
 def put_row(full: Any, row: jax.Array, one: Any) -> Any:

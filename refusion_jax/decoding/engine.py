@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from refusion_jax.decoding.batching import LoopState
 from refusion_jax.decoding.checks import (
   check_method,
   check_positive,
@@ -31,10 +32,12 @@ from refusion_jax.decoding.checks import (
 from refusion_jax.decoding.contract import DecodeOutputs, Method
 from refusion_jax.decoding.mesh import padded_rows, pick_rows_on
 from refusion_jax.decoding.options import DecodeOptions, decode_options
+from refusion_jax.decoding.prefix_cache import PrefixCache, PrefixPool, PrefixQueue, pool_shape
 from refusion_jax.decoding.programs import placed_program, start_for
 from refusion_jax.decoding.prompts import bucket_length
 from refusion_jax.decoding.result import PHASE_NONE, DecodeResult, Rollout
 from refusion_jax.model.transformer import Transformer, inference_view
+from refusion_jax.parallel.activations import normalize_rules
 from refusion_jax.parallel.hosts import to_host
 from refusion_jax.parallel.sharding import LOGICAL_AXIS_RULES, Rules
 
@@ -73,7 +76,9 @@ class Engine:
   bring its own temperature and seed (`submit`; a server's requests do): they ride in its queue entry, so requests of
   any temperatures and seeds share the rows of one compiled program. The loop hands back to the host when a row turns
   idle while submitted prompts wait on the host, after `iterations` iterations, or when every entry is done; nothing
-  compiles again for new prompts of the bucket.
+  compiles again for new prompts of the bucket. With a prefix cache (`DecodeOptions.prefix_cache_tokens`, or one
+  shared with other engines), a prompt that begins as an earlier one did takes that beginning's KV from the cache
+  and prefills only the rest, with the same decode (docs/serving.md, "The prefix cache").
 
   Attributes:
     loop_calls, host_seconds: the loop calls so far and the host's work around them (refilling the queue,
@@ -82,6 +87,8 @@ class Engine:
     decoder: the method split for this engine (settings, knobs, the EOS id answers are cut after).
     rows: K, the requested rows rounded up to the mesh's batch-parallel devices.
     prompt_width: P, the prompt bucket: longer prompts are refused.
+    prefix_cache: its `PrefixCache` (None: off), whose counters say what was reused.
+    state_bytes: bytes of the loop's state (its rows' KV caches, mostly), the prefix cache's pool apart.
   """
 
   def __init__(
@@ -93,6 +100,8 @@ class Engine:
     prompt_width: int,
     rules: Rules = LOGICAL_AXIS_RULES,
     sampling: bool = False,
+    weights_from: Engine | None = None,
+    prefix_cache: PrefixCache | None = None,
     **option_fields: Any,
   ):
     """
@@ -106,6 +115,10 @@ class Engine:
       rules: the logical-axis rules placing parameters, cache and rows on `options.mesh`.
       sampling: compile the sampling noise in even where the method's temperature is 0, so that requests may
         bring their own temperatures (`submit`); a request at temperature 0 stays greedy, bit for bit.
+      weights_from: an engine of the same model, method, options and rules (another prompt bucket or row count)
+        whose placed parameters, knobs and loop this one uses: the weights are placed once for both.
+      prefix_cache: a `PrefixCache` of this model that other engines share (None: this engine's own of
+        `options.prefix_cache_tokens` tokens, or none where that is 0).
     """
     check_method(method)
     self.options = options = decode_options(options, option_fields, "refusion_jax.Engine")
@@ -121,13 +134,38 @@ class Engine:
     self.pad_id = check_special_id("pad_id", special.pad, config)
     self.rows = padded_rows(rows, mesh, rules)
     self.prompt_width = prompt_width
-    placed = placed_program(model, self.decoder, mesh, rules, (method, special, sample))
+    self._program_key = ((method, special, sample), mesh, normalize_rules(rules))
+    if weights_from is None:
+      placed = placed_program(model, self.decoder, mesh, rules, (method, special, sample))
+    elif weights_from._program_key != self._program_key or weights_from.config != config:
+      raise ValueError(
+        "weights_from= must be an engine of the same model, method, special ids, sampling, mesh and rules; build "
+        "this one with its own weights instead."
+      )
+    else:
+      placed = weights_from._placed
+    self._placed = placed
     self._loop, self._params, self._knobs = placed.loop, placed.params, placed.knobs
     self._chunks = placed.chunks  # placed iteration counts by `advance`'s iterations
     start = start_for(self._loop, self.decoder, config, self.rows, prompt_width)
     # The host start, placed by the first `advance` with the queue: the loop donates the state, so no placed one
     # is shared.
     self._state_shardings, self._state, state = start.shardings, start.host, start.host
+    self.prefix_cache = prefix_cache
+    if prefix_cache is None and options.prefix_cache_tokens:
+      self.prefix_cache = PrefixCache(config, options.prefix_cache_tokens)
+    self._prefix: PrefixQueue | None = None  # this engine's entries in the prefix cache (none: a bucket < a block)
+    if self.prefix_cache is not None and prompt_width >= self.prefix_cache.block_tokens:
+      if self.prefix_cache.config != config:
+        raise ValueError("prefix_cache= belongs to a model of another config; give this engine its own.")
+      self._prefix = PrefixQueue(self.prefix_cache, state.waiting.shape[0], prompt_width)
+      shape = pool_shape(config, self.prefix_cache.blocks, self.prefix_cache.block_tokens)
+      blocks = jax.ShapeDtypeStruct(shape, config.compute_dtype)
+      abstract = PrefixPool(blocks, blocks, jax.ShapeDtypeStruct(shape[1:2], np.int32))  # made by the first call
+      self._state = state.replace(queue_prefix=self._prefix.arrays(), prefix_pool=abstract)
+      self._state_shardings = self._loop.state_shardings(self._state)
+    self.state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(start.host))
+    self._reused: dict[int, int] = {}  # prompt tokens each admitted request took from the prefix cache
     # The host's copy of the queue, and what the last loop call left in it (read back after every call).
     self._tokens, self._lengths = np.array(state.queue_tokens), np.array(state.queue_lengths)
     self._prompt, self._waiting = np.array(state.queue_prompt), np.array(state.waiting)
@@ -214,10 +252,21 @@ class Engine:
       return []
     start = time.perf_counter()
     self._refill()
+    if self._prefix is not None:  # the pool every engine of the cache shares, as the last call left it
+      shardings = self._state_shardings
+      shardings = shardings.prefix_pool if isinstance(shardings, LoopState) else shardings  # one: no mesh
+      self._state = self._state.replace(prefix_pool=self.prefix_cache.make_pool(shardings))
     state = self._loop.place_state(self._state, self._state_shardings)
     placed = time.perf_counter()
-    self._state = self._loop(self._params, state, self._iterations(iterations), self._knobs)
-    jax.block_until_ready(self._state)
+    try:
+      self._state = self._loop(self._params, state, self._iterations(iterations), self._knobs)
+      jax.block_until_ready(self._state)
+    except BaseException:
+      if self._prefix is not None:  # the call took the pool (donated): start the cache again
+        self.prefix_cache.clear()
+      raise
+    if self._prefix is not None:
+      self.prefix_cache.pool = self._state.prefix_pool
     ran = time.perf_counter()
     finished = self._collect()
     self.loop_calls += 1
@@ -235,6 +284,11 @@ class Engine:
     committed = np.asarray(self._out.commit_iteration[entries[0]]) >= 0
     count = int(np.argmin(committed)) if not committed.all() else len(committed)
     return _cut(np.asarray(self._out.answer[entries[0], :count]).tolist(), self.decoder.eos_id)
+
+  def reused_tokens(self, request: int) -> int:
+    """The prompt tokens of `request` whose KV came from the prefix cache (0 without one, or before its
+    admission)."""
+    return self._reused.get(request, 0)
 
   def partial_logprobs(self, request: int) -> list[float]:
     """The log-probabilities of `partial(request)`'s tokens (`DecodeResult.logprobs`), in the same order."""
@@ -263,12 +317,15 @@ class Engine:
   def cancel(self, request: int) -> None:
     """Drop `request`: from the host's queue, or from its entry (and its row, which turns idle)."""
     self._finished.pop(request, None)
+    self._reused.pop(request, None)
     pending = len(self._pending)
     self._pending = collections.deque(item for item in self._pending if item.request != request)
     self._queue_changed |= len(self._pending) != pending
     for entry in np.flatnonzero(self._held == request):
       self._held[entry] = -1
       self._queue_changed |= bool(self._waiting[entry])
+      if self._prefix is not None and self._waiting[entry]:
+        self._prefix.drop(entry)
       self._waiting[entry] = False
       rows = self._busy & (self._entry == entry)
       self._busy_changed |= bool(rows.any())
@@ -314,6 +371,18 @@ class Engine:
     result.seconds = time.perf_counter() - start
     return result
 
+  def compile(self, iterations: int | None = None) -> None:
+    """Compile the loop now for `advance(iterations)` calls, without running it (the first call then compiles
+    nothing); an `EngineLadder` compiles its buckets' loops on threads at once this way."""
+    state, shardings = self._state, self._state_shardings  # the pool abstract or placed: its shape is all we read
+    subtrees = jax.tree.structure(shardings).flatten_up_to(state)
+    abstract = [
+      jax.tree.map(lambda x, s=sharding: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), subtree)
+      for subtree, sharding in zip(subtrees, jax.tree.leaves(shardings))
+    ]
+    abstract = jax.tree.structure(shardings).unflatten(abstract)
+    self._loop.compile(self._params, abstract, self._iterations(iterations), self._knobs)
+
   def _iterations(self, iterations: int | None) -> Any:
     """The placed iteration count of a loop call (placed once per distinct count)."""
     if iterations not in self._chunks:
@@ -338,6 +407,8 @@ class Engine:
       self._tokens[entry] = self.pad_id
       self._tokens[entry, : len(item.prompt)] = item.prompt
       self._lengths[entry], self._prompt[entry], self._waiting[entry] = len(item.prompt), item.request, True
+      if self._prefix is not None:
+        self._prefix.plan(int(entry), item.prompt)
       for field, blank in zip(jax.tree.leaves(out), jax.tree.leaves(DecodeOutputs.empty(1, out.answer.shape[1]))):
         field[entry] = blank[0]
     # Copies: a CPU device may keep using the host buffer it was given, which the next refill writes.
@@ -354,14 +425,20 @@ class Engine:
       more=np.bool_(len(self._pending) > 0),
       out=out,
     )
+    if self._prefix is not None:
+      self._state = self._state.replace(queue_prefix=self._prefix.arrays())
     self._queue_changed = False
 
   def _collect(self) -> list[int]:
     """Read back the loop's queue; the entries whose request finished are freed and their outputs kept."""
     state = self._state
-    self._busy, self._entry, self._waiting, self._out, self._widths = to_host(
-      (state.busy, state.entry, state.waiting, state.out, state.widths)
+    reused = None if self._prefix is None else state.queue_prefix.reused
+    self._busy, self._entry, self._waiting, self._out, self._widths, reused = to_host(
+      (state.busy, state.entry, state.waiting, state.out, state.widths, reused)
     )
+    if self._prefix is not None:
+      for entry, tokens in self._prefix.admitted(np.array(reused)).items():
+        self._reused[int(self._held[entry])] = tokens
     self._busy, self._waiting = np.array(self._busy), np.array(self._waiting)
     decoding = np.zeros(self._held.shape, bool)
     decoding[self._entry[self._busy]] = True

@@ -122,6 +122,13 @@ class Loop:
         self.graphdef, params, state, max_iterations, knobs, program=self.program, placement=self.placement
       )
 
+  def compile(self, params: Any, state: LoopState, max_iterations: Any, knobs: Any) -> None:
+    """Compile the loop for these inputs without running it (`state` may be abstract, `jax.ShapeDtypeStruct`s
+    carrying the shardings its placed arrays will have): a later call on inputs placed so compiles nothing, and
+    the compilations of several loops may run on threads at once."""
+    with tagged(_LOOP_TAG, f"{_LOOP_TAG}/{self.program[0].name}"):
+      self.lower(params, state, max_iterations, knobs).compile()
+
   def lower(self, params: Any, state: LoopState, max_iterations: Any, knobs: Any) -> jax.stages.Lowered:
     """The loop lowered for abstract inputs (`jax.ShapeDtypeStruct`s carrying their shardings)."""
     return decode_loop.lower(

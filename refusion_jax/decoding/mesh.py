@@ -42,6 +42,8 @@ from refusion_jax.parallel.sharding import (
 # Logical axes of the KVCache fields (k, v: [layers, batch, capacity, kv_heads, head_dim]).
 _CACHE_KV = ("layers", "cache_batch", "cache_length", "kv_heads", "head_dim")
 _CACHE_ROWS = ("cache_batch", "cache_length")
+# Of the prefix pool's keys and values ([layers, blocks, block tokens, kv_heads, head_dim]).
+_POOL_KV = ("layers", None, None, "kv_heads", "head_dim")
 
 
 def constrain_cache(cache: KVCache) -> KVCache:
@@ -94,7 +96,14 @@ def loop_shardings(batch: Any, mesh: Mesh, rules: Rules = LOGICAL_AXIS_RULES) ->
   """The shardings of a decode loop's `batching.LoopState` on `mesh`: rows, queue and outputs split by row,
   counters replicated."""
   rules = normalize_rules(rules)
-  return batch.shardings(functools.partial(row_shardings, mesh=mesh, rules=rules), NamedSharding(mesh, PartitionSpec()))
+  shardings = batch.shardings(
+    functools.partial(row_shardings, mesh=mesh, rules=rules), NamedSharding(mesh, PartitionSpec())
+  )
+  if batch.prefix_pool is None:
+    return shardings
+  # The prefix pool serves every row: replicated over the batch-parallel axes, split by heads as the cache is.
+  blocks = NamedSharding(mesh, logical_to_spec(_POOL_KV, rules))
+  return shardings.replace(prefix_pool=shardings.prefix_pool.replace(k=blocks, v=blocks))
 
 
 def padded_rows(rows: int, mesh: jax.sharding.Mesh | None, rules: Rules = LOGICAL_AXIS_RULES) -> int:

@@ -3,10 +3,11 @@
 A method value (`rj.ReFusion(...)`) says *what* to decode; `DecodeOptions`
 says *how* the calls run it: how many rows the compiled loop keeps busy, the
 sampling seed, the special ids, the device mesh, how many iterations a loop
-call may run. `rj.decode`, `rj.Sampler`, `rj.Engine`, the evaluation's runner
-and the server take it whole, and their keyword shorthands
-(`rj.decode(..., rows=8)`) are its fields; `cli.add_decode_flags` spells the
-same fields as flags of every command.
+call may run, how many prompt tokens a prefix cache keeps. `rj.decode`,
+`rj.Sampler`, `rj.Engine`, the evaluation's runner and the server take it
+whole, and their keyword shorthands (`rj.decode(..., rows=8)`) are its
+fields; `cli.add_decode_flags` spells the same fields as flags of every
+command.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import jax
 from refusion_jax.data.special_tokens import resolve_special_tokens
 from refusion_jax.data.tokenizer import Tokenizer
 from refusion_jax.decoding.checks import check_positive
+from refusion_jax.decoding.prefix_cache import PREFIX_BLOCK_TOKENS
 from refusion_jax.deprecation import warn_deprecated
 from refusion_jax.model.config import ModelConfig
 
@@ -42,6 +44,9 @@ class DecodeOptions:
       it), with the same results; None: each call runs until the queue needs the host.
     logprobs: return each answer token's log-probability (`DecodeResult.logprobs`) and the whole committed
       trajectory (`DecodeResult.rollout`); the loop records them either way, so nothing compiles again.
+    prefix_cache_tokens: keep the KV of this many prompt tokens (in blocks of 16, least recently used evicted)
+      for later prompts that begin with the same tokens, which then prefill only the rest, with the same
+      answers (`prefix_cache.PrefixCache`; a `Sampler` keeps it across calls); 0: off.
   """
 
   rows: int | None = None
@@ -52,12 +57,18 @@ class DecodeOptions:
   mesh: jax.sharding.Mesh | None = None
   chunk_iterations: int | None = None
   logprobs: bool = False
+  prefix_cache_tokens: int = 0
 
   def __post_init__(self) -> None:
     check_positive("rows", self.rows, "every prompt of a call at once")
     check_positive("chunk_iterations", self.chunk_iterations, "run the loop until the host must refill it")
     if not isinstance(self.logprobs, bool):
       raise ValueError(f"logprobs={self.logprobs!r} must be True or False.")
+    tokens = self.prefix_cache_tokens
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not (tokens == 0 or tokens >= PREFIX_BLOCK_TOKENS):
+      raise ValueError(
+        f"prefix_cache_tokens={tokens!r} must be 0 (off) or at least {PREFIX_BLOCK_TOKENS} tokens, e.g. 4096."
+      )
     if isinstance(self.seed, bool) or not isinstance(self.seed, int):
       raise ValueError(f"seed={self.seed!r} must be an integer.")
     for name in ("mask_id", "eos_id", "pad_id"):

@@ -11,8 +11,11 @@ Prompts are padded into the length buckets of `refusion_jax.decoding.prompts`.
 The sampler keeps one `engine.Engine` per (rows, bucket): the parameters are
 placed once, and calls with new prompts of a bucket reuse the compiled
 program: with `rows`, whatever the number of texts; without, for the same
-number. How it decodes (rows, seed, special ids, mesh, chunk_iterations) is
-one `DecodeOptions`, given whole or as keywords, as `rj.decode` takes it.
+number. How it decodes (rows, seed, special ids, mesh, chunk_iterations, a
+prefix cache) is one `DecodeOptions`, given whole or as keywords, as
+`rj.decode` takes it; with `prefix_cache_tokens`, its engines share one prefix
+cache, kept across calls, so a prompt asked again or sharing a header with an
+earlier one prefills only what is new.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from refusion_jax.decoding.checks import check_method, check_prompts
 from refusion_jax.decoding.contract import Method
 from refusion_jax.decoding.engine import Engine
 from refusion_jax.decoding.options import DecodeOptions, decode_options
+from refusion_jax.decoding.prefix_cache import PrefixCache
 from refusion_jax.decoding.prompts import bucket_length
 from refusion_jax.decoding.refusion import ReFusion
 from refusion_jax.decoding.result import DecodeResult
@@ -70,6 +74,8 @@ class Sampler:
     self.chat_template = chat_template
     self.options = options.with_tokenizer_ids(self.tokenizer, model.config)
     self._engines: dict[tuple[int, int], Engine] = {}
+    tokens = self.options.prefix_cache_tokens
+    self.prefix_cache = PrefixCache(self.model.config, tokens) if tokens else None  # every engine's, if on
 
   @property
   def special_ids(self) -> dict[str, int | None]:
@@ -87,7 +93,7 @@ class Sampler:
     """The sampler's engine for K = `rows` rows and prompt bucket `prompt_width` (built on first use)."""
     if (rows, prompt_width) not in self._engines:
       options = dataclasses.replace(self.options, rows=rows)
-      engine = Engine(self.model, self.method, options, prompt_width=prompt_width)
+      engine = Engine(self.model, self.method, options, prompt_width=prompt_width, prefix_cache=self.prefix_cache)
       self._engines[rows, prompt_width] = engine
     return self._engines[rows, prompt_width]
 

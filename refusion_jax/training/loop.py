@@ -123,8 +123,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, steps: S
   try:
     checkpoint_dir = os.path.join(workdir, CHECKPOINT_SUBDIR)
     with (
-      run_lock.workdir_lock(workdir) as lock,
-      _watching(config, checkpoint_dir, lock) as watch,
+      _watching(config, checkpoint_dir, workdir) as watch,  # first: taking the lock is a collective too
+      run_lock.workdir_lock(workdir),
       _open_checkpoints(config, checkpoint_dir, interrupts) as checkpoints,
     ):
       check_run_config(config, resuming=bool(checkpoints.all_steps()))
@@ -141,12 +141,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, steps: S
 
 
 @contextlib.contextmanager
-def _watching(config: ml_collections.ConfigDict, checkpoint_dir: str, lock: str | None) -> Iterator[faults.FaultWatch]:
+def _watching(config: ml_collections.ConfigDict, checkpoint_dir: str, workdir: str) -> Iterator[faults.FaultWatch]:
   """The run's `FaultWatch` (a lost or stalled process ends every process: training/faults.py).
 
-  On a fault it releases the workdir's lock before exiting, so that a restart on another host may take it.
+  On a fault it releases the workdir's lock where this process holds it, so that a restart on another host may
+  take it.
   """
-  watch = faults.FaultWatch(config.faults, checkpoint_dir, before_exit=lambda: lock and run_lock.release(lock))
+  lock = os.path.join(workdir, run_lock.LOCK_NAME)
+  watch = faults.FaultWatch(config.faults, checkpoint_dir, before_exit=lambda: run_lock.release(lock))
   try:
     yield watch
   except Exception:
@@ -190,6 +192,7 @@ def _train(
   steps: Steps,
 ) -> TrainResult:
   # ------------------------------------------------------------ 2. data
+  watch.starting("building or opening the data")
   with interrupts.phase("building the data", blocking=True):
     splits = steps.open_splits(config, workdir)
   validation = splits.get("validation") if config.eval_every > 0 else None
@@ -201,6 +204,7 @@ def _train(
   tx, schedule = make_optimizer(config.optimizer, total_steps * steps.updates_per_step)
   mesh = sharding.make_mesh(dict(config.mesh))
   sharding.check_batch_split(steps.rows(config), config.grad_accum_steps, mesh, config.sharding_rules)
+  watch.starting("restoring its newest checkpoint, or building the model it starts from")
   run = start.begin(
     config, checkpoints, tx, mesh, lambda tokenizer: steps.batches(splits["train"], tokenizer, config), interrupts
   )
