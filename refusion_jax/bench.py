@@ -224,7 +224,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
     model, tokenizer = load(**model_request(args))
     method = method_value(args.method, flag_values(args, field_names(args.method)))
     options = ServeBenchOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServeBenchOptions)})
-    if options.sharpen != 1.0 and has_model(args):
+    if options.sharpen != 1.0 and not args.random_init:
       raise UsageError("--sharpen scales a random model's LM head; a checkpoint's weights are measured as they are.")
     print(format_serve(run_serve_bench(model, tokenizer, method, options)))
     print(f"reproduce with: {reproduce_command(argv)}")

@@ -96,25 +96,35 @@ def _prefill_after_prefix(
   model: Transformer, tokens: jax.Array, lengths: jax.Array, capacity: int, reuse: PrefixReuse
 ) -> tuple[jax.Array, kv_cache.KVCache]:
   """`prefill` of one prompt whose first `reuse.tokens` tokens' keys and values are in the pool: those are
-  copied into the cache, and the rest runs at the narrowest `prefill_widths` width that holds it (`lax.switch`),
-  attending to them as to any cached entry."""
+  copied into the cache, and the rest runs at the narrowest `prefill_widths` width W that holds it
+  (`lax.switch`).
+
+  A forward of width W ends inside the bucket P, so it starts at column min(reused, P - W): the reused tokens
+  before it are attended in the cache, cut to its first P - W entries, and those inside it (recomputed, not
+  stored again) in the block. Every width thus attends over P keys, as the prefill without a cache does, and a
+  prompt with nothing reused pays what that prefill pays."""
   chex.assert_shape(lengths, (1,))
   reuse.used = True
   width = tokens.shape[1]
-  start = reuse.tokens
-  cache = restore(kv_cache.KVCache.create(model.config, 1, capacity), reuse.pool, reuse.slot, start)
+  reused = reuse.tokens
+  cache = restore(kv_cache.KVCache.create(model.config, 1, capacity), reuse.pool, reuse.slot, reused)
   widths = prefill_widths(width)
-  branch = jnp.sum(jnp.asarray(widths[:-1]) < lengths[0] - start)
+  branch = jnp.sum(jnp.asarray(widths[:-1]) < lengths[0] - reused)
 
   def run(query_width: int):
     def forward(cache: kv_cache.KVCache) -> tuple[jax.Array, kv_cache.KVCache]:
-      first = jnp.minimum(start, width - query_width)  # the query ends inside the bucket; earlier columns idle
+      first = jnp.minimum(reused, width - query_width)
       columns = (first + jnp.arange(query_width, dtype=jnp.int32))[None]
       query = jax.lax.dynamic_slice_in_dim(tokens, first, query_width, axis=1)
-      fresh = (columns >= start) & (columns < lengths[:, None])
-      causal = jnp.tril(jnp.ones((query_width, query_width), bool))[None] & fresh[:, None, :]
-      logits, kv = model(query, columns, kv_cache.block_mask(cache, causal), cache)
+      in_prompt = columns < lengths[:, None]
+      causal = jnp.tril(jnp.ones((query_width, query_width), bool))[None] & in_prompt[:, None, :]
+      if query_width == width:  # the whole bucket: no cached entry is attended
+        logits, kv = model(query, columns, causal)
+      else:
+        before = _first_entries(cache, width - query_width, first)
+        logits, kv = model(query, columns, kv_cache.block_mask(before, causal), before)
       placed = jnp.zeros((1, width, logits.shape[-1]), logits.dtype)
+      fresh = (columns >= reused) & in_prompt
       return jax.lax.dynamic_update_slice_in_dim(placed, logits, first, axis=1), kv_cache.append(
         cache, kv, columns, fresh
       )
@@ -123,3 +133,15 @@ def _prefill_after_prefix(
 
   logits, cache = jax.lax.switch(branch, [run(w) for w in widths], cache)
   return logits, constrain_cache(cache)
+
+
+def _first_entries(cache: kv_cache.KVCache, count: int, valid: jax.Array) -> kv_cache.KVCache:
+  """The cache cut to its first `count` entries, of which the first `valid` [] are valid."""
+  index = jnp.arange(count, dtype=jnp.int32)[None]
+  return kv_cache.KVCache(
+    k=cache.k[:, :, :count],
+    v=cache.v[:, :, :count],
+    positions=cache.positions[:, :count],
+    valid=index < valid,
+    length=jnp.minimum(cache.length, valid),
+  )
