@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import textwrap
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -82,16 +83,21 @@ SAMPLINGS = [
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: f"{m.name}-G{m.gen_length}-S{m.slot_size}x{m.serial_blocks}")
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
 def test_replay_equals_the_eager_reference(method, sampling):
-  rng = np.random.default_rng(hash((method, tuple(sampling.items()))) % (1 << 32))
-  model = random_model(int(rng.integers(1 << 30)))
-  prompts, rollout = random_rollouts(rng, method, rows=6)
-  ids, lengths = pad_prompts(prompts, pad_id=0)
+  # The first of a few seeds whose case holds EOS-cut answers (NaN) and tokens the filters keep (finite); crc32,
+  # not hash(): str hashes change with each process's PYTHONHASHSEED, and so did the case.
   full = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0) | sampling
+  for attempt in range(8):
+    rng = np.random.default_rng(zlib.crc32(repr((method, sorted(sampling.items()), attempt)).encode()))
+    model = random_model(int(rng.integers(1 << 30)))
+    prompts, rollout = random_rollouts(rng, method, rows=6)
+    want = reference(model, prompts, rollout, method, full)
+    if np.isnan(want).any() and np.isfinite(want).any():
+      break
+  assert np.isnan(want).any() and np.isfinite(want).any(), "no seed gave EOS-cut answers with kept tokens"
+  ids, lengths = pad_prompts(prompts, pad_id=0)
   got = replay_jit(model, ids, lengths, rollout, method, mask_id=MASK, eos_id=EOS, chunk=5, **full)
-  want = reference(model, prompts, rollout, method, full)
   np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
   np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0)
-  assert np.isnan(want).any() and np.isfinite(want).any()  # the case holds EOS-cut answers
 
 
 @pytest.mark.parametrize("method", [METHODS[0], METHODS[2]], ids=lambda m: m.name)
