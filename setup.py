@@ -80,12 +80,17 @@ setup(
       "openai>=3.63,<4",
       "httpx>=0.29,<1",
     ],
-    # The OpenAI-compatible HTTP server (python -m refusion_jax.serve, docs/serving.md).
-    "serve": ["fastapi>=0.165,<1", "uvicorn>=0.55,<1"],
+    # The OpenAI-compatible HTTP server (python -m refusion_jax.serve, docs/serving.md); jinja2 renders the
+    # checkpoint's chat template for /v1/chat/completions.
+    "serve": ["fastapi>=0.165,<1", "uvicorn>=0.55,<1", "jinja2>=3.1,<4"],
     # The paper's benchmark table through lm-evaluation-harness (python -m refusion_jax.harness): the lm-eval
     # the harness tests run against (~750 MB with datasets, pyarrow, scikit-learn; no torch). eval-math adds
-    # what minerva_math imports (sympy, math_verify, antlr4).
-    "eval": ["lm-eval==0.4.13"],
+    # what minerva_math imports (sympy, math_verify, antlr4). Its [api] part (aiohttp, tenacity, tiktoken) runs
+    # lm-eval's local-completions against our server (docs/serving.md).
+    "eval": ["lm-eval[api]==0.4.13"],
+    # TRL's GRPOTrainer, the reference GRPO's loss is checked against (tests/test_rl_objective.py). An extra, not
+    # part of [test]: it brings datasets, pyarrow and pandas, which [eval] installs anyway in CI's extras phase.
+    "trl": ["trl>=1.16,<2"],
     "eval-math": ["lm-eval[math]==0.4.13"],
     "tpu": jax_requirements("[tpu]"),
     "cuda12": [*jax_requirements("[cuda12]"), TOKAMAX],

@@ -103,10 +103,14 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   # Pod faults (training/faults.py, docs/scaling.md "When a host is lost or stalls"): a lost or stalled process ends
   # every process that can still act, with one line and exit status 75, on which launch/*.sh restart the job.
   config.faults = ml_collections.ConfigDict()
-  config.faults.heartbeat_timeout_s = 10.0  # a process silent this long is lost (JAX's own abort gets 10 s more)
+  config.faults.heartbeat_timeout_s = 10.0  # a process silent this long is lost (JAX's own abort gets 50 s)
   # A train step not done in this long ends the run (0: off). Compiling, evaluating and saving do not count; 300 s
   # is far above any healthy step of the recipes (the 8B recipe's step takes seconds) and its data fetch.
   config.faults.step_timeout_s = 300.0
+  # The start of a run (building or opening the data, restoring, compiling the first step) not done in this long
+  # ends it (0: off). An hour leaves ample room for restoring and compiling a large model; raise it where the data
+  # is built from a large corpus at the start (that is timed too).
+  config.faults.startup_timeout_s = 3600.0
   config.faults.initialization_timeout_s = 300  # jax.distributed: how long processes wait for each other to join
   config.faults.shutdown_timeout_s = 300  # jax.distributed: how long a finished process waits for the others
 

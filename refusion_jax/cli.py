@@ -34,21 +34,28 @@ BAD_INPUT = (ValueError, FileNotFoundError, NotImplementedError)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def initialize_distributed(**timeouts: int) -> None:
+def initialize_distributed(*, service_apart: bool = False, **timeouts: int) -> None:
   """Join the job's processes (launch/): Cloud TPU pods are auto-detected; a local run
   gives JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID.
 
+  service_apart: process 0 runs the job's coordination service in a process of its own, so that the others
+    outlive it (training/coordinator.py; training asks for it).
   timeouts: `jax.distributed.initialize`'s (heartbeat_timeout_seconds, initialization_timeout,
     shutdown_timeout_seconds); training passes its `config.faults` (training/faults.py), the rest JAX's defaults.
   """
   import jax
 
   count, index = os.environ.get("JAX_NUM_PROCESSES"), os.environ.get("JAX_PROCESS_ID")
-  jax.distributed.initialize(
+  options = dict(
     num_processes=None if count is None else int(count),
     process_id=None if index is None else int(index),
     **timeouts,
   )
+  if service_apart:
+    from refusion_jax.training import coordinator
+
+    options.update(coordinator.start_apart(**options))
+  jax.distributed.initialize(**options)
 
 
 class UsageError(ValueError):

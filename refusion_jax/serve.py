@@ -8,16 +8,19 @@
 
 The model and decoding flags are `python -m refusion_jax.sample`'s. K rows
 (`--rows`) decode continuously: a request joins at the next loop-call
-boundary (`--chunk_iterations`), with its own max_tokens, temperature, seed
-and stop strings. A decode loop is compiled and warmed for each of a ladder
-of prompt buckets (`--prompt_buckets`, `--bucket_rows`) before the server
-listens, for prompts up to `--max_prompt_tokens` (by default what the
+boundary (`--chunk_iterations`), with its own max_tokens, temperature, seed,
+top_k/top_p/min_p, stop strings (up to --max_stop) and stop ids, n answers per
+prompt and several prompts. A decode loop is compiled and warmed for each of a
+ladder of prompt buckets (`--prompt_buckets`, `--bucket_rows`) before the
+server listens, for prompts up to `--max_prompt_tokens` (by default what the
 model's context holds with the answer), and nothing compiles again (/metrics
 counts compilations); prompts that begin alike share their KV
-(`--prefix_cache_tokens`). The server binds
-127.0.0.1 unless --host says otherwise; with --api_key (or REFUSION_API_KEY)
-every path but /health needs `Authorization: Bearer KEY`. SIGTERM stops
-admitting and ends within --shutdown_seconds, exit status 0.
+(`--prefix_cache_tokens`); a failed warm-up exits with status 1 and its cause.
+The server binds 127.0.0.1 unless --host says otherwise; with --api_key (or
+REFUSION_API_KEY) every path but /health needs `Authorization: Bearer KEY`.
+SIGTERM stops admitting and ends within --shutdown_seconds, exit status 0; an
+engine that dies or hangs for --watchdog_seconds turns /health to 503 and ends
+the server with status 1.
 """
 
 from __future__ import annotations
@@ -34,9 +37,9 @@ from refusion_jax.cli import UsageError, add_decode_flags, add_model_flags, deco
 from refusion_jax.decoding.ladder import FULL_ROWS_UP_TO, LADDER_STEP, SMALLEST_BUCKET
 from refusion_jax.decoding.methods import add_method_flags, field_names, flag_values, method_value
 from refusion_jax.decoding.paper import PAPER_TASKS, paper_method
-from refusion_jax.serving.app import DEFAULT_MAX_BODY_BYTES
+from refusion_jax.serving.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_STOP, DEFAULT_WATCHDOG_SECONDS
 from refusion_jax.serving.auth import API_KEY_ENV, server_key
-from refusion_jax.serving.server import ServerOptions, build_server
+from refusion_jax.serving.server import ServerFailure, ServerOptions, build_server
 
 # The server keeps a prefix cache by default: prompts that begin alike (a system prompt, a few-shot header, the n
 # choices of one prompt) prefill only what differs.
@@ -94,6 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
   server.add_argument(
     "--shutdown_seconds", type=int, default=30, help="after SIGTERM, how long held requests may finish."
   )
+  server.add_argument(
+    "--max_stop", type=int, default=DEFAULT_MAX_STOP, help="the most stop strings (and stop ids) a request may give."
+  )
+  server.add_argument(
+    "--watchdog_seconds",
+    type=float,
+    default=DEFAULT_WATCHDOG_SECONDS,
+    help="a loop call running longer than this (a hung device) turns /health to 503 and ends the server (status 1).",
+  )
   server.add_argument("--log_level", default="info", choices=("debug", "info", "warning", "error"))
   return parser
 
@@ -134,6 +146,8 @@ def run(args: argparse.Namespace) -> None:
   log.addHandler(handler)
   log.setLevel(args.log_level.upper())
   log.propagate = False
+  if args.max_stop < 1 or args.watchdog_seconds <= 0:
+    raise UsageError("--max_stop must be at least 1 and --watchdog_seconds above 0.")
   method = method_from_flags(args)
   key = server_key(args.api_key)
   decode = decode_options(args)
@@ -151,17 +165,26 @@ def run(args: argparse.Namespace) -> None:
     max_body_bytes=args.max_body_bytes,
     shutdown_seconds=args.shutdown_seconds,
     log_level=args.log_level,
+    max_stop=args.max_stop,
+    watchdog_seconds=args.watchdog_seconds,
   )
   server = build_server(model, tokenizer, options, host=args.host, port=args.port)
   # uvicorn re-raises the signal that stopped it once it is done; these handlers make that a clean exit 0.
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: None)
   server.run()
+  if server.failure is not None:
+    raise ServerFailure(server.failure)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """Entry point; returns the exit status (2 on bad input, 0 after SIGTERM)."""
-  return run_argparse(build_parser(), run, argv)
+  """Entry point; returns the exit status (2 on bad input, 0 after SIGTERM, 1 when the warm-up failed or the
+  engine died or hung)."""
+  try:
+    return run_argparse(build_parser(), run, argv)
+  except ServerFailure as failure:
+    print(f"error: {failure}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
-"""Train ReFusion (or the AR / MDM baselines) from a config file.
+"""Train ReFusion (or the AR / MDM baselines) from a config file, supervised or by reinforcement learning.
 
     python -m refusion_jax.train --config configs/demo.py --workdir /tmp/refusion_demo
     python -m refusion_jax.train --config configs/demo.py --workdir DIR --config.num_train_steps=200
+    python -m refusion_jax.train --config configs/grpo_demo.py --workdir /tmp/refusion_grpo
 
-Everything happens in `refusion_jax.training.loop.train_and_evaluate`; this
-module only parses flags and joins a multi-process job.
+Everything happens in `refusion_jax.training.loop.train_and_evaluate` (a config with a `grpo` section: GRPO's
+steps in it, `refusion_jax.rl.train_grpo`, docs/rl.md); this module only parses flags and joins a
+multi-process job.
 
 Exit status: 0 done (or stopped by SIGTERM / SIGINT after saving), 1 a failure the run explains (its message),
 2 bad input, 75 (`training.faults.RESTART_STATUS`) a process of the job was lost or stalled: restart the job,
@@ -20,10 +22,16 @@ from collections.abc import Sequence
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from refusion_jax.checkpoints.orbax import CheckpointDamagedError, CheckpointMismatchError, CheckpointSaveError
+from refusion_jax.checkpoints.orbax import (
+  CHECKPOINT_SUBDIR,
+  CheckpointDamagedError,
+  CheckpointMismatchError,
+  CheckpointSaveError,
+)
 from refusion_jax.cli import BAD_INPUT, initialize_distributed, report_errors
 from refusion_jax.data.pipeline import DataError
-from refusion_jax.training.faults import jax_distributed_timeouts
+from refusion_jax.rl import train_grpo
+from refusion_jax.training import faults
 from refusion_jax.training.interrupts import RunInterrupted
 from refusion_jax.training.loop import NonFiniteLossError, train_and_evaluate
 from refusion_jax.training.run_config import RENAMED_FIELDS
@@ -48,10 +56,16 @@ def main(argv: Sequence[str]) -> None:
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax and grain log every save at INFO
   if os.environ.get("REFUSION_DISTRIBUTED"):
-    initialize_distributed(**jax_distributed_timeouts(flags.FLAGS.config.faults))
+    config, index = flags.FLAGS.config, os.environ.get("JAX_PROCESS_ID")
+    checkpoint_dir = os.path.join(flags.FLAGS.workdir, CHECKPOINT_SUBDIR)  # named in the line (a URL is refused later)
+    with faults.joining(config.faults, checkpoint_dir, None if index is None else int(index)):
+      initialize_distributed(service_apart=True, **faults.jax_distributed_timeouts(config.faults))
+
+  config = flags.FLAGS.config
+  trainer = train_grpo if "grpo" in config else train_and_evaluate
 
   def train() -> None:
-    if train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir).stopped_by == "preempted":
+    if trainer(config, flags.FLAGS.workdir).stopped_by == "preempted":
       _exit(0)
 
   status = report_errors(train, errors=_REPORTED, status=1)

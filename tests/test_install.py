@@ -116,10 +116,11 @@ def test_the_installed_jax_is_read_without_importing_it_and_is_in_the_window():
     check_jax()
 
 
-# What shows that a test needs an extra (tests/helpers/extras.py): importing lm-eval or our harness over it (at the
-# module's top or in the test), or compiling for a TPU topology, which libtpu describes (in the test, or in a module
-# constant it names).
+# What shows that a test needs an extra (tests/helpers/extras.py): importing lm-eval or our harness over it, or TRL
+# (at the module's top or in the test), or compiling for a TPU topology, which libtpu describes (in the test, or in
+# a module constant it names).
 EVAL_IMPORTS = re.compile(r"lm_eval(\..*)?|refusion_jax\.(evaluation\.)?harness")
+TRL_IMPORTS = re.compile(r"trl(\..*)?")
 TPU_CODE = re.compile(r"--topology=|topology_devices\(")
 
 
@@ -155,6 +156,7 @@ def _unmarked_needs(path: pathlib.Path) -> list[str]:
     needs = {
       "eval": any(EVAL_IMPORTS.fullmatch(name) for name in module_imports | _imported(list(ast.walk(test)))),
       "tpu": bool(TPU_CODE.search(code)),
+      "trl": any(TRL_IMPORTS.fullmatch(name) for name in module_imports | _imported(list(ast.walk(test)))),
     }
     marks = constants.get("pytestmark", "") + "\n".join(segment(d) for d in test.decorator_list)
     for extra in (e for e, needed in needs.items() if needed):
@@ -170,6 +172,6 @@ def test_every_test_that_needs_an_extra_is_marked_so_ci_runs_it():
   tests = REPO / "tests"
   unmarked = [found for path in sorted(tests.glob("test_*.py")) for found in _unmarked_needs(path)]
   assert not unmarked, f"mark them @pytest.mark.extra(name) (tests/helpers/extras.py): {unmarked}"
-  own_skip = re.compile(r"""(importorskip|find_spec)\(\s*["'](lm_eval|libtpu)""")
+  own_skip = re.compile(r"""(importorskip|find_spec)\(\s*["'](lm_eval|libtpu|trl)""")
   offenders = [str(p.relative_to(tests)) for p in tests.rglob("*.py") if own_skip.search(p.read_text(encoding="utf-8"))]
   assert offenders == [], f"skip for a missing extra through helpers/extras.py, not by hand: {offenders}"

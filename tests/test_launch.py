@@ -134,6 +134,17 @@ def test_restarting_runs_the_command_again_on_status_75_at_most_max_restarts_tim
   assert "after 1 restarts: giving up" in out.stderr
 
 
+def test_restarting_runs_a_killed_command_again_and_stops_on_other_statuses(tmp_path):
+  runs = tmp_path / "runs"
+  # Killed by SIGKILL (137) once, then 1: one restart, then status 1, which is not restarted.
+  body = 'echo run >> "$RUNS"; n=$(wc -l < "$RUNS"); if [ "$n" -lt 2 ]; then kill -9 $$; fi; exit 1'
+  env = dict(os.environ, RUNS=str(runs), RESTART_DELAY_S="0")
+  script = os.path.join(REPO, "launch", "restarting.sh")
+  out = subprocess.run(["bash", script, "5", "sh", "-c", body], capture_output=True, text=True, env=env, timeout=60)
+  assert out.returncode == 1 and runs.read_text().count("run") == 2
+  assert "status 137 (this process was killed" in out.stderr and "restart 1 of 5" in out.stderr
+
+
 def test_paper_table_dry_run_runs_each_task_with_its_settings(no_cloud_tools):
   env, calls = no_cloud_tools
   lines = dry_run("paper_table.sh", ["--batch_size=8", "--prompts=/src/ReFusion", "/ckpt", "out", "--limit", "5"], env)

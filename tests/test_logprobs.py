@@ -1,18 +1,19 @@
 """Per-token log-probabilities from the loop (`DecodeResult.logprobs`, `.rollout`), the sampling filters
 (`scoring.SamplingRule`: top_k, top_p, min_p per request, no recompilation) and the speculative rule's basic
 promises (docs/sampling.md, "Sampling fields" and "Log-probabilities"; docs/method.md §6). The exactness proof of
-the speculative rule (enumeration, frequencies) and the replay are in tests/test_rl_replay.py."""
+the speculative rule (enumeration, frequencies) is tests/test_rl_exactness.py, the replay's tests
+tests/test_rl_replay.py."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers.decode_cases import random_weights
 
 import refusion_jax as rj
 from refusion_jax.decoding.loop import compile_count
 from refusion_jax.model.config import tiny
 from refusion_jax.model.transformer import init_model
-from tests.helpers.decode_cases import random_weights
 
 VOCAB = 48
 MASK, EOS = VOCAB - 1, VOCAB - 2
@@ -154,8 +155,8 @@ def test_bad_filters_are_refused_by_name(model):
     rj.ReFusion(acceptance="greedy")
 
 
-@pytest.mark.parametrize("serial_blocks", [1, 2])
-def test_speculative_decodes_are_batch_invariant_and_greedy_is_plan_then_ar_argmax(model, serial_blocks):
+def test_speculative_decodes_are_batch_invariant_and_greedy_is_plan_then_ar_argmax(model):
+  serial_blocks = 2
   prompts = _prompts(6, 4)
   method = rj.ReFusion(
     gen_length=8, slot_size=2, serial_blocks=serial_blocks, temperature=0.8, acceptance="speculative"

@@ -1,6 +1,7 @@
 """Pod faults (training/faults.py): a process of a two-process run killed (SIGKILL) or stopped (SIGSTOP) ends the
 other within seconds, with one line and the restart status, and running the job again resumes from the checkpoint
-that line names; the step watchdog leaves compiling, evaluating and saving alone."""
+that line names; process 0 too, whose coordination service runs apart (training/coordinator.py); the step watchdog
+leaves compiling, evaluating and saving alone, and times the start of a run."""
 
 import re
 import signal
@@ -8,13 +9,16 @@ import time
 
 import ml_collections
 import pytest
-from helpers.pod_faults import LINE, LONG, fault_one, logs, start, steps
+from helpers.pod_faults import LINE, LONG, fault_one, logs, service_processes, start, steps
 
 from refusion_jax.training import faults
 
 
-def _faults(heartbeat_timeout_s: float = 10, step_timeout_s: float = 0.5) -> ml_collections.ConfigDict:
-  return ml_collections.ConfigDict(dict(heartbeat_timeout_s=heartbeat_timeout_s, step_timeout_s=step_timeout_s))
+def _faults(heartbeat_timeout_s: float = 10, step_timeout_s: float = 0.5, **more: float) -> ml_collections.ConfigDict:
+  settings = {"startup_timeout_s": 60, "initialization_timeout_s": 60, "shutdown_timeout_s": 60, **more}
+  return ml_collections.ConfigDict(
+    dict(heartbeat_timeout_s=heartbeat_timeout_s, step_timeout_s=step_timeout_s, **settings)
+  )
 
 
 class _Exits:
@@ -34,6 +38,8 @@ def test_a_long_first_step_evaluation_or_save_does_not_trip_the_step_watchdog(tm
   exits = _Exits()
   watch = faults.FaultWatch(_faults(step_timeout_s=0.2), str(tmp_path), exit_=exits)
   try:
+    watch.starting("restoring its newest checkpoint")
+    time.sleep(0.4)  # the start of the run: longer than the step timeout
     watch.step_begins(1, timed=False)  # the first step compiles
     time.sleep(0.8)  # longer than the step timeout, shorter than _PAUSE_FACTOR of them
     watch.step_begins(2)
@@ -83,11 +89,44 @@ def test_a_save_that_never_ends_is_a_stall_too(tmp_path, capsys):
   assert "saving at step 4 did not end in " in capsys.readouterr().err
 
 
+def test_a_start_that_never_reaches_its_first_step_ends_the_run(tmp_path, capsys):
+  exits = _Exits()
+  watch = faults.FaultWatch(_faults(heartbeat_timeout_s=1, startup_timeout_s=0.5), str(tmp_path), exit_=exits)
+  try:
+    watch.starting("restoring its newest checkpoint")  # a filesystem that stopped answering
+    _wait_for_exit(exits)
+  finally:
+    watch.close()
+  assert exits.statuses == [faults.RESTART_STATUS]
+  process, what, step, resume = LINE.search(capsys.readouterr().err).groups()
+  assert (process, step, resume) == ("0", "0", "the start (no checkpoint was complete)")
+  assert re.fullmatch(
+    r"the start of this run \(restoring its newest checkpoint\) did not end in \d s \(faults.startup_timeout_s=0.5\)",
+    what,
+  )
+
+
+def test_processes_that_do_not_all_join_end_this_one_with_the_restart_status(tmp_path, capsys):
+  exits = _Exits()
+  with faults.joining(_faults(initialization_timeout_s=0.2), str(tmp_path), index=1, exit_=exits):
+    _wait_for_exit(exits)  # jax.distributed.initialize waiting for a process that never comes
+  assert exits.statuses == [faults.RESTART_STATUS]
+  line = re.search(
+    r"refusion_jax: process 1: (.*)\. Nothing was trained in this start; a restart resumes from",
+    capsys.readouterr().err,
+  )
+  assert line is not None and line.group(1).startswith("the job's processes did not all join within 0.2 s")
+  # JAX's own timeout, which aborts the process, comes later.
+  assert faults.jax_distributed_timeouts(_faults(initialization_timeout_s=300))["initialization_timeout"] > 300
+
+
 def test_timeouts_that_cannot_work_are_refused_naming_the_field():
   with pytest.raises(ValueError, match="faults.heartbeat_timeout_s"):
     faults.jax_distributed_timeouts(_faults(heartbeat_timeout_s=0))
   with pytest.raises(ValueError, match="faults.step_timeout_s"):
     faults.jax_distributed_timeouts(_faults(step_timeout_s=-1))
+  with pytest.raises(ValueError, match="faults.startup_timeout_s"):
+    faults.jax_distributed_timeouts(_faults(startup_timeout_s=-1))
 
 
 # ------------------------------------------------------------------ two processes, one lost or stopped
@@ -126,17 +165,17 @@ def test_a_killed_or_stopped_process_ends_the_job_with_a_line_and_a_restart_resu
   assert line.group(1) == "0" and re.match(r"process 1 \(host .+\) was lost: no heartbeat for", line.group(2))
   print(f"SIGKILL: process 0 exited {seconds:.1f} s after the fault, naming step {resume}")
 
-  # A stalled process (SIGSTOP of process 0, the coordinator): found by the step watchdog of process 1.
+  # A stalled process (SIGSTOP of process 0): found by the step watchdog of process 1.
   restarted = start(tmp_path, *job)
   first_resume = resume
   stopped_at, line, resume = _ended_by_its_line(tmp_path, restarted, signal.SIGSTOP, victim=0, after=resume)
   assert f"Resumed from {tmp_path / 'checkpoints'} at step {first_resume}." in logs(tmp_path)[0]
   assert stopped_at < step_timeout_s + 30
   # The step watchdog names the process that did not arrive; when process 1 was saving (a phase the watchdog gives
-  # more time), the heartbeats find the coordinator silent first.
+  # more time), the heartbeats find process 0 silent first.
   watchdog = f"s (faults.step_timeout_s={step_timeout_s}); processes that did not arrive: 0 (host "
   assert line.group(1) == "1", line.group(0)
-  assert watchdog in line.group(2) or line.group(2).startswith("lost contact with process 0"), line.group(0)
+  assert watchdog in line.group(2) or re.match(r"process 0 \(host .+\) was lost", line.group(2)), line.group(0)
   print(f"SIGSTOP: process 1 exited {stopped_at:.1f} s after the fault, naming step {resume}")
 
   # The job run again resumes from the checkpoint named and runs to its end (here: 3 steps more).
@@ -144,3 +183,24 @@ def test_a_killed_or_stopped_process_ends_the_job_with_a_line_and_a_restart_resu
   final = logs(tmp_path)
   assert statuses == [0, 0], final
   assert f"at step {resume}." in final[0] and f"Stopping at step {resume + 3} (stop_after_step)" in final[0], final[0]
+
+
+def test_a_killed_process_0_ends_the_other_with_a_line_and_a_restart_finishes_the_run(tmp_path, shared):
+  """Process 0 runs no coordination service: its own process does (training/coordinator.py), which outlives it
+  (in process 0, JAX would abort the other process at once, status 134) and ends with the job."""
+  job = (shared, LONG)
+  processes = start(tmp_path, *job)
+  seconds, line, resume = _ended_by_its_line(tmp_path, processes, signal.SIGKILL, victim=0, after=0)
+  assert seconds < 30
+  assert line.group(1) == "1" and re.match(r"process 0 \(host .+\) was lost: no heartbeat for", line.group(2))
+  print(f"SIGKILL of process 0: process 1 exited {seconds:.1f} s after the fault, naming step {resume}")
+
+  restarted = start(tmp_path, *job, f"--config.stop_after_step={resume + 1}")
+  statuses = [p.wait(timeout=240) for p in restarted]
+  final = logs(tmp_path)
+  assert statuses == [0, 0], final
+  assert f"at step {resume}." in final[0] and f"Stopping at step {resume + 1} (stop_after_step)" in final[0], final[0]
+  deadline = time.monotonic() + 10  # the service process exits with its last client
+  while service_processes() and time.monotonic() < deadline:
+    time.sleep(0.2)
+  assert not service_processes()

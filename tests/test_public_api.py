@@ -19,6 +19,7 @@ LIBRARY_PACKAGES = (
   "evaluation",
   "benchmarks",
   "serving",
+  "rl",
   "data",
   "parallel",
 )
@@ -52,7 +53,7 @@ def test_internals_are_not_exported():
       getattr(rj, internal)
 
 
-# Which packages each library package may import: entry points -> evaluation -> benchmarks -> serving ->
+# Which packages each library package may import: entry points -> evaluation -> benchmarks -> serving / rl ->
 # training/decoding -> checkpoints/data -> model/parallel, never back up (eval's runner times its batches with the
 # benchmarks' timer). `deprecation.py` (old names forwarded with a warning) sits below them all.
 BELOW_EVERY_PACKAGE = {"deprecation"}
@@ -64,6 +65,7 @@ ALLOWED_IMPORTS = {
   "decoding": {"decoding", "data", "model", "parallel"},
   "training": {"training", "decoding", "checkpoints", "data", "model", "parallel"},
   "serving": {"serving", "decoding", "data", "model", "parallel"},
+  "rl": {"rl", "training", "decoding", "checkpoints", "data", "model", "parallel"},
   "benchmarks": {"benchmarks", "serving", "training", "decoding", "checkpoints", "data", "model", "parallel"},
   "evaluation": {
     "evaluation",

@@ -90,6 +90,13 @@ def test_the_answer_ends_at_its_eos_or_its_token_limit():
   assert short.finish_reason == FINISH_LENGTH
 
 
+def test_a_stop_id_ends_the_answer_as_the_eos_does_without_its_text():
+  stream = TextStream(TOKENIZER, EOS, 64, stop_ids=(ord("\n"),))
+  assert stream.update(TOKENIZER.encode("one")) == "one"
+  assert stream.update(TOKENIZER.encode("one\ntwo")) == ""
+  assert (stream.text, stream.finish_reason, stream.tokens) == ("one", FINISH_STOP, TOKENIZER.encode("one\n"))
+
+
 def test_stop_string_helpers():
   assert first_stop("a stop here, STOP", ("STOP", "here")) == 7
   assert first_stop("nothing", ("STOP",)) is None
@@ -104,6 +111,7 @@ def test_stop_string_helpers():
 def test_bad_stop_strings_say_what_to_send(stops, message):
   with pytest.raises(ValueError, match=message):
     check_stop_strings(stops)
+  assert check_stop_strings(["a"] * 16, limit=16) == ("a",) * 16  # a server allows more (--max_stop)
   assert check_stop_strings("one") == ("one",)
   assert check_stop_strings(None) == ()
 

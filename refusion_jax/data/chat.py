@@ -6,20 +6,46 @@ chat endpoint (`refusion_jax.serving`) show the model.
 formatted; a benchmark's prompt may hold a system message, few-shot turns and
 an assistant turn already begun, which only the checkpoint's own template
 (`HFTokenizer.chat_template`) renders as the model expects. jinja2 comes with
-the `eval` extra (lm-eval needs it); it is imported only here, when a chat is
-rendered.
+the `eval` and `serve` extras; it is imported only here, when a template is
+first compiled (`compiled_template`, once per template).
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from refusion_jax.data.tokenizer import HFTokenizer, Tokenizer
 
 # transformers' marker for continuing the final message: appended to it, the rendered chat is cut where it is.
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+@functools.lru_cache(maxsize=8)
+def compiled_template(template: str) -> Any:
+  """`template` compiled once in jinja2's immutable sandbox with transformers' globals and filters (a server
+  renders every chat with one template: compiling it per request cost more than rendering)."""
+  import jinja2
+  import jinja2.ext
+  import jinja2.sandbox
+
+  def raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+  def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers' filter: jinja's own escapes HTML characters.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+  env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+    trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+  )
+  env.filters["tojson"] = tojson
+  env.globals["raise_exception"] = raise_exception
+  env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+  return env.from_string(template)
 
 
 def render_chat(
@@ -38,27 +64,10 @@ def render_chat(
     enable_thinking: passed to the template (Qwen3's: False adds an empty think block).
     special_tokens: spellings the template may use (bos_token, eos_token).
   """
-  import jinja2
-  import jinja2.ext
-  import jinja2.sandbox
-
-  def raise_exception(message: str):
-    raise jinja2.exceptions.TemplateError(message)
-
-  def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # transformers' filter: jinja's own escapes HTML characters.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-  env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-    trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-  )
-  env.filters["tojson"] = tojson
-  env.globals["raise_exception"] = raise_exception
-  env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
   messages = [dict(m) for m in messages]
   if not add_generation_prompt:
     messages[-1]["content"] += _CONTINUE_TAG
-  text = env.from_string(template).render(
+  text = compiled_template(template).render(
     messages=messages, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking, **special_tokens
   )
   if add_generation_prompt:

@@ -200,6 +200,11 @@ def solve(task: str, query: str) -> str:
   return _task(task).solve(query)
 
 
+def graded_part(task: str) -> Callable[[str], str]:
+  """The part of a response to `task` that is graded (all of it, but for "add_steps": the final sum)."""
+  return _task(task).graded
+
+
 def _normalize(text: str) -> str:
   return " ".join(text.split())
 

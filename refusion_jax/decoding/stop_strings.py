@@ -12,23 +12,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-# OpenAI's limits on `stop`: at most 4 strings; ours also bound their length, so a request cannot make
-# every check of a growing answer costly.
+# OpenAI's limit on `stop` is 4 strings; lm-eval sends a task's whole `until` list plus the EOS, so callers may
+# allow more (the server's --max_stop). The length bound keeps every check of a growing answer cheap.
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 256
 
 
-def check_stop_strings(stops: str | Sequence[str] | None) -> tuple[str, ...]:
+def check_stop_strings(stops: str | Sequence[str] | None, limit: int = MAX_STOP_STRINGS) -> tuple[str, ...]:
   """`stops` as a tuple of non-empty strings (None or one string accepted).
 
+  Args:
+    limit: the most strings allowed.
+
   Raises:
-    ValueError: more than MAX_STOP_STRINGS, an empty one, or one longer than MAX_STOP_LENGTH characters.
+    ValueError: more than `limit`, an empty one, or one longer than MAX_STOP_LENGTH characters.
   """
   if stops is None:
     return ()
   stops = (stops,) if isinstance(stops, str) else tuple(stops)
-  if len(stops) > MAX_STOP_STRINGS:
-    raise ValueError(f"stop has {len(stops)} strings; give at most {MAX_STOP_STRINGS}.")
+  if len(stops) > limit:
+    raise ValueError(f"stop has {len(stops)} strings; give at most {limit}.")
   for stop in stops:
     if not isinstance(stop, str) or not stop:
       raise ValueError(f"stop strings must be non-empty strings; got {stop!r}.")

@@ -35,8 +35,9 @@ class TextStream:
     eos_id: the answer ends after this id (`checks.NO_TOKEN`, -1: never).
     max_tokens: the answer ends after this many tokens.
     stops: stop strings (`stop_strings.check_stop_strings`).
+    stop_ids: token ids that end the answer as the EOS does, their own text left out (OpenAI's `stop_token_ids`).
     text: the text sent so far.
-    tokens: the answer's ids that `text` was read from (cut after the EOS and at max_tokens).
+    tokens: the answer's ids that `text` was read from (cut after the EOS or a stop id, and at max_tokens).
     finish_reason: None while the answer may grow, else FINISH_STOP or FINISH_LENGTH.
   """
 
@@ -44,6 +45,7 @@ class TextStream:
   eos_id: int
   max_tokens: int
   stops: tuple[str, ...] = ()
+  stop_ids: tuple[int, ...] = ()
   text: str = ""
   tokens: list[int] = dataclasses.field(default_factory=list)
   finish_reason: str | None = None
@@ -62,11 +64,14 @@ class TextStream:
     if self.finish_reason is not None:
       return ""
     tokens = [int(t) for t in prefix[: self.max_tokens]]
-    eos = tokens.index(self.eos_id) if self.eos_id in tokens else None
+    ends = (self.eos_id, *self.stop_ids)
+    eos = next((at for at, token in enumerate(tokens) if token in ends), None)
+    shown = tokens
     if eos is not None:
       tokens = tokens[: eos + 1]
+      shown = tokens if tokens[eos] == self.eos_id else tokens[:eos]  # a stop id's own text is not sent
     ended = final or eos is not None or len(tokens) == self.max_tokens
-    full = self.tokenizer.decode(tokens)
+    full = self.tokenizer.decode(shown)
     if not ended:
       full = full.rstrip(REPLACEMENT_CHARACTER)
     end, stopped = settled_cut(full, self.stops, final=ended)

@@ -1,12 +1,13 @@
 """The OpenAI API's request and response bodies, as pydantic models (what FastAPI validates and documents).
 
 Requests accept the fields of OpenAI's `/v1/completions` and
-`/v1/chat/completions`; unknown fields are refused, and so are the fields this
-server cannot honour (`unsupported`: more than one choice, log
-probabilities, penalties, ...) with a message naming the field. Responses
-carry OpenAI's fields and ours in an extra object, `refusion`
-(`DecodeStats`: forwards, tokens per forward, decode seconds, the token limit
-applied).
+`/v1/chat/completions`, and vLLM's sampling extensions (`top_k`, `min_p`,
+`stop_token_ids`); unknown fields are refused, and so are the fields this
+server cannot honour (`unsupported`: penalties, top alternatives' log
+probabilities, tools, ...) with a message naming the field. Responses carry
+OpenAI's fields and ours in an extra object, `refusion` (`DecodeStats`:
+forwards, tokens per forward, decode seconds, the token limit applied), on
+each choice and, for a single choice, on the response.
 """
 
 from __future__ import annotations
@@ -18,8 +19,20 @@ import pydantic
 from refusion_jax.serving.errors import bad_request
 
 
+class StreamOptions(pydantic.BaseModel):
+  """OpenAI's `stream_options`: `include_usage` adds a last chunk with the usage and no choices."""
+
+  model_config = pydantic.ConfigDict(extra="forbid")
+  include_usage: bool = False
+
+
 class GenerationRequest(pydantic.BaseModel):
-  """What both endpoints take. Unset sampling fields take the server's settings (its command line)."""
+  """What both endpoints take. Unset sampling fields take the server's settings (its command line).
+
+  `top_k`, `top_p` and `min_p` filter the distribution each token is drawn from (vLLM's order: top_k, top_p,
+  min_p on the tempered distribution); they change nothing at temperature 0 (greedy). `n` answers per prompt
+  draw with seeds seed, seed + 1, ... .
+  """
 
   model_config = pydantic.ConfigDict(extra="forbid")
 
@@ -28,20 +41,36 @@ class GenerationRequest(pydantic.BaseModel):
   temperature: float | None = pydantic.Field(default=None, ge=0.0, le=2.0)
   seed: int | None = pydantic.Field(default=None, ge=0, lt=2**63)
   stop: str | list[str] | None = None
+  stop_token_ids: list[int] | None = None
   stream: bool = False
-  stream_options: dict[str, Any] | None = None
-  n: int = 1
-  top_p: float | None = None
+  stream_options: StreamOptions | None = None
+  n: int = pydantic.Field(default=1, ge=1)
+  top_p: float | None = pydantic.Field(default=None, gt=0.0, le=1.0)
+  top_k: int | None = pydantic.Field(default=None, ge=-1)
+  min_p: float | None = pydantic.Field(default=None, ge=0.0, le=1.0)
   presence_penalty: float | None = None
   frequency_penalty: float | None = None
   logit_bias: dict[str, float] | None = None
   user: str | None = None
 
+  def filters(self) -> dict[str, float]:
+    """The sampling filters as `Engine.submit` takes them (top_k -1 or 0: off, as vLLM reads it)."""
+    return dict(
+      top_k=max(self.top_k or 0, 0),
+      top_p=1.0 if self.top_p is None else self.top_p,
+      min_p=self.min_p or 0.0,
+    )
+
+  def wants_logprobs(self) -> bool:
+    return False
+
   def unsupported(self) -> None:
     """Refuse (400) a field this server cannot honour, naming it and what to send instead."""
     refused = {
-      "n": (self.n != 1, "this server returns one choice per request: send n=1 (or leave it out)"),
-      "top_p": (self.top_p not in (None, 1.0), "nucleus sampling is not supported: leave top_p out"),
+      "stream_options": (
+        self.stream_options is not None and not self.stream,
+        "stream_options applies to streamed answers: send it with stream=true, or leave it out",
+      ),
       "presence_penalty": (bool(self.presence_penalty), "penalties are not supported: leave presence_penalty out"),
       "frequency_penalty": (bool(self.frequency_penalty), "penalties are not supported: leave frequency_penalty out"),
       "logit_bias": (bool(self.logit_bias), "logit_bias is not supported: leave it out"),
@@ -58,32 +87,40 @@ class GenerationRequest(pydantic.BaseModel):
 
 
 class CompletionRequest(GenerationRequest):
-  """`POST /v1/completions`: one prompt (text or token ids)."""
+  """`POST /v1/completions`: one prompt or a list of them (texts or token ids); choice p·n + i is the i-th answer
+  to prompt p, as OpenAI indexes them.
+
+  `logprobs` 0 returns each answer token's log-probability (OpenAI's `logprobs` object, whose `top_logprobs`
+  hold the chosen token alone); more alternatives are not computed.
+  """
 
   prompt: str | list[str] | list[int] | list[list[int]]
-  logprobs: int | None = None
+  logprobs: int | None = pydantic.Field(default=None, ge=0)
   echo: bool = False
   best_of: int | None = None
   suffix: str | None = None
 
+  def wants_logprobs(self) -> bool:
+    return self.logprobs is not None
+
   def _refused(self) -> dict[str, tuple[bool, str]]:
-    one = not isinstance(self.prompt, list) or len(self.prompt) == 0 or isinstance(self.prompt[0], int)
     return {
-      "prompt": (not one and len(self.prompt) != 1, "send one prompt per request (a string or a list of token ids)"),
-      "logprobs": (self.logprobs is not None, "log probabilities are not returned: leave logprobs out"),
+      "logprobs": (
+        bool(self.logprobs),
+        "only each answer token's own log-probability is computed, not the top alternatives: send logprobs=0",
+      ),
       "echo": (self.echo, "the prompt is not echoed: leave echo out"),
       "best_of": (self.best_of not in (None, 1), "best_of is not supported: leave it out"),
       "suffix": (self.suffix is not None, "insertion (suffix) is not supported: leave it out"),
     }
 
-  def one_prompt(self) -> str | list[int]:
-    """The prompt as text or as token ids (after `unsupported`, there is exactly one)."""
+  def prompts(self) -> list[str | list[int]]:
+    """The prompts, each a text or a list of token ids."""
     prompt = self.prompt
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-      prompt = prompt[0]
-    if not prompt:
-      raise bad_request("prompt is empty; give at least one character or token id.", param="prompt")
-    return prompt
+    prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
+    if not prompts or any(not p for p in prompts):
+      raise bad_request("prompt is empty; give at least one character or token id in each prompt.", param="prompt")
+    return prompts
 
 
 class TextPart(pydantic.BaseModel):
@@ -107,21 +144,36 @@ class ChatMessage(pydantic.BaseModel):
 
 
 class ChatCompletionRequest(GenerationRequest):
-  """`POST /v1/chat/completions`: a chat, rendered by the checkpoint's chat template."""
+  """`POST /v1/chat/completions`: a chat, rendered by the checkpoint's chat template.
+
+  `logprobs: true` returns each answer token's log-probability (`choices[].logprobs.content`); `top_logprobs`
+  above 0 is refused (alternatives are not computed). `tool_choice: "none"` is accepted; tools are not.
+  """
 
   messages: list[ChatMessage] = pydantic.Field(min_length=1)
   max_completion_tokens: int | None = None
   logprobs: bool | None = None
-  top_logprobs: int | None = None
+  top_logprobs: int | None = pydantic.Field(default=None, ge=0)
   tools: list[dict[str, Any]] | None = None
   tool_choice: Any = None
   response_format: dict[str, Any] | None = None
 
+  def wants_logprobs(self) -> bool:
+    return bool(self.logprobs)
+
   def _refused(self) -> dict[str, tuple[bool, str]]:
     both = self.max_tokens is not None and self.max_completion_tokens is not None
     return {
-      "logprobs": (bool(self.logprobs) or self.top_logprobs is not None, "log probabilities are not returned"),
-      "tools": (bool(self.tools) or self.tool_choice is not None, "tool calls are not supported: leave tools out"),
+      "top_logprobs": (
+        bool(self.top_logprobs),
+        "only each answer token's own log-probability is computed, not the top alternatives: send logprobs=true "
+        "without top_logprobs (or top_logprobs=0)",
+      ),
+      "tools": (bool(self.tools), "tool calls are not supported: leave tools out"),
+      "tool_choice": (
+        self.tool_choice not in (None, "none"),
+        'tool calls are not supported: leave tool_choice out or send "none"',
+      ),
       "response_format": (
         self.response_format not in (None, {"type": "text"}),
         'only plain text is returned: leave response_format out (or {"type": "text"})',
@@ -135,6 +187,23 @@ class ChatCompletionRequest(GenerationRequest):
     super().unsupported()
 
 
+class TokenizeRequest(pydantic.BaseModel):
+  """vLLM's `POST /tokenize` (lm-eval's remote tokenizer): a text's ids, as the server reads a prompt."""
+
+  model_config = pydantic.ConfigDict(extra="forbid")
+  prompt: str
+  model: str | None = None
+  add_special_tokens: bool = True
+
+
+class DetokenizeRequest(pydantic.BaseModel):
+  """vLLM's `POST /detokenize`: the text of token ids."""
+
+  model_config = pydantic.ConfigDict(extra="forbid")
+  tokens: list[int]
+  model: str | None = None
+
+
 class Usage(pydantic.BaseModel):
   prompt_tokens: int
   completion_tokens: int
@@ -146,11 +215,12 @@ class DecodeStats(pydantic.BaseModel):
 
   forwards: model forwards the request's row took part in (its prefill included).
   tokens_per_forward: answer tokens per forward (TPF).
-  decode_seconds: from admission into a row to the answer's end.
-  queue_seconds: from arrival to admission.
+  decode_seconds: from the start of its row's decode to the answer's end.
+  queue_seconds: from arrival to the start of its row's decode (the wait for a free row included).
   max_tokens: the token limit applied: the request's rounded up to the slot grid, capped by gen_length.
   gen_length: the server's answer length G.
   temperature, seed: the sampling applied (the request's, else the server's; a seed drawn for it if neither).
+  top_k, top_p, min_p: the filters applied (0, 1 and 0 filter nothing).
   """
 
   forwards: int
@@ -161,13 +231,27 @@ class DecodeStats(pydantic.BaseModel):
   gen_length: int
   temperature: float
   seed: int
+  top_k: int = 0
+  top_p: float = 1.0
+  min_p: float = 0.0
+
+
+class CompletionLogprobs(pydantic.BaseModel):
+  """OpenAI's legacy `logprobs` object: the answer's tokens, each one's log-probability under the distribution it
+  was drawn from, where its text begins in the answer, and (logprobs=0) the chosen token alone as the top."""
+
+  tokens: list[str]
+  token_logprobs: list[float]
+  text_offset: list[int]
+  top_logprobs: list[dict[str, float]]
 
 
 class CompletionChoice(pydantic.BaseModel):
   index: int = 0
   text: str
-  logprobs: None = None
+  logprobs: CompletionLogprobs | None = None
   finish_reason: Literal["stop", "length"] | None
+  refusion: DecodeStats | None = None
 
 
 class CompletionResponse(pydantic.BaseModel):
@@ -185,11 +269,25 @@ class AssistantMessage(pydantic.BaseModel):
   content: str
 
 
+class TokenLogprob(pydantic.BaseModel):
+  """One answer token in chat's `logprobs.content`: its text, log-probability and UTF-8 bytes."""
+
+  token: str
+  logprob: float
+  bytes: list[int] | None
+  top_logprobs: list[dict[str, Any]] = []
+
+
+class ChatLogprobs(pydantic.BaseModel):
+  content: list[TokenLogprob]
+
+
 class ChatChoice(pydantic.BaseModel):
   index: int = 0
   message: AssistantMessage
-  logprobs: None = None
+  logprobs: ChatLogprobs | None = None
   finish_reason: Literal["stop", "length"] | None
+  refusion: DecodeStats | None = None
 
 
 class ChatCompletionResponse(pydantic.BaseModel):
@@ -199,7 +297,7 @@ class ChatCompletionResponse(pydantic.BaseModel):
   model: str
   choices: list[ChatChoice]
   usage: Usage
-  refusion: DecodeStats
+  refusion: DecodeStats | None = None
 
 
 class Delta(pydantic.BaseModel):
@@ -210,7 +308,7 @@ class Delta(pydantic.BaseModel):
 class ChatChunkChoice(pydantic.BaseModel):
   index: int = 0
   delta: Delta
-  logprobs: None = None
+  logprobs: ChatLogprobs | None = None
   finish_reason: Literal["stop", "length"] | None = None
 
 

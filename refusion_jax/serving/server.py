@@ -2,11 +2,15 @@
 
 `build_server` compiles a decode loop for each bucket of a ladder of prompt
 buckets (`decoding.ladder.EngineLadder`: one placement of the weights, one
-prefix cache), warms each with requests of mixed lengths, temperatures and
-seeds (so nothing compiles once clients come: /metrics shows the count), says
-what it serves, and returns a uvicorn server whose SIGTERM first makes the
-decode worker refuse new requests (503), then lets held ones finish within
-`shutdown_seconds`, then ends what is left.
+prefix cache), warms each with requests of mixed lengths, temperatures, seeds,
+sampling filters, stop strings and ids, with and without log-probabilities (so
+nothing compiles once clients come: /metrics shows the count; a warm-up request
+that fails stops the start with its cause, `ServerFailure`), says what it
+serves, and returns a uvicorn server whose SIGTERM first makes the decode
+worker refuse new requests (503), then lets held ones finish within
+`shutdown_seconds`, then ends what is left. A `Watchdog` ends the server, with
+a failure, when the engine cannot recover: its thread died or a loop call has
+not returned within `watchdog_seconds` (docs/serving.md, "Health and metrics").
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -28,8 +33,8 @@ from refusion_jax.decoding.loop import compile_count
 from refusion_jax.decoding.options import DecodeOptions
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer
-from refusion_jax.serving.app import create_app
-from refusion_jax.serving.worker import DecodeWorker, Job
+from refusion_jax.serving.app import DEFAULT_MAX_STOP, DEFAULT_WATCHDOG_SECONDS, create_app
+from refusion_jax.serving.worker import DecodeWorker, Job, Update
 
 logger = logging.getLogger("refusion_jax.serving")
 
@@ -43,7 +48,8 @@ class ServerOptions:
   `max_prompt_tokens` the longest prompt (None: what fits the model's context with an answer of G tokens);
   `prompt_buckets` the ladder (None: `ladder.default_buckets`) and `bucket_rows` each bucket's rows (None:
   `ladder.default_bucket_rows` of K); `seed` is the sampling seed of requests that give none (None: a new random
-  one for each).
+  one for each); `max_stop` bounds a request's stop strings and stop ids; `watchdog_seconds` is how long a loop
+  call may run before the server reports itself unhealthy and exits (`Watchdog`).
   """
 
   method: Method
@@ -58,42 +64,118 @@ class ServerOptions:
   max_body_bytes: int = 1 << 20
   shutdown_seconds: int = 30
   log_level: str = "info"
+  max_stop: int = DEFAULT_MAX_STOP
+  watchdog_seconds: float = DEFAULT_WATCHDOG_SECONDS
+
+
+class ServerFailure(RuntimeError):
+  """The server cannot serve: its warm-up failed, or its engine died or hung (`Watchdog`); the process exits 1."""
 
 
 class Server(uvicorn.Server):
-  """uvicorn's server; a stop signal first turns new requests away (the decode worker drains)."""
+  """uvicorn's server; a stop signal first turns new requests away (the decode worker drains).
 
-  def __init__(self, config: uvicorn.Config, worker: DecodeWorker):
+  Attributes:
+    failure: why the server stopped on its own (`fail`), None after a stop signal.
+  """
+
+  def __init__(self, config: uvicorn.Config, worker: DecodeWorker, hard_exit_seconds: float = 60.0):
     super().__init__(config)
-    self.worker = worker
+    self.worker, self.hard_exit_seconds = worker, hard_exit_seconds
+    self.failure: str | None = None
 
   def handle_exit(self, sig: int, frame: Any) -> None:
     self.worker.drain()
     super().handle_exit(sig, frame)
 
+  def fail(self, reason: str) -> None:
+    """Stop serving because the engine cannot recover; `run` returns and the caller exits 1 (`ServerFailure`). A
+    hung device call may keep the process from ending: it is ended with status 1 after `hard_exit_seconds`."""
+    self.failure = reason
+    self.worker.drain()
+    self.should_exit = True
+    timer = threading.Timer(self.hard_exit_seconds, lambda: os._exit(1))
+    timer.daemon = True
+    timer.start()
 
-def warm_up(worker: DecodeWorker, vocab_size: int) -> None:
+
+class Watchdog:
+  """A thread that checks the engine's `liveness` every `period` seconds and calls `on_failure(reason)` once
+  when it fails (after ending the requests held with a 503 naming the reason)."""
+
+  def __init__(self, worker: DecodeWorker, seconds: float, on_failure: Callable[[str], None], period: float = 1.0):
+    self.worker, self.seconds, self.on_failure, self.period = worker, seconds, on_failure, period
+    self._stopped = threading.Event()
+    self._thread = threading.Thread(target=self._watch, name="refusion-watchdog", daemon=True)
+
+  def start(self) -> Watchdog:
+    self._thread.start()
+    return self
+
+  def stop(self) -> None:
+    self._stopped.set()
+
+  def _watch(self) -> None:
+    while not self._stopped.wait(self.period):
+      reason = self.worker.liveness(self.seconds)
+      if reason is not None:
+        logger.critical("the server cannot recover: %s; ending it", reason)
+        self.worker.abandon(reason)
+        self.on_failure(reason)
+        return
+
+
+# The warm-up's requests besides one per prompt bucket: (prompt length: "third" of the longest or a count,
+# temperature, seed, more `Job` fields).
+_WARM_UP = (
+  (1, 0.0, 0, dict(logprobs=True)),
+  ("third", 1.3, 2, dict(top_p=0.9, min_p=0.05, stop_ids=(3,))),
+  (2, 0.0, 3, {}),
+)
+# What each prompt bucket's request brings (its longest prompt, sampled; the same ids cut at several lengths, so
+# the prompts share prefixes).
+_WARM_UP_BUCKET = (0.7, 1, dict(top_k=5, logprobs=True))
+
+
+def warm_up(worker: DecodeWorker, vocab_size: int, timeout: float = DEFAULT_WATCHDOG_SECONDS) -> None:
   """Run requests through every path a client can take: every prompt bucket's loop at its longest prompt, a
-  prompt of one token, greedy and sampled, a stop string, a cancelled request, prompts sharing a prefix (the same
-  token sequence cut at several lengths); returns once all ended."""
+  prompt of one token, greedy and sampled, sampling filters, log-probabilities, a stop string and a stop id, a
+  cancelled request, prompts sharing a prefix (the same token sequence cut at several lengths); returns once all
+  ended.
+
+  Raises:
+    ServerFailure: a warm-up request failed (its error named), or the engine died or hung (`liveness`).
+  """
+  lengths = {"third": max(1, worker.max_prompt_tokens // 3)}
+  done, errors = threading.Semaphore(0), []
+
+  def deliver(update: Update) -> None:
+    if update.error is not None:
+      errors.append(update.error)
+    if update.finish_reason or update.error:
+      done.release()
+
+  def job(length: int | str, temperature: float, seed: int, fields: dict[str, Any]) -> Job:
+    ids = [(7 * i + seed) % vocab_size for i in range(lengths.get(length, length))]
+    return Job(ids, worker.token_limit(None), temperature, seed, ("\n\n",), deliver, **fields)
+
   longest = worker.max_prompt_tokens
-  requests = [(1, 0.0, 0), (max(1, longest // 3), 1.3, 2), (2, 0.0, 3)]
-  requests += [(min(bucket, longest), 0.7, 1) for bucket in worker.engine.buckets]
-  done = threading.Semaphore(0)
-
-  def job(length: int, temperature: float, seed: int) -> Job:
-    ids = [(7 * i + seed) % vocab_size for i in range(length)]
-    deliver = lambda update: done.release() if update.finish_reason or update.error else None
-    return Job(ids, worker.token_limit(None), temperature, seed, ("\n\n",), deliver)
-
-  jobs = [job(*r) for r in requests]
-  for j in jobs:
-    worker.submit(j)
-  cancelled = job(3, 0.5, 4)
+  requests = [*_WARM_UP, *((min(bucket, longest), *_WARM_UP_BUCKET) for bucket in worker.engine.buckets)]
+  jobs = [job(*request) for request in requests]
+  cancelled = job(3, 0.5, 4, {})
   worker.submit(cancelled)
   worker.cancel(cancelled)
-  for _ in jobs:
-    done.acquire()
+  held, ended, total = worker.engine.rows + worker.max_queue, 0, len(jobs)
+  while ended < total:  # as many at once as the server holds
+    while jobs and worker.held < held:
+      worker.submit(jobs.pop())
+    while not done.acquire(timeout=1.0):
+      reason = worker.liveness(timeout)
+      if reason is not None:
+        raise ServerFailure(f"the warm-up failed: {reason}")
+    ended += 1
+  if errors:
+    raise ServerFailure(f"the warm-up failed: {errors[0].message}")
 
 
 def prompt_ladder(options: ServerOptions, config: ModelConfig) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
@@ -140,7 +222,11 @@ def start_worker(model: Transformer, tokenizer: Tokenizer, options: ServerOption
   )
   engine.compile(decode.chunk_iterations)  # every bucket's loop on threads at once, before the warm-up runs them
   worker.start()
-  warm_up(worker, model.config.vocab_size)
+  try:
+    warm_up(worker, model.config.vocab_size, options.watchdog_seconds)
+  except ServerFailure:
+    worker.stop(timeout=1.0)
+    raise
   return worker
 
 
@@ -198,9 +284,13 @@ def build_server(
     **ladder_gauges(worker.engine),
   }
 
+  watchdog = Watchdog(worker, options.watchdog_seconds, lambda reason: server.fail(reason))
+
   @contextlib.asynccontextmanager
   async def lifespan(app: Any) -> AsyncIterator[None]:
+    watchdog.start()
     yield
+    watchdog.stop()
     worker.stop(timeout=options.shutdown_seconds)
 
   app = create_app(
@@ -209,6 +299,8 @@ def build_server(
     options.model_name,
     api_key=options.api_key,
     max_body_bytes=options.max_body_bytes,
+    max_stop=options.max_stop,
+    watchdog_seconds=options.watchdog_seconds,
     gauges=gauges,
     lifespan=lifespan,
   )
@@ -243,4 +335,5 @@ def build_server(
     access_log=False,
     lifespan="on",
   )
-  return Server(config, worker)
+  server = Server(config, worker, hard_exit_seconds=2 * options.shutdown_seconds + 10)
+  return server

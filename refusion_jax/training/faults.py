@@ -13,17 +13,19 @@ step reached and the checkpoint a restart resumes from, and exit status
   store of `jax.distributed` (a counter, its step and whether its step clock is
   paused), and reads the others' beats. A process whose beat has not changed
   for the timeout is lost; a store that has not answered for the timeout means
-  the coordinator (process 0) is. JAX's own check gets `_JAX_BACKSTOP_S` more
-  so that it stays a backstop: ours speaks first.
+  the coordinator (on process 0's host) is. JAX's own check gets enough more
+  (`_jax_heartbeat_timeout_s`) that it stays a backstop: ours speaks first.
 - **Stalled** (`faults.step_timeout_s`): a step that has not completed within the
   timeout ends the run, naming the processes whose beats had not reached it.
-  The clock runs only between steps: compiling the first step, evaluating and
-  saving pause it (`FaultWatch.paused`), on this process or on any other (the
-  beats say so), so a slow but live run is never ended; such a phase gets
-  `_PAUSE_FACTOR` step timeouts of its own (a save on a dead filesystem stalls too).
+  The clock runs only between steps: evaluating and saving pause it
+  (`FaultWatch.paused`), on this process or on any other (the beats say so), so a
+  slow but live run is never ended; such a phase gets `_PAUSE_FACTOR` step timeouts
+  of its own (a save on a dead filesystem stalls too). The start of the run, from
+  the watch's creation (before the workdir's lock) to its first step dispatched
+  (opening the data, restoring, compiling that step), gets `faults.startup_timeout_s`.
 
-One fault is not ours to report: when process 0 dies, its coordination service goes with it and JAX's client
-aborts every other process at once (status 134); jaxlib gives no hook (docs/scaling.md).
+A dead process 0 is lost like any other because its coordination service runs in a process of its own
+(training/coordinator.py): in process 0, JAX's client would abort every other process at once (status 134).
 
 The beat thread does the store's I/O, which may block; the judge thread only
 compares clocks, so it acts even while the store, the main thread and the
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import socket
 import sys
@@ -50,8 +53,8 @@ import ml_collections
 # The exit status that means "restart me": a lost or stalled process, nothing wrong with the run itself. 75 is
 # EX_TEMPFAIL of sysexits.h ("a temporary failure; the user is invited to retry"); launch/*.sh restart on it.
 RESTART_STATUS = 75
-# JAX's heartbeat check aborts the process (a C++ fatal error, status 134): it gets this many seconds more than
-# ours, so that ours, which names the lost process and the checkpoint, always acts first.
+# JAX's heartbeat and joining checks abort the process (a C++ fatal error, status 134): they come at least this many
+# seconds after ours, so that ours, which names what happened and the checkpoint, always acts first.
 _JAX_BACKSTOP_S = 10
 # A slow phase (compiling, evaluating, saving) may take this many step timeouts before it counts as a stall.
 _PAUSE_FACTOR = 10
@@ -72,22 +75,41 @@ def jax_distributed_timeouts(faults: ml_collections.ConfigDict) -> dict[str, int
   _check_config(faults)
   return dict(
     heartbeat_timeout_seconds=_jax_heartbeat_timeout_s(faults),
-    initialization_timeout=int(faults.initialization_timeout_s),
+    initialization_timeout=int(faults.initialization_timeout_s) + _JAX_BACKSTOP_S,  # `joining` speaks first
     shutdown_timeout_seconds=int(faults.shutdown_timeout_s),
   )
 
 
 def _jax_heartbeat_timeout_s(faults: ml_collections.ConfigDict) -> int:
-  """JAX's own heartbeat timeout: ours plus a margin, so that JAX's abort stays a backstop."""
-  return int(faults.heartbeat_timeout_s) + _JAX_BACKSTOP_S
+  """JAX's own heartbeat timeout, long enough that its abort stays a backstop.
+
+  JAX's client beats every half of its timeout, so its service may find a process lost as early as half the timeout
+  after the loss (measured: 10.6 s after a SIGKILL with a timeout of 20 s). Ours finds it at the latest one
+  timeout, two beats and a judge tick after the loss; half of JAX's timeout is that plus `_JAX_BACKSTOP_S`.
+  """
+  ours = float(faults.heartbeat_timeout_s)
+  latest = ours * (1 + 2 / _BEATS_PER_TIMEOUT) + 1
+  return math.ceil(2 * (latest + _JAX_BACKSTOP_S))
 
 
 def _check_config(faults: ml_collections.ConfigDict) -> None:
   """Raises ValueError for a timeout that cannot work, naming the field."""
   if faults.heartbeat_timeout_s < 1:
     raise ValueError(f"faults.heartbeat_timeout_s={faults.heartbeat_timeout_s}; give at least 1 (seconds).")
-  if faults.step_timeout_s < 0:
-    raise ValueError(f"faults.step_timeout_s={faults.step_timeout_s}; give 0 (off) or a number of seconds.")
+  for field in ("step_timeout_s", "startup_timeout_s"):
+    if faults[field] < 0:
+      raise ValueError(f"faults.{field}={faults[field]}; give 0 (off) or a number of seconds.")
+
+
+@dataclasses.dataclass
+class _Phase:
+  """A slow but live phase under way (starting, compiling, evaluating, saving): it ends the run past `limit_s`
+  (0: never), naming `setting`, the field that gave the limit."""
+
+  what: str
+  since: float
+  limit_s: float
+  setting: str
 
 
 @dataclasses.dataclass
@@ -133,13 +155,21 @@ class FaultWatch:
     _check_config(faults)
     self._heartbeat_s = float(faults.heartbeat_timeout_s)
     self._step_timeout_s = float(faults.step_timeout_s)
+    self._startup_timeout_s = float(faults.startup_timeout_s)
     self._checkpoint_dir, self._before_exit, self._exit = checkpoint_dir, before_exit, exit_
     self._index, self._count = jax.process_index(), jax.process_count()
     self.step = 0  # the step this process has reached (the loop sets it)
     self._timing = False  # between the loop's first timed step and its end
     self._step_clock: float | None = None  # when the step now awaited began; None: not timed yet or paused
     self._pauses = 0
-    self._pause: tuple[str, float] | None = None  # the slow phase under way, and since when
+    # The slow phase under way: from here to the first timed step, the start of the run.
+    self._pause: _Phase | None = _Phase(
+      "the start of this run (taking the workdir's lock, opening its checkpoints)",
+      time.monotonic(),
+      self._startup_timeout_s,
+      f"faults.startup_timeout_s={self._startup_timeout_s:g}",
+    )
+    self._starting = True
     self._peers = {i: _Peer() for i in range(self._count) if i != self._index}
     self._answered_at = time.monotonic()  # the key-value store's last answer
     self._closed = threading.Event()
@@ -155,24 +185,42 @@ class FaultWatch:
 
   # ---------------------------------------------------------------- what the loop tells it
 
+  def starting(self, what: str) -> None:
+    """The start of the run now does `what` (building the data, restoring): named if it never ends."""
+    with self._lock:
+      if self._starting and self._pause is not None:
+        self._pause.what = f"the start of this run ({what})"
+
   def step_begins(self, step: int, *, timed: bool = True) -> None:
     """The loop now works towards `step` (fetching its batch, dispatching it, waiting for the devices).
 
-    timed: False for a step whose time is no measure of health (the first of a run, which compiles).
+    timed: False for a step whose time is no measure of health (the first of a run, which compiles): still part
+      of the run's start, or a slow phase of its own.
     """
+    if not timed:
+      self.starting(f"compiling train step {step}, its first")
     with self._lock:
       self.step, self._timing = step - 1, timed
       now = time.monotonic()
       self._step_clock = now if timed and not self._pauses else None
-      if not self._pauses:
-        self._pause = None if timed else (f"train step {step}, the first of this run (compiling it)", now)
+      if self._pauses:
+        return
+      if timed:
+        self._starting, self._pause = False, None
+      elif not self._starting:
+        self._pause = self._slow(f"train step {step} (compiling it)", now)
 
   def steps_over(self) -> None:
     """The loop has ended: what follows (the last saves, the report) is no step, and is not timed."""
     with self._lock:
-      self._timing, self._step_clock = False, None
+      self._timing, self._step_clock, self._starting = False, None, False
       if not self._pauses:
-        self._pause = ("the end of the run (its last saves)", time.monotonic())
+        self._pause = self._slow("the end of the run (its last saves)", time.monotonic())
+
+  def _slow(self, what: str, since: float) -> _Phase:
+    """A slow phase after the start: `_PAUSE_FACTOR` step timeouts."""
+    limit_s = _PAUSE_FACTOR * self._step_timeout_s
+    return _Phase(what, since, limit_s, f"{_PAUSE_FACTOR} x faults.step_timeout_s={self._step_timeout_s:g}")
 
   @contextlib.contextmanager
   def paused(self, what: str) -> Iterator[None]:
@@ -180,9 +228,9 @@ class FaultWatch:
     `_PAUSE_FACTOR` step timeouts instead (a filesystem that stops answering during a save is a stall too)."""
     with self._lock:
       self._pauses += 1
-      self._step_clock = None
+      self._step_clock, self._starting = None, False
       if self._pauses == 1:
-        self._pause = (what, time.monotonic())
+        self._pause = self._slow(what, time.monotonic())
     try:
       yield
     finally:
@@ -260,11 +308,8 @@ class FaultWatch:
             f"(faults.heartbeat_timeout_s={self._heartbeat_s:g})"
           )
       clock, pause = self._step_clock, self._pause
-      if self._step_timeout_s and pause is not None and now - pause[1] > _PAUSE_FACTOR * self._step_timeout_s:
-        self._end(
-          f"{pause[0]} did not end in {now - pause[1]:.0f} s ({_PAUSE_FACTOR} x faults.step_timeout_s="
-          f"{self._step_timeout_s:g})"
-        )
+      if pause is not None and pause.limit_s and now - pause.since > pause.limit_s:
+        self._end(f"{pause.what} did not end in {now - pause.since:.0f} s ({pause.setting})")
       if self._step_timeout_s and clock is not None and now - clock > self._step_timeout_s:
         # A peer that waits in the same collective beats at this step; one that stalls fell behind or fell silent.
         silent_s = 2 * self._heartbeat_s / _BEATS_PER_TIMEOUT
@@ -287,17 +332,58 @@ class FaultWatch:
     if self._closed.is_set():
       return
     self._closed.set()
-    print(
-      f"\nrefusion_jax: process {self._index}: {what}. The run reached step {self.step}; a restart resumes from "
-      f"{_resume_point(self._checkpoint_dir)}. Exiting with status {RESTART_STATUS} (restart the job).",
-      file=sys.stderr,
-      flush=True,
-    )
+    _restart(f"process {self._index}", what, f"The run reached step {self.step}", self._checkpoint_dir)
     _patiently(self._before_exit)
-    if marker := os.environ.get("REFUSION_RESTART_MARKER"):  # launch/restarting.sh under srun: "restart"
-      _patiently(lambda: open(marker, "a").close())
-    sys.stdout.flush()
     self._exit(RESTART_STATUS)
+
+
+@contextlib.contextmanager
+def joining(
+  faults: ml_collections.ConfigDict,
+  checkpoint_dir: str,
+  index: int | None,
+  *,
+  exit_: Callable[[int], None] = os._exit,
+) -> Iterator[None]:
+  """Around joining the job (`jax.distributed.initialize`): processes that have not all joined within
+  `faults.initialization_timeout_s` end this one with the line and the restart status (JAX's own timeout,
+  `_JAX_BACKSTOP_S` later, aborts the process with a C++ dump).
+
+  Args:
+    index: this process's index where known before joining (else it is named by its host).
+  """
+  joined = threading.Event()
+  timeout_s = float(faults.initialization_timeout_s)
+
+  def watch() -> None:
+    if not joined.wait(timeout_s):
+      who = f"process {index}" if index is not None else f"the process on host {socket.gethostname()}"
+      what = (
+        f"the job's processes did not all join within {timeout_s:g} s (faults.initialization_timeout_s): one did "
+        "not start, stalls, or cannot reach the coordinator"
+      )
+      _restart(who, what, "Nothing was trained in this start", checkpoint_dir)
+      exit_(RESTART_STATUS)
+
+  threading.Thread(target=watch, name="refusion-fault-join", daemon=True).start()
+  try:
+    yield
+  finally:
+    joined.set()
+
+
+def _restart(who: str, what: str, reached: str, checkpoint_dir: str) -> None:
+  """Print the line of a fault (`who`: what happened; how far the run got and where a restart resumes) and mark
+  the restart for launch/restarting.sh; the caller exits with `RESTART_STATUS`."""
+  print(
+    f"\nrefusion_jax: {who}: {what}. {reached}; a restart resumes from {_resume_point(checkpoint_dir)}. Exiting "
+    f"with status {RESTART_STATUS} (restart the job).",
+    file=sys.stderr,
+    flush=True,
+  )
+  if marker := os.environ.get("REFUSION_RESTART_MARKER"):  # launch/restarting.sh under srun: "restart"
+    _patiently(lambda: open(marker, "a").close())
+  sys.stdout.flush()
 
 
 def _client():

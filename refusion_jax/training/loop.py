@@ -48,18 +48,21 @@ import grain
 import jax
 import ml_collections
 import numpy as np
+import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 
 from refusion_jax.checkpoints import lora_run
 from refusion_jax.checkpoints.orbax import CHECKPOINT_SUBDIR, Checkpoints, local_path, model_meta
 from refusion_jax.data import pipeline
+from refusion_jax.data.tokenizer import Tokenizer
 from refusion_jax.model import flops, lora
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.parallel import compiled, sharding
 from refusion_jax.training import config_file, faults, inputs, run_lock, start
 from refusion_jax.training.interrupts import Interrupts, RunInterrupted, StopRequested
 from refusion_jax.training.metrics import MetricsLogger, console
+from refusion_jax.training.objective import ObjectiveConfig
 from refusion_jax.training.run_config import check_run_config, lora_config_from, objective_config_from
 from refusion_jax.training.state import TrainState, make_eval_step, make_optimizer, make_train_step
 from refusion_jax.training.validation import evaluate_decoding, evaluate_loss, format_report, format_samples
@@ -94,11 +97,13 @@ class TrainResult:
   stopped_by: str
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, steps: Steps | None = None) -> TrainResult:
   """Train (resuming from `workdir` if it holds checkpoints), evaluate, checkpoint; see the module docstring.
 
   `workdir` must be a path every process sees (local disk for one process;
-  NFS / gcsfuse for a pod). One run at a time holds it (`run_lock`).
+  NFS / gcsfuse for a pod). One run at a time holds it (`run_lock`). `steps`: what a training step is
+  (None: `SupervisedSteps`, the objective of `config.objective` on token batches; `refusion_jax.rl` passes
+  GRPO's); everything else (checkpoints, resume, signals, evaluation, logging) is the same for any.
 
   Raises:
     NonFiniteLossError: the loss or gradient norm became NaN/Inf; no checkpoint
@@ -118,14 +123,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Train
   try:
     checkpoint_dir = os.path.join(workdir, CHECKPOINT_SUBDIR)
     with (
-      run_lock.workdir_lock(workdir) as lock,
-      _watching(config, checkpoint_dir, lock) as watch,
+      _watching(config, checkpoint_dir, workdir) as watch,  # first: taking the lock is a collective too
+      run_lock.workdir_lock(workdir),
       _open_checkpoints(config, checkpoint_dir, interrupts) as checkpoints,
     ):
       check_run_config(config, resuming=bool(checkpoints.all_steps()))
       if jax.process_index() == 0:
         config_file.write_run_config(config, workdir)  # what `eval --checkpoint WORKDIR` applies
-      return _train(config, workdir, checkpoints, interrupts, watch)
+      return _train(config, workdir, checkpoints, interrupts, watch, steps or SupervisedSteps())
   except StopRequested as stop:
     raise RunInterrupted(
       f"Stopped by {stop}: nothing was trained in this run yet, so nothing new is saved. Rerun the same "
@@ -136,12 +141,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Train
 
 
 @contextlib.contextmanager
-def _watching(config: ml_collections.ConfigDict, checkpoint_dir: str, lock: str | None) -> Iterator[faults.FaultWatch]:
+def _watching(config: ml_collections.ConfigDict, checkpoint_dir: str, workdir: str) -> Iterator[faults.FaultWatch]:
   """The run's `FaultWatch` (a lost or stalled process ends every process: training/faults.py).
 
-  On a fault it releases the workdir's lock before exiting, so that a restart on another host may take it.
+  On a fault it releases the workdir's lock where this process holds it, so that a restart on another host may
+  take it.
   """
-  watch = faults.FaultWatch(config.faults, checkpoint_dir, before_exit=lambda: lock and run_lock.release(lock))
+  lock = os.path.join(workdir, run_lock.LOCK_NAME)
+  watch = faults.FaultWatch(config.faults, checkpoint_dir, before_exit=lambda: run_lock.release(lock))
   try:
     yield watch
   except Exception:
@@ -182,20 +189,25 @@ def _train(
   checkpoints: Checkpoints,
   interrupts: Interrupts,
   watch: faults.FaultWatch,
+  steps: Steps,
 ) -> TrainResult:
   # ------------------------------------------------------------ 2. data
+  watch.starting("building or opening the data")
   with interrupts.phase("building the data", blocking=True):
-    splits = inputs.open_splits(config, workdir)
+    splits = steps.open_splits(config, workdir)
   validation = splits.get("validation") if config.eval_every > 0 else None
 
   # ------------------------------------------------------------ 3. where the model starts
   total_steps = config.num_train_steps
   if total_steps <= 0:
     total_steps = max(config.num_epochs * len(splits["train"]) // config.batch_size, 1)
-  tx, schedule = make_optimizer(config.optimizer, total_steps)
+  tx, schedule = make_optimizer(config.optimizer, total_steps * steps.updates_per_step)
   mesh = sharding.make_mesh(dict(config.mesh))
-  sharding.check_batch_split(config.batch_size, config.grad_accum_steps, mesh, config.sharding_rules)
-  run = start.begin(config, checkpoints, tx, mesh, splits["train"], interrupts)
+  sharding.check_batch_split(steps.rows(config), config.grad_accum_steps, mesh, config.sharding_rules)
+  watch.starting("restoring its newest checkpoint, or building the model it starts from")
+  run = start.begin(
+    config, checkpoints, tx, mesh, lambda tokenizer: steps.batches(splits["train"], tokenizer, config), interrupts
+  )
   if validation is not None:
     with interrupts.phase("checking the validation data", blocking=True):
       next(iter(inputs.batches(validation, run.tokenizer, config, train=False)))  # a DataError now, not later
@@ -205,7 +217,7 @@ def _train(
   objective = objective_config_from(config, model_config)
   lora_config = lora_config_from(config)
   graphdef, _ = lora.abstract_lora_model(model_config, lora_config)
-  step_fn = run.placement.jit_step(make_train_step(graphdef, tx, schedule, objective, config.grad_accum_steps))
+  step_fn = steps.build(StepParts(config, run, graphdef, tx, schedule, objective))
   eval_fn = run.placement.jit_eval(make_eval_step(graphdef, objective))
 
   # ------------------------------------------------------------ 5. the loop and its periodic actions
@@ -228,7 +240,7 @@ def _train(
   saver = _Saver(checkpoints, meta, interrupts)
   saver.last_saved = run.origin.resume_step
   evaluator = _Evaluator(config, validation, run, eval_fn, graphdef, logger, interrupts, alone)
-  throughput = _Throughput(model_config, causal=objective.kind != "mdm", lora_config=lora_config)
+  throughput = steps.meter(model_config, objective, lora_config)
   position = _Position(run.train_iterator)
   try:
     while step < total_steps:
@@ -241,7 +253,7 @@ def _train(
       # the first time, and then waits for the device to be at most _STEPS_AHEAD steps behind.
       busy = f"running train step {step + 1}" + (" (compiling it first)" if step == first_step else "")
       with interrupts.phase(busy, blocking=False, patience_s=3 * device.step_seconds):
-        state, metrics = step_fn(state, run.placement.batch(batch))
+        state, metrics = step_fn(state, batch)
         device.dispatched(step + 1, metrics)
       step, position = step + 1, next_position
       checkpoints.check()  # a background write that failed stops the run now (a host-side check, no device sync)
@@ -282,6 +294,78 @@ def _train(
     eval_step, eval_metrics = result.evals[-1]
     console(format_report(eval_step, eval_metrics, result.samples, config.num_samples_to_print))
   return result
+
+
+# ------------------------------------------------------------------ what a step is
+
+
+@dataclasses.dataclass(frozen=True)
+class StepParts:
+  """What a step is built from: the config, the started run (its tokenizer, placement and state), the model's
+  graph, the optimizer and its schedule, the objective of `config.objective`."""
+
+  config: ml_collections.ConfigDict
+  run: start.Started
+  graphdef: nnx.GraphDef
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule
+  objective: ObjectiveConfig
+
+
+class Steps:
+  """What a run's training step is: the batches it reads and the function that updates the train state with one.
+
+  The loop owns everything around it (the lock, resuming, checkpoints, signals, faults, evaluation, logging), so
+  any kind of step gets the same guarantees. `SupervisedSteps` is the objective's step on token batches;
+  refusion_jax.rl's GRPO step rolls out, scores and updates.
+  """
+
+  # Optimizer updates per step (the schedule counts updates).
+  updates_per_step = 1
+
+  def open_splits(self, config: ml_collections.ConfigDict, workdir: str) -> dict[str, Sequence[Any]]:
+    """{split: records} of `config.data` (`inputs.open_splits`): "train" feeds `batches`, "validation" the
+    periodic evaluation."""
+    return inputs.open_splits(config, workdir)
+
+  def rows(self, config: ml_collections.ConfigDict) -> int:
+    """The rows of the global batch an update differentiates (split over the batch-parallel devices)."""
+    return config.batch_size
+
+  def batches(
+    self, source: Sequence[Any], tokenizer: Tokenizer, config: ml_collections.ConfigDict
+  ) -> grain.IterDataset:
+    """The training split `source` as this process's grain dataset of step inputs."""
+    raise NotImplementedError
+
+  def build(self, parts: StepParts) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
+    """The step function (state, one element of `batches`) -> (state, metrics), compiled where it needs to be.
+
+    Metrics hold at least `loss` and `grad_norm` (checked finite before a step is saved).
+    """
+    raise NotImplementedError
+
+  def meter(self, model_config: ModelConfig, objective: ObjectiveConfig, lora_config: lora.LoraConfig) -> Any:
+    """What a log line adds about the steps' work (`_Throughput`'s interface: add, paused, read)."""
+    return _NoThroughput()
+
+
+class SupervisedSteps(Steps):
+  """The objective of `config.objective` (ReFusion, AR or MDM) on token batches (`inputs.batches`)."""
+
+  def batches(
+    self, source: Sequence[Any], tokenizer: Tokenizer, config: ml_collections.ConfigDict
+  ) -> grain.IterDataset:
+    return inputs.batches(source, tokenizer, config, train=True)
+
+  def build(self, parts: StepParts) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
+    placement = parts.run.placement
+    step = make_train_step(parts.graphdef, parts.tx, parts.schedule, parts.objective, parts.config.grad_accum_steps)
+    jitted = placement.jit_step(step)
+    return lambda state, batch: jitted(state, placement.batch(batch))
+
+  def meter(self, model_config: ModelConfig, objective: ObjectiveConfig, lora_config: lora.LoraConfig) -> _Throughput:
+    return _Throughput(model_config, causal=objective.kind != "mdm", lora_config=lora_config)
 
 
 # ------------------------------------------------------------------ when actions are due
@@ -404,6 +488,20 @@ class _Throughput:
     )
     self._reset()
     return scalars
+
+
+class _NoThroughput:
+  """A meter for steps that report their own work in their metrics (`_Throughput`'s interface)."""
+
+  def add(self, batch: Any) -> None:
+    pass
+
+  @contextlib.contextmanager
+  def paused(self) -> Iterator[None]:
+    yield
+
+  def read(self) -> dict[str, float]:
+    return {}
 
 
 class _Position:

@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable
 
 import grain
 import jax
@@ -43,7 +42,7 @@ from refusion_jax.data.special_tokens import SpecialTokens, resolve_special_toke
 from refusion_jax.data.tokenizer import Tokenizer, load_tokenizer
 from refusion_jax.model import lora
 from refusion_jax.model.config import ModelConfig
-from refusion_jax.training import inputs
+from refusion_jax.model.transformer import Transformer
 from refusion_jax.training.interrupts import Interrupts
 from refusion_jax.training.metrics import console
 from refusion_jax.training.run_config import (
@@ -54,6 +53,10 @@ from refusion_jax.training.run_config import (
   run_as_configured,
 )
 from refusion_jax.training.state import Placement, TrainState, init_state_fn, make_placement, state_with_params
+
+# tokenizer -> the run's training data as a grain dataset (`inputs.batches` of the training split, for supervised
+# training).
+TrainBatches = Callable[[Tokenizer], grain.IterDataset]
 
 # Where damaged checkpoints are moved inside a workdir (next to the checkpoint directory, out of its manager's sight).
 DAMAGED_SUBDIR = "checkpoints_damaged"
@@ -85,6 +88,7 @@ class Started:
   placement: Placement
   train_iterator: grain.DatasetIterator
   state: TrainState
+  checkpoint_dir: str  # the run's checkpoint directory (its tokenizer, a LoRA run's base)
 
 
 def begin(
@@ -92,10 +96,13 @@ def begin(
   checkpoints: Checkpoints,
   tx: optax.GradientTransformation,
   mesh: jax.sharding.Mesh,
-  train_source: Sequence[Any],
+  train_batches: TrainBatches,
   interrupts: Interrupts,
 ) -> Started:
-  """Resume from the newest intact checkpoint, else start as `config` says (never silently from scratch)."""
+  """Resume from the newest intact checkpoint, else start as `config` says (never silently from scratch).
+
+  `train_batches(tokenizer)`: the training data as a grain dataset (its iterator's position is checkpointed).
+  """
   damaged_dir = os.path.join(os.path.dirname(checkpoints.directory), DAMAGED_SUBDIR)
   steps = checkpoints.all_steps()
   for step in reversed(steps):
@@ -104,7 +111,7 @@ def begin(
         meta = checkpoints.read_meta(step)
         _check_same_lora(config, meta, checkpoints.directory, step)
         start = Start(ModelConfig(**meta["model_config"]), meta["tokenizer"], resume_step=step)
-        return _build(config, _as_configured(start, config), checkpoints, tx, mesh, train_source)
+        return _build(config, _as_configured(start, config), checkpoints, tx, mesh, train_batches)
     except CheckpointDamagedError as error:
       _set_aside(config, checkpoints, error, damaged_dir)
   if steps or (os.path.isdir(damaged_dir) and os.listdir(damaged_dir)):
@@ -115,7 +122,20 @@ def begin(
     )
   with interrupts.phase("loading the initial model", blocking=True):
     start = _from_init(config, checkpoints.directory) if config.init_from else _random(config)
-    return _build(config, _as_configured(start, config), checkpoints, tx, mesh, train_source)
+    return _build(config, _as_configured(start, config), checkpoints, tx, mesh, train_batches)
+
+
+def starting_params(
+  config: ml_collections.ConfigDict, checkpoint_dir: str, model_config: ModelConfig, placement: Placement
+) -> nnx.State:
+  """The parameters the run started from, before any step (precedence 2 or 3: `config.init_from`, else the random
+  init of `config.seed`), placed as the run's parameters are: what a resumed GRPO run keeps as its reference
+  policy (refusion_jax.rl). Full parameters only (a LoRA run's start is its base, which it holds already)."""
+  if config.init_from:
+    params = _as_configured(_from_init(config, checkpoint_dir), config).params
+    return jax.device_put(params, placement.state_shardings.params)
+  init = lambda: nnx.state(Transformer(model_config, rngs=nnx.Rngs(params=config.seed)))
+  return jax.jit(init, out_shardings=placement.state_shardings.params)()
 
 
 def _check_same_lora(config: ml_collections.ConfigDict, meta: dict, directory: str, step: int) -> None:
@@ -220,7 +240,7 @@ def _build(
   checkpoints: Checkpoints,
   tx: optax.GradientTransformation,
   mesh: jax.sharding.Mesh,
-  train_source: Sequence[Any],
+  train_batches: TrainBatches,
 ) -> Started:
   """The tokenizer, the state's placement, the training iterator and the state, created where it lives."""
   local = os.path.join(checkpoints.directory, start.tokenizer_name)
@@ -228,7 +248,7 @@ def _build(
   lora_config = lora_config_from(config)
   init_fn = init_state_fn(start.model_config, tx, config.seed, lora_config)
   placement = make_placement(init_fn, mesh, config.sharding_rules)
-  train_iterator = iter(inputs.batches(train_source, tokenizer, config, train=True))
+  train_iterator = iter(train_batches(tokenizer))
   if start.resume_step is not None:
     abstract = placement.abstract_state
     # A LoRA run's steps hold the adapters (the trainable part); its base was written once.
@@ -256,4 +276,4 @@ def _build(
       lora.trainable_part(state.params)[1], start.model_config, start.tokenizer_name, checkpoints.directory
     )
     console(f"LoRA: the frozen base is written once, to {directory}; checkpoints hold the adapters.")
-  return Started(start, tokenizer, placement, train_iterator, state)
+  return Started(start, tokenizer, placement, train_iterator, state, checkpoints.directory)

@@ -4,7 +4,8 @@
 - `make_optimizer`: AdamW after clipping, warmup then decay; weight decay by
   parameter role (kernels and embeddings), never by rank.
 - `make_train_step` / `make_eval_step`: the step functions, gradient
-  accumulation being a `lax.scan` over microbatches inside the step.
+  accumulation being a `lax.scan` over microbatches inside the step;
+  `make_update_step`: the same update around any loss (GRPO's, refusion_jax.rl).
 - `Placement` / `make_placement`: the mesh shardings of the state, and the
   functions jitted with them.
 - `init_state_fn` / `state_with_params`: a fresh state, random or around given
@@ -155,32 +156,68 @@ def make_train_step(
   state mirrors the adapters only.
   """
 
-  def loss_of(trainable: nnx.State, frozen: nnx.State, batch: TrainBatch, key: jax.Array) -> tuple[jax.Array, Metrics]:
-    model = nnx.merge(graphdef, trainable, frozen)
+  def loss_of(model: nnx.Module, batch: TrainBatch, key: jax.Array) -> tuple[jax.Array, Metrics]:
     return loss_fn(model, batch, key, objective, dropout_key=lora.dropout_key(model, key))
+
+  return make_update_step(graphdef, tx, schedule, loss_of, grad_accum_steps)
+
+
+# (model, microbatch, key) -> (scalar loss, metrics): what an update step differentiates.
+LossOfModel = Callable[[nnx.Module, Any, jax.Array], tuple[jax.Array, Metrics]]
+
+
+def make_update_step(
+  graphdef: nnx.GraphDef,
+  tx: optax.GradientTransformation,
+  schedule: optax.Schedule,
+  loss_of_model: LossOfModel,
+  grad_accum_steps: int,
+  updates_per_step: int = 1,
+) -> Callable[[TrainState, Any], tuple[TrainState, Metrics]]:
+  """(state, batch) -> (state, metrics): `updates_per_step` optimizer updates on the same batch (GRPO's
+  iterations, refusion_jax.rl), each averaging the gradients of `grad_accum_steps` microbatches; the step counter
+  advances by one.
+
+  Every leaf of the batch has the batch axis first. Metrics: `loss_of_model`'s (means over microbatches and
+  updates), grad_norm (before clipping, the mean over the updates), learning_rate (of the first update: the
+  schedule counts updates, `updates_per_step` of them per step). Only the trainable part of the parameters
+  (`lora.trainable_part`: every parameter, or the LoRA adapters) gets gradients.
+  """
+
+  def loss_of(trainable: nnx.State, frozen: nnx.State, batch: Any, key: jax.Array) -> tuple[jax.Array, Metrics]:
+    return loss_of_model(nnx.merge(graphdef, trainable, frozen), batch, key)
 
   grad_fn = jax.value_and_grad(loss_of, has_aux=True)
 
-  def step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, Metrics]:
+  def step(state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
     key = jax.random.fold_in(state.rng, state.step)
     micro = jax.tree.map(lambda x: _microbatches(x, grad_accum_steps), batch)
     trainable, frozen = lora.trainable_part(state.params)
-
-    def accumulate(
-      carry: tuple[Any, Metrics], inputs: tuple[jax.Array, TrainBatch]
-    ) -> tuple[tuple[Any, Metrics], None]:
-      index, microbatch = inputs
-      (_, metrics), grads = grad_fn(trainable, frozen, microbatch, jax.random.fold_in(key, index))
-      return jax.tree.map(jnp.add, carry, (grads, metrics)), None
-
     first = jax.tree.map(lambda x: x[0], micro)
     (_, metrics_shape), grads_shape = jax.eval_shape(grad_fn, trainable, frozen, first, key)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (grads_shape, metrics_shape))
-    (grads, metrics), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(grad_accum_steps), micro))
-    grads, metrics = jax.tree.map(lambda x: x / grad_accum_steps, (grads, metrics))
-    updates, opt_state = tx.update(grads, state.opt_state, trainable)
-    params = nnx.merge_state(optax.apply_updates(trainable, updates), frozen)
-    metrics = dict(metrics, grad_norm=optax.global_norm(grads), learning_rate=schedule(state.step))
+
+    def update(carry: tuple[Any, Any], update_index: jax.Array) -> tuple[tuple[Any, Any], Metrics]:
+      trainable, opt_state = carry
+      update_key = key if updates_per_step == 1 else jax.random.fold_in(key, update_index)
+
+      def accumulate(carry: tuple[Any, Metrics], inputs: tuple[jax.Array, Any]) -> tuple[tuple[Any, Metrics], None]:
+        index, microbatch = inputs
+        (_, metrics), grads = grad_fn(trainable, frozen, microbatch, jax.random.fold_in(update_key, index))
+        return jax.tree.map(jnp.add, carry, (grads, metrics)), None
+
+      (grads, metrics), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(grad_accum_steps), micro))
+      grads, metrics = jax.tree.map(lambda x: x / grad_accum_steps, (grads, metrics))
+      updates, opt_state = tx.update(grads, opt_state, trainable)
+      return (optax.apply_updates(trainable, updates), opt_state), dict(metrics, grad_norm=optax.global_norm(grads))
+
+    if updates_per_step == 1:
+      (trainable, opt_state), metrics = update((trainable, state.opt_state), jnp.int32(0))
+    else:
+      (trainable, opt_state), metrics = jax.lax.scan(update, (trainable, state.opt_state), jnp.arange(updates_per_step))
+      metrics = jax.tree.map(lambda x: jnp.mean(x, axis=0), metrics)
+    params = nnx.merge_state(trainable, frozen)
+    metrics = dict(metrics, learning_rate=schedule(state.step * updates_per_step))
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   return step
@@ -222,17 +259,22 @@ class Placement:
     """This process's rows of a batch -> global arrays sharded over the mesh."""
     return sharding.shard_batch(batch, self.mesh, self.rules)
 
-  def _batch_shardings(self) -> dict:
-    return sharding.batch_shardings(_BATCH_EXAMPLE, self.mesh, self.rules)
+  def _batch_shardings(self, example: Mapping[str, Any] | None = None) -> dict:
+    return sharding.batch_shardings(_BATCH_EXAMPLE if example is None else example, self.mesh, self.rules)
 
   def _replicated(self) -> jax.sharding.NamedSharding:
     return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
 
-  def jit_step(self, step_fn: Callable[[TrainState, TrainBatch], tuple[TrainState, Metrics]]) -> Callable:
-    """`step_fn(state, batch)` jitted with the state donated and kept in place."""
+  def jit_step(
+    self,
+    step_fn: Callable[[TrainState, Any], tuple[TrainState, Metrics]],
+    batch_example: Mapping[str, Any] | None = None,
+  ) -> Callable:
+    """`step_fn(state, batch)` jitted with the state donated and kept in place; the batch is split by rows
+    (`batch_example`: its keys and ranks, default the training batch's: tokens, prompt_len, answer_len)."""
     return jax.jit(
       step_fn,
-      in_shardings=(self.state_shardings, self._batch_shardings()),
+      in_shardings=(self.state_shardings, self._batch_shardings(batch_example)),
       out_shardings=(self.state_shardings, self._replicated()),
       donate_argnums=0,
     )

@@ -12,7 +12,7 @@ import importlib.util
 import pytest
 
 # extra -> the module it installs that the tests need
-EXTRAS = {"eval": "lm_eval", "tpu": "libtpu"}
+EXTRAS = {"eval": "lm_eval", "tpu": "libtpu", "trl": "trl"}
 
 
 def missing(extra: str) -> bool:

@@ -21,18 +21,19 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 LINE = re.compile(r"refusion_jax: process (\d): (.*)\. The run reached step (\d+); a restart resumes from (.*)\. Exit")
 # A job that would go on for long: a fault or stop_after_step ends it.
 LONG = "--config.num_train_steps=100000"
+# The coordinator's port of the jobs this process starts.
+PORT = 20000 + os.getpid() % 20000
 
 
 def start(workdir, shared: tuple[str, str], *overrides: str) -> list[subprocess.Popen]:
   """The two processes of launch/local_multiprocess.sh (one CPU device each), started here to know their pids."""
   data_dir, cache = shared
-  port = 20000 + os.getpid() % 20000
   processes = []
   for index in range(2):
     env = dict(
       os.environ,
       REFUSION_DISTRIBUTED="1",
-      JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+      JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{PORT}",
       JAX_NUM_PROCESSES="2",
       JAX_PROCESS_ID=str(index),
       JAX_PLATFORMS="cpu",
@@ -59,6 +60,19 @@ def wait_for_checkpoint(workdir, processes: list[subprocess.Popen], after: int) 
   raise AssertionError(f"no checkpoint past step {after} in time: {logs(workdir)}")
 
 
+def service_processes() -> list[int]:
+  """The pids of the coordination service processes (training/coordinator.py) of the jobs started here."""
+  found = []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      command = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+      continue
+    if "refusion_jax.training.coordinator" in command and f":{PORT}" in command:
+      found.append(int(pid))
+  return found
+
+
 def steps(workdir) -> list[int]:
   """The job's complete checkpoint steps."""
   directory = workdir / "checkpoints"
@@ -70,11 +84,16 @@ def logs(workdir) -> dict[int, str]:
   return {i: (workdir / f"process_{i}.log").read_text() for i in range(2)}
 
 
-def fault_one(workdir, processes: list[subprocess.Popen], fault: signal.Signals, victim: int, after: int):
-  """Once the job has saved past step `after`, send `fault` to process `victim` and wait for the other to exit.
-  Returns the seconds from the fault to that exit, its status and its log."""
+def fault_one(
+  workdir, processes: list[subprocess.Popen], fault: signal.Signals, victim: int, after: int, service: bool = False
+):
+  """Once the job has saved past step `after`, send `fault` to process `victim` (and with `service`, to the job's
+  coordination service process too: its host lost) and wait for the other to exit. Returns the seconds from the
+  fault to that exit, its status and its log."""
   try:
     wait_for_checkpoint(workdir, processes, after)
+    for pid in service_processes() if service else ():
+      os.kill(pid, fault)
     os.kill(processes[victim].pid, fault)
     faulted = time.monotonic()
     status = processes[1 - victim].wait(timeout=120)
@@ -83,16 +102,20 @@ def fault_one(workdir, processes: list[subprocess.Popen], fault: signal.Signals,
     for process in processes:  # the victim too: what a launcher does with a job that ended
       process.kill()
       process.wait()
+    for pid in service_processes() if service else ():  # a stopped one does not exit by itself
+      os.kill(pid, signal.SIGKILL)
   return seconds, status, logs(workdir)[1 - victim]
 
 
-# (name, signal, process sent it, config overrides)
+# (name, signal, process sent it, config overrides, whether the coordination service process gets it too)
 CASES = (
-  ("SIGKILL of process 1", signal.SIGKILL, 1, ()),
-  ("SIGKILL of process 0 (the coordinator)", signal.SIGKILL, 0, ()),
-  ("SIGSTOP of process 1", signal.SIGSTOP, 1, ()),
-  ("SIGSTOP of process 0 (the coordinator)", signal.SIGSTOP, 0, ()),
-  ("SIGSTOP of process 1, step_timeout_s=5", signal.SIGSTOP, 1, ("--config.faults.step_timeout_s=5",)),
+  ("SIGKILL of process 1", signal.SIGKILL, 1, (), False),
+  ("SIGKILL of process 0", signal.SIGKILL, 0, (), False),
+  ("SIGSTOP of process 1", signal.SIGSTOP, 1, (), False),
+  ("SIGSTOP of process 0", signal.SIGSTOP, 0, (), False),
+  ("SIGSTOP of process 1, step_timeout_s=5", signal.SIGSTOP, 1, ("--config.faults.step_timeout_s=5",), False),
+  ("SIGSTOP of process 0 and the coordination service (host 0 silent)", signal.SIGSTOP, 0, (), True),
+  ("SIGKILL of process 0 and the coordination service", signal.SIGKILL, 0, (), True),
 )
 
 
@@ -101,12 +124,13 @@ def main(root: str, cases: str = "") -> None:
   root_dir = Path(root)
   shared = (str(root_dir / "data"), str(root_dir / "compilation_cache"))
   print("| case | the other's exit after the fault (s) | status | its last words |\n| --- | ---: | ---: | --- |")
-  for number, (name, fault, victim, overrides) in enumerate(CASES):
+  for number, (name, fault, victim, overrides, service) in enumerate(CASES):
     if cases and str(number) not in cases.split(","):
       continue
     workdir = root_dir / f"case_{number}"
     workdir.mkdir(parents=True)
-    seconds, status, log = fault_one(workdir, start(workdir, shared, LONG, *overrides), fault, victim, after=0)
+    processes = start(workdir, shared, LONG, *overrides)
+    seconds, status, log = fault_one(workdir, processes, fault, victim, after=0, service=service)
     line = LINE.search(log)
     words = line.group(2) if line else next(w for w in log.splitlines() if w.startswith("F"))[:160]
     print(f"| {name} | {seconds:.1f} | {status} | {words} |", flush=True)

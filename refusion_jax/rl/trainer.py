@@ -1,0 +1,274 @@
+"""GRPO's training step inside the training loop: roll out, score, update (docs/rl.md §5).
+
+    python -m refusion_jax.train --config configs/grpo_demo.py --workdir /tmp/grpo_demo
+
+A config with a `grpo` section trains by GRPO (`train_grpo`): the loop of `refusion_jax.training.loop` runs it
+with every guarantee of supervised training (the run lock, orbax checkpoints with exact resume, SIGTERM, pod
+faults, the progress bar, TensorBoard, LoRA / QLoRA, the mesh, the periodic validation), and `GRPOSteps` says
+what a step is:
+
+1. **Rollout.** The step's `config.batch_size` prompts, each `num_generations` times, are decoded by the jitted
+   engine with the current weights, on the run's mesh (the parameters are the train state's arrays: nothing is
+   copied), with log-probabilities: ReFusion with speculative acceptance (the policy whose probabilities are
+   exact, docs/rl.md §1) or AR, at `config.grpo.temperature`. One compiled decode program serves every step.
+2. **Rewards.** The reward functions `config.grpo.rewards` names score the decoded answers; their sum's
+   group-relative advantages (`objective.group_advantages`) weigh each answer.
+3. **Reference.** With `beta` > 0, each recorded token's log-probability under the reference policy: the
+   starting checkpoint, frozen (a LoRA run: its base with the adapters off, no second copy of the weights).
+4. **Update.** `num_iterations` optimizer updates on GRPO's loss (`objective.grpo_loss`), the old policy's
+   log-probabilities being the rollout's own (tunix's `use_rollout_logps`; or, for AR with it off, recomputed
+   before the first update).
+
+Logged per step besides the loss: reward_mean, reward_std, accuracy (exact match of the answers), kl,
+clip_fraction, rollout_tpf (answer tokens per forward), rollout_forwards (per answer), rollout_seconds,
+update_seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grain
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from refusion_jax.data.tokenizer import Tokenizer, format_prompt
+from refusion_jax.decoding.contract import Method
+from refusion_jax.decoding.engine import Engine
+from refusion_jax.decoding.methods import config_method
+from refusion_jax.decoding.options import DecodeOptions
+from refusion_jax.decoding.prompts import bucket_length
+from refusion_jax.model import lora
+from refusion_jax.model.adapter import is_adapter
+from refusion_jax.parallel import sharding
+from refusion_jax.rl import prompts, rewards
+from refusion_jax.rl.logprobs import RolloutBatch, policy_logprobs
+from refusion_jax.rl.objective import GRPOConfig, group_advantages, grpo_loss
+from refusion_jax.training import run_config, start
+from refusion_jax.training.loop import StepParts, Steps, TrainResult, train_and_evaluate
+from refusion_jax.training.state import TrainState, make_update_step
+
+# The GRPOConfig fields a config's `grpo` section sets (the rest of the section configures the trainer).
+_GRPO_FIELDS = tuple(f.name for f in dataclasses.fields(GRPOConfig))
+# The trainer's own fields of the `grpo` section.
+_TRAINER_FIELDS = ("temperature", "rewards", "max_prompt_length", "rollout_rows", "use_rollout_logps")
+# The methods whose answers have a probability GRPO can differentiate.
+_POLICY_KINDS = ("refusion", "ar")
+# Keys of the update's batch, with their ranks (the row axis first, split over the batch-parallel devices).
+_BATCH_RANKS = dict(prompt=2, prompt_len=1, tokens=2, iteration=2, old_logprobs=2, mask=2, advantages=1, ref_logprobs=2)
+
+
+def grpo_config_from(config: ml_collections.ConfigDict) -> GRPOConfig:
+  """The `GRPOConfig` of `config.grpo` (unknown fields refused by name)."""
+  section = dict(config.grpo)
+  unknown = sorted(set(section) - set(_GRPO_FIELDS) - set(_TRAINER_FIELDS))
+  if unknown:
+    raise ValueError(f"config.grpo has unknown fields {unknown}; it takes {sorted(_GRPO_FIELDS + _TRAINER_FIELDS)}.")
+  fields = {name: section[name] for name in _GRPO_FIELDS if name in section}
+  if not fields.get("max_response_length"):
+    fields["max_response_length"] = config.eval.gen_length
+  return GRPOConfig(**fields)
+
+
+def rollout_method(config: ml_collections.ConfigDict) -> Method:
+  """The policy the rollouts sample: `config.eval`'s method of the objective's kind at `config.grpo.temperature`,
+  ReFusion with speculative acceptance (the mode whose answers have exact probabilities, docs/rl.md §1)."""
+  kind = config.objective.kind
+  method = dataclasses.replace(config_method(kind, config.eval), temperature=float(config.grpo.temperature))
+  return dataclasses.replace(method, acceptance="speculative") if kind == "refusion" else method
+
+
+class GRPOSteps(Steps):
+  """GRPO's step for `train_and_evaluate`: rollout, rewards, reference, `num_iterations` updates (module docstring).
+
+  Its batches are lists of `config.batch_size` prompt records; the update's rows are their
+  batch_size x num_generations answers.
+  """
+
+  def __init__(self, config: ml_collections.ConfigDict):
+    if config.objective.kind not in _POLICY_KINDS:
+      raise ValueError(
+        f"config.objective.kind={config.objective.kind!r}: GRPO trains the policy of {_POLICY_KINDS} (an MDM "
+        "answer has no tractable probability)."
+      )
+    self.grpo = grpo_config_from(config)
+    self.updates_per_step = self.grpo.num_iterations
+    if not config.grpo.rewards:
+      raise ValueError("config.grpo.rewards names no reward function; e.g. ('refusion_jax.rl.rewards.exact_match',).")
+    self.rewards = [rewards.load_reward(path) for path in config.grpo.rewards]
+    self.temperature = float(config.grpo.temperature)
+    if self.temperature <= 0:
+      raise ValueError(
+        f"config.grpo.temperature={self.temperature}: GRPO learns from sampled answers, give a temperature > 0."
+      )
+    # Old-policy log-probabilities: the rollout's own (tunix's default), or recomputed by the replay before the
+    # first update.
+    self.use_rollout_logps = bool(config.grpo.get("use_rollout_logps", True))
+    self.method = rollout_method(config)
+    self.max_prompt_length = int(config.grpo.max_prompt_length)
+
+  def open_splits(self, config: ml_collections.ConfigDict, workdir: str) -> dict[str, Sequence[Any]]:
+    return prompts.open_prompt_splits(config, workdir)
+
+  def rows(self, config: ml_collections.ConfigDict) -> int:
+    return config.batch_size * self.grpo.num_generations
+
+  def batches(
+    self, source: Sequence[Any], tokenizer: Tokenizer, config: ml_collections.ConfigDict
+  ) -> grain.IterDataset:
+    prompts.check_prompt_lengths(
+      source, tokenizer, self.max_prompt_length, config.data.chat_template, "the training prompts"
+    )
+    return prompts.prompt_batches(source, config.batch_size // jax.process_count(), config.seed)
+
+  def build(self, parts: StepParts) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
+    if jax.process_count() > 1:
+      raise NotImplementedError(
+        "GRPO runs in one process for now (its rollouts decode each process's own prompts, which one engine over "
+        "a multi-process mesh does not do yet): run it on one host, whose devices the mesh may span."
+      )
+    return _GRPOStep(self, parts)
+
+
+class _GRPOStep:
+  """One GRPO step, (state, prompt records) -> (state, metrics), its compiled parts built once."""
+
+  def __init__(self, steps: GRPOSteps, parts: StepParts):
+    config, run, graphdef = parts.config, parts.run, parts.graphdef
+    self.steps, self.config, self.grpo = steps, config, steps.grpo
+    self.graphdef, self.placement, self.tokenizer = graphdef, run.placement, run.tokenizer
+    method, temperature, chunk, grpo = steps.method, steps.temperature, parts.objective.loss_chunk, steps.grpo
+    # The rollouts record their trajectories (`logprobs`); the replay lays them out with the decode's mask and EOS
+    # ids (the tokenizer's, else the model config's).
+    options = DecodeOptions(seed=config.seed, mesh=run.placement.mesh, logprobs=True)
+    self._options = options.with_tokenizer_ids(run.tokenizer, run.origin.model_config)
+    special = dict(mask_id=self._options.mask_id, eos_id=self._options.eos_id)
+
+    def logprobs_of_model(model: nnx.Module, rollout: RolloutBatch, dropout_key: jax.Array | None) -> jax.Array:
+      return policy_logprobs(
+        model, rollout, method, temperature=temperature, chunk=chunk, dropout_key=dropout_key, **special
+      )
+
+    def loss_of_model(model: nnx.Module, batch: dict, key: jax.Array) -> tuple[jax.Array, dict]:
+      rollout = RolloutBatch(**batch)
+      logps = logprobs_of_model(model, rollout, lora.dropout_key(model, key))
+      reference = rollout.ref_logprobs if grpo.beta else None
+      return grpo_loss(logps, rollout.old_logprobs, rollout.advantages, rollout.mask, grpo, reference)
+
+    example = {key: np.zeros((1,) * rank, np.int32) for key, rank in _BATCH_RANKS.items()}
+    update = make_update_step(
+      graphdef, parts.tx, parts.schedule, loss_of_model, config.grad_accum_steps, grpo.num_iterations
+    )
+    self._update = run.placement.jit_step(update, batch_example=example)
+
+    def logprobs_of(params: nnx.State, batch: dict) -> jax.Array:
+      return logprobs_of_model(nnx.merge(graphdef, params), RolloutBatch(**batch), None)
+
+    shardings = sharding.batch_shardings(example, run.placement.mesh, run.placement.rules)
+    self._logprobs = jax.jit(
+      logprobs_of, in_shardings=(run.placement.state_shardings.params, shardings), out_shardings=shardings["tokens"]
+    )
+    # The reference policy, frozen at the start: a LoRA run's base with its adapters off (`_reference_params`: the
+    # state's own base arrays); a full run's starting parameters, kept (reloaded when the run resumes).
+    self._lora = run_config.lora_config_from(config).enabled
+    self._reference = None
+    if grpo.beta and not self._lora:
+      if run.origin.resume_step is None:
+        self._reference = jax.tree.map(jnp.copy, run.state.params)  # the state's own are donated to the update
+      else:
+        self._reference = start.starting_params(config, run.checkpoint_dir, run.origin.model_config, run.placement)
+    self._rows = int(config.grpo.get("rollout_rows") or steps.rows(config) // jax.process_count())
+    self._prompt_width = bucket_length(steps.max_prompt_length)
+    self._pad_id = run.tokenizer.pad_id
+
+  def __call__(self, state: TrainState, batch: prompts.PromptBatch) -> tuple[TrainState, dict]:
+    step = int(state.step)  # waits for the last update: the rollout decodes with its weights
+    started = time.perf_counter()
+    queries, columns = prompts.columns_of(batch, self.grpo.num_generations)
+    prompt_ids = [
+      self.tokenizer.encode(format_prompt(self.tokenizer, q, self.config.data.chat_template)) for q in queries
+    ]
+    result = self._rollout(state.params, prompt_ids, step)
+    rolled_out = time.perf_counter()
+    completions = [self.tokenizer.decode(tokens) for tokens in result.tokens]
+    total, _ = rewards.score(self.steps.rewards, queries, completions, columns)
+    advantages = group_advantages(total, self.grpo.num_generations, self.grpo.advantage_estimator)
+    rollout = self.placement.batch(self._rollout_batch(prompt_ids, result, advantages))
+    if not self.steps.use_rollout_logps:
+      rollout["old_logprobs"] = self._logprobs(state.params, rollout)
+    if self.grpo.beta:
+      rollout["ref_logprobs"] = self._logprobs(self._reference_params(state.params), rollout)
+    updating = time.perf_counter()
+    state, metrics = self._update(state, rollout)
+    jax.block_until_ready(metrics)
+    done = time.perf_counter()
+    forwards = np.asarray(result.num_forwards, np.float64)
+    metrics = dict(
+      metrics,
+      reward_mean=np.float32(total.mean()),
+      reward_std=np.float32(total.std()),
+      rollout_tpf=np.float32(result.overall_tpf),
+      rollout_forwards=np.float32(forwards.mean()),
+      rollout_seconds=np.float32(rolled_out - started),
+      update_seconds=np.float32(done - updating),
+    )
+    if "response" in columns or "task" in columns:
+      metrics["accuracy"] = np.float32(np.mean(rewards.exact_match(queries, completions, **columns)))
+    return state, metrics
+
+  def _rollout(self, params: nnx.State, prompt_ids: list[list[int]], step: int) -> Any:
+    """The answers to `prompt_ids` sampled with `params`: one engine on the train state's arrays, decoding with
+    the step's seed (a resumed run draws what an uninterrupted one did)."""
+    options = dataclasses.replace(self._options, rows=self._rows, seed=_step_seed(self.config.seed, step))
+    model = nnx.merge(self.graphdef, params)
+    return Engine(model, self.steps.method, options, prompt_width=self._prompt_width, rules=self.placement.rules).run(
+      prompt_ids
+    )
+
+  def _rollout_batch(self, prompt_ids: list[list[int]], result: Any, advantages: np.ndarray) -> dict[str, np.ndarray]:
+    """The update's inputs (`RolloutBatch`'s fields) as host arrays."""
+    rows, width = len(prompt_ids), self.steps.max_prompt_length
+    prompt = np.full((rows, width), self._pad_id, np.int32)
+    for row, ids in enumerate(prompt_ids):
+      prompt[row, width - len(ids) :] = ids
+    trajectory = result.rollout
+    tokens, iteration = np.asarray(trajectory.tokens, np.int32), np.asarray(trajectory.iteration, np.int32)
+    old = np.asarray(trajectory.logprobs, np.float32)
+    mask = (tokens >= 0).astype(np.float32)
+    return dict(
+      prompt=prompt,
+      prompt_len=np.array([len(ids) for ids in prompt_ids], np.int32),
+      tokens=tokens,
+      iteration=iteration,
+      old_logprobs=np.where(mask > 0, old, 0.0).astype(np.float32),
+      mask=mask,
+      advantages=advantages.astype(np.float32),
+      ref_logprobs=np.zeros(tokens.shape, np.float32),
+    )
+
+  def _reference_params(self, params: nnx.State) -> nnx.State:
+    """The reference policy's parameters: the kept start, or (LoRA) `params` with every adapter's B zero."""
+    if self._reference is not None:
+      return self._reference
+    return jax.tree_util.tree_map_with_path(lambda path, x: jnp.zeros_like(x) if _adapter_b(path) else x, params)
+
+
+def _adapter_b(path: tuple) -> bool:
+  """Whether a state entry is a LoRA adapter's B factor (zero: the adapter adds nothing)."""
+  return is_adapter(path) and "lora_b" in [str(getattr(k, "key", k)) for k in path]
+
+
+def _step_seed(seed: int, step: int) -> int:
+  """The rollout seed of `step` (answers of a step draw fold_in(key(it), row), docs/sampling.md)."""
+  return (seed * 1_000_003 + step) % (2**31 - 1)
+
+
+def train_grpo(config: ml_collections.ConfigDict, workdir: str) -> TrainResult:
+  """Train by GRPO as `config.grpo` says, in the training loop (`train_and_evaluate` with `GRPOSteps`)."""
+  return train_and_evaluate(config, workdir, GRPOSteps(config))
