@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 from helpers import policy_tree
 from helpers.decode_cases import random_weights
+from helpers.replay_reference import Layout
 
 from refusion_jax.model.config import tiny
 from refusion_jax.model.transformer import init_model
@@ -43,15 +44,6 @@ class Case:
       eos_id=EOS,
       sampling=SAMPLING,
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-  name: str
-  gen_length: int
-  slot_size: int = 1
-  serial_blocks: int = 1
-  acceptance: str = "speculative"
 
 
 CASES = [

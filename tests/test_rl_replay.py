@@ -3,7 +3,6 @@ that runs each cycle's forwards with a KV cache, and its promises: no [rows, len
 
 from __future__ import annotations
 
-import dataclasses
 import textwrap
 import zlib
 
@@ -14,6 +13,7 @@ import pytest
 from flax import nnx
 from helpers import fake_devices, replay_reference
 from helpers.decode_cases import random_weights
+from helpers.replay_reference import Layout
 
 from refusion_jax.decoding.prompts import pad_prompts
 from refusion_jax.model.config import tiny
@@ -23,17 +23,6 @@ from refusion_jax.rl import replay
 
 VOCAB, MASK, EOS = 24, 23, 5
 STATIC = ("method", "tail_length", "chunk", "mask_id", "eos_id", "prompt_padding")
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-  """A method's static facts, as `trajectory_logprobs` reads them off the method value."""
-
-  name: str
-  gen_length: int
-  slot_size: int = 1
-  serial_blocks: int = 1
-  acceptance: str = "speculative"
 
 
 def random_model(seed: int):

@@ -12,6 +12,7 @@ for testing the replay without a decoder.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -21,6 +22,17 @@ from flax import nnx
 from refusion_jax.model.cache import KVCache
 from refusion_jax.model.transformer import Transformer
 from refusion_jax.rl import replay
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """A method's static facts, as `trajectory_logprobs` reads them off the method value."""
+
+  name: str
+  gen_length: int
+  slot_size: int = 1
+  serial_blocks: int = 1
+  acceptance: str = "speculative"
 
 
 def policy_distribution(logits: np.ndarray, temperature: float, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
