@@ -27,6 +27,7 @@ from refusion_jax.decoding.scoring import (
   first_argmax,
   log_partition,
   policy_logprobs,
+  token_logprobs,
   token_probs,
 )
 from refusion_jax.model import cache as kv_cache
@@ -117,23 +118,31 @@ def token_scores(
     next_draws: also draw each token from its predecessor's logits (the speculative rule, static).
   """
   log_z = log_partition(logits)  # probabilities of given tokens only, never [B, W, vocab] (docs/method.md §3)
-  floor = jnp.full(log_z.shape, -jnp.inf, jnp.float32) if noise is None else filter_floor(logits, rule)
   greedy = first_argmax(logits)
-  planned = draw(logits, noise, rule, floor)
+  greedy_logprob = token_logprobs(logits, log_z, greedy)
   previous = token_probs(logits[:, :-1], log_z[:, :-1], tokens[:, 1:])
+  if noise is None:  # every row greedy: the plan's draw is the argmax, under the model's own softmax
+    floor, planned, planned_logprob = None, greedy, greedy_logprob
+  else:
+    floor = filter_floor(logits, rule)
+    planned = draw(logits, noise, rule, floor)
+    planned_logprob = policy_logprobs(logits, planned, rule, floor)
   scores = TokenScores(
     greedy=greedy,
-    greedy_logprob=jnp.max(logits, axis=-1).astype(jnp.float32) - log_z,
+    greedy_logprob=greedy_logprob,
     planned=planned,
     planned_prob=token_probs(logits, log_z, planned),
-    planned_logprob=policy_logprobs(logits, planned, rule, floor),
+    planned_logprob=planned_logprob,
     previous_prob=_after_first(jnp.ones_like(previous[:, :1]), previous),
   )
   if not next_draws:
     return scores
-  before, before_floor = logits[:, :-1], floor[:, :-1]
-  following = draw(before, None if noise is None else noise[:, 1:], rule, before_floor)
-  following_logprob = policy_logprobs(before, following, rule, before_floor)
+  if noise is None:  # greedy: the draw from t - 1's logits is its argmax, read above
+    following, following_logprob = greedy[:, :-1], greedy_logprob[:, :-1]
+  else:
+    before, before_floor = logits[:, :-1], floor[:, :-1]
+    following = draw(before, noise[:, 1:], rule, before_floor)
+    following_logprob = policy_logprobs(before, following, rule, before_floor)
   return scores.replace(
     next_draw=_after_first(planned[:, :1], following),
     next_logprob=_after_first(scores.planned_logprob[:, :1], following_logprob),

@@ -38,8 +38,8 @@ def log_partition(logits: jax.Array) -> jax.Array:
   return jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
 
 
-def token_probs(logits: jax.Array, log_z: jax.Array, tokens: jax.Array) -> jax.Array:
-  """Softmax probabilities of given tokens: exp(logits[b, t, tokens[b, t]] - log_z[b, t]).
+def token_logprobs(logits: jax.Array, log_z: jax.Array, tokens: jax.Array) -> jax.Array:
+  """Log-softmax of given tokens: logits[b, t, tokens[b, t]] - log_z[b, t].
 
   Args:
     logits: [batch, length, vocab]; log_z: [batch, length] from `log_partition`;
@@ -49,7 +49,12 @@ def token_probs(logits: jax.Array, log_z: jax.Array, tokens: jax.Array) -> jax.A
     [batch, length] float32.
   """
   picked = jnp.take_along_axis(logits, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
-  return jnp.exp(picked.astype(jnp.float32) - log_z)
+  return picked.astype(jnp.float32) - log_z
+
+
+def token_probs(logits: jax.Array, log_z: jax.Array, tokens: jax.Array) -> jax.Array:
+  """Softmax probabilities of given tokens: exp(`token_logprobs`), [batch, length] float32."""
+  return jnp.exp(token_logprobs(logits, log_z, tokens))
 
 
 @flax.struct.dataclass
@@ -116,11 +121,9 @@ def filter_floor(logits: jax.Array, rule: SamplingRule) -> jax.Array:
   return jax.lax.cond(jnp.any((rule.temperature > 0) & filters), floor, none)
 
 
-def draw(logits: jax.Array, noise: jax.Array | None, rule: SamplingRule, floor: jax.Array) -> jax.Array:
-  """[B, L] int32 tokens drawn by Gumbel-max: the first maximum of the kept logits + temperature-scaled noise
-  (`sampling_noise`; None: greedy, the first maximum of the logits)."""
-  if noise is None:
-    return first_argmax(logits)
+def draw(logits: jax.Array, noise: jax.Array, rule: SamplingRule, floor: jax.Array) -> jax.Array:
+  """[B, L] int32 tokens drawn by Gumbel-max: the first maximum of the kept logits (`filter_floor`) +
+  temperature-scaled noise (`sampling_noise`; exact zeros on greedy rows, whose draw is the argmax)."""
   kept = tempered(logits, rule.temperature) >= floor[..., None]
   return first_argmax(jnp.where(kept, logits, -jnp.inf) + noise)
 
@@ -181,9 +184,12 @@ def pick_tokens(
   Returns:
     tokens [batch, length] int32, their probabilities and their log-probabilities [batch, length] float32.
   """
-  noise, floor = None, jnp.full(logits.shape[:2], -jnp.inf, jnp.float32)
-  if sample:
-    noise = sampling_noise(keys, rule.temperature, steps, logits.shape[1:])
-    floor = filter_floor(logits, rule)
+  log_z = log_partition(logits)
+  if not sample:  # every row greedy: the policy is the model's own softmax, whose partition is log_z
+    tokens = first_argmax(logits)
+    logprobs = token_logprobs(logits, log_z, tokens)
+    return tokens, jnp.exp(logprobs), logprobs
+  noise = sampling_noise(keys, rule.temperature, steps, logits.shape[1:])
+  floor = filter_floor(logits, rule)
   tokens = draw(logits, noise, rule, floor)
-  return tokens, token_probs(logits, log_partition(logits), tokens), policy_logprobs(logits, tokens, rule, floor)
+  return tokens, token_probs(logits, log_z, tokens), policy_logprobs(logits, tokens, rule, floor)
