@@ -1,5 +1,6 @@
-"""GRPO in a multi-process run (docs/rl.md §5, "Several processes"): two processes of two CPU devices each train,
-checkpoint and resume as one process over the same four-device mesh does."""
+"""GRPO in a multi-process run (docs/rl.md §5, "Several processes"): two processes of two CPU devices each start
+from a checkpoint (`config.init_from`, each process reading its own shards), train, checkpoint and resume as one
+process over the same four-device mesh does."""
 
 import json
 import os
@@ -10,8 +11,12 @@ import sys
 import pytest
 from helpers.train_utils import REPO, load_config
 
+from refusion_jax.checkpoints.export import write_refusion
+from refusion_jax.data.tokenizer import load_tokenizer
 from refusion_jax.evaluation.curve import read_scalars
+from refusion_jax.model.transformer import init_model
 from refusion_jax.training import inputs
+from refusion_jax.training.run_config import model_config_from
 
 # configs/grpo_demo.py:smoke for the AR policy, its parameters sharded across the processes (fsdp=2 of a data 2 x
 # fsdp 2 mesh), with updates large enough to move the policy: two per rollout at a learning rate of 1e-2 from the
@@ -30,25 +35,28 @@ COMPARED = ("reward_mean", "reward_std", "accuracy", "rollout_forwards", "rollou
 COMPARED_CLOSE = ("loss", "pg_loss", "kl", "grad_norm", "ratio_mean", "ratio_max", "clip_fraction")
 
 
-def _two_processes(workdir, data_dir: str) -> subprocess.Popen:
+def _two_processes(workdir, data_dir: str, init_from: str) -> subprocess.Popen:
   """launch/local_multiprocess.sh: two processes of two CPU devices each (a compilation cache in the workdir)."""
   command = ["bash", "launch/local_multiprocess.sh", "2", "2", "configs/grpo_demo.py:smoke", str(workdir)]
-  command += [f"--config.data.data_dir={data_dir}", *FLAGS]
+  command += [f"--config.data.data_dir={data_dir}", f"--config.init_from={init_from}", *FLAGS]
   cache = dict(JAX_COMPILATION_CACHE_DIR=str(workdir / "cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
   env = dict(os.environ, PYTHONPATH=REPO, **cache)
   return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _one_process(workdir, data_dir: str) -> subprocess.Popen:
+def _one_process(workdir, data_dir: str, init_from: str) -> subprocess.Popen:
   """The same run in one process of four CPU devices (the same mesh shape)."""
   command = [sys.executable, "-m", "refusion_jax.train", "--config", "configs/grpo_demo.py:smoke"]
-  command += ["--workdir", str(workdir), f"--config.data.data_dir={data_dir}", *FLAGS]
+  command += ["--workdir", str(workdir), f"--config.data.data_dir={data_dir}", f"--config.init_from={init_from}"]
+  command += FLAGS
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
   return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _finish(process: subprocess.Popen, workdir) -> None:
+  """Wait for the run; what it printed is kept in workdir/output.log (two processes log to process_<i>.log)."""
   output = process.communicate(timeout=600)[0]
+  (workdir / "output.log").write_text(output)
   logs = {path.name: path.read_text()[-3000:] for path in workdir.glob("process_*.log")}
   assert process.returncode == 0, (output[-3000:], logs)
 
@@ -67,7 +75,18 @@ def _assert_same_steps(two: dict, one: dict, steps: list[int]) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, data_dir):
+def init_from(tmp_path_factory) -> str:
+  """A run directory of the policy's model with weights of another seed than the config's: where the runs start
+  (and, resumed, what they reload as the reference policy)."""
+  config = load_config("grpo_demo")
+  model_config = model_config_from(config, load_tokenizer(config.tokenizer))
+  directory = str(tmp_path_factory.mktemp("start") / "sft")
+  write_refusion(init_model(model_config, seed=config.seed + 1), directory, step=1, tokenizer=config.tokenizer)
+  return directory
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_dir, init_from):
   """The 3-step run in two processes and in one, side by side: (the two's workdir, the one's workdir)."""
   root = tmp_path_factory.mktemp("runs")
   config = load_config("grpo_demo")
@@ -75,14 +94,17 @@ def runs(tmp_path_factory, data_dir):
   inputs.open_splits(config, str(root))  # the data, built before the two runs read it at once
   two, one = root / "two", root / "one"
   two.mkdir()
-  started = [(_two_processes(two, data_dir), two), (_one_process(one, data_dir), one)]
+  started = [(_two_processes(two, data_dir, init_from), two), (_one_process(one, data_dir, init_from), one)]
   for process, workdir in started:
     _finish(process, workdir)
   return two, one
 
 
-def test_two_processes_log_the_one_process_steps(runs):
+def test_two_processes_started_from_a_checkpoint_log_the_one_process_steps(runs, init_from):
   two, one = runs
+  # Both started from the checkpoint, each process of the two reading its own shards of it.
+  for log in (two / "process_0.log", one / "output.log"):
+    assert f"Started from the parameters of {init_from}." in log.read_text()
   logged_one = read_scalars(str(one))
   assert sorted(logged_one["train/loss"]) == [1, 2, 3]
   assert max(logged_one["train/kl"].values()) > 0  # the policy moved: the updates compared are not trivial
@@ -94,7 +116,7 @@ def test_two_processes_log_the_one_process_steps(runs):
 
 
 @pytest.mark.slow  # a third run, of two processes (~30 s of CPU)
-def test_a_resumed_two_process_run_goes_on_as_the_uninterrupted_one(runs, tmp_path, data_dir):
+def test_a_resumed_two_process_run_goes_on_as_the_uninterrupted_one(runs, tmp_path, data_dir, init_from):
   two, one = runs
   resumed = tmp_path / "resumed"
   # The two-process run's workdir as it was after step 1 (its compilation cache kept).
@@ -102,6 +124,6 @@ def test_a_resumed_two_process_run_goes_on_as_the_uninterrupted_one(runs, tmp_pa
     n for n in names if n == "tensorboard" or (os.path.basename(directory) == "checkpoints" and n in ("2", "3"))
   ]
   shutil.copytree(two, resumed, ignore=later)
-  _finish(_two_processes(resumed, data_dir), resumed)
+  _finish(_two_processes(resumed, data_dir, init_from), resumed)  # the reference policy read again from init_from
   assert "Resumed from" in (resumed / "process_0.log").read_text()
   _assert_same_steps(read_scalars(str(resumed)), read_scalars(str(one)), [2, 3])
