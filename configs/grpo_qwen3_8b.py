@@ -58,14 +58,8 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.data.dataset = "json"  # prompt records (docs/rl.md §6)
   config.data.seq_len = config.grpo.max_prompt_length + config.eval.gen_length  # validation's loss rows
   config.batch_size = 8  # prompts per step: 64 answers, 16 rows per chip of a v5p host
-  config.grad_accum_steps = 1
-  config.num_train_steps = 500
-  config.num_epochs = 1
-  config.optimizer.lr = 1e-5
-  config.optimizer.warmup_steps = 10
-  config.optimizer.decay = "constant"
-  config.log_every = 1
-  config.eval_every = 100
+  config.update(grad_accum_steps=1, num_train_steps=500, num_epochs=1, log_every=1, eval_every=100)
+  config.optimizer.update(lr=1e-5, warmup_steps=10, decay="constant")  # half the LoRA recipe's 2e-5, then constant
   config.checkpoint.every = 50
   if variant == "v5e":
     config.quantize = "int8"  # the frozen base's projections (configs/refusion_qwen3_8b_qlora.py)
