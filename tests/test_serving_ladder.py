@@ -56,9 +56,10 @@ def test_a_1000_token_prompt_is_answered_as_the_sampler_answers_it_and_again_fro
   reply = client.completions.create(model=MODEL, prompt=prompt, temperature=0)
   model, tokenizer = rj.load("tiny", format="preset", tokenizer="bytes")  # the weights --random_init tiny serves
   assert reply.choices[0].text == rj.Sampler(model, tokenizer, rj.AR(gen_length=GEN))(prompt)
-  assert reply.usage.prompt_tokens == LONGEST
+  assert reply.usage.prompt_tokens == LONGEST and reply.usage.prompt_tokens_details.cached_tokens == 0
   again = client.completions.create(model=MODEL, prompt=prompt, temperature=0)
   assert again.choices[0].text == reply.choices[0].text
+  assert again.usage.prompt_tokens_details.cached_tokens == (LONGEST - 1) // 16 * 16  # OpenAI's field says so too
   after = _metrics(server)
   # The second time, all whole blocks but the one holding the last token came from the prefix cache.
   assert after["refusion_prefix_cache_hits"] - before["refusion_prefix_cache_hits"] >= (LONGEST - 1) // 16 * 16

@@ -23,14 +23,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grain
-import jax
 import ml_collections
 
 from refusion_jax.data.pipeline import DataError, decode_record
 from refusion_jax.data.tokenizer import Tokenizer, format_prompt
 from refusion_jax.training import inputs
 
-# A step's prompts: the records of `config.batch_size` prompts, each a dict of columns.
+# A step's prompts: the records of `config.batch_size` prompts (the global batch, in every process), each a dict
+# of columns.
 PromptBatch = list[dict[str, Any]]
 
 
@@ -103,10 +103,16 @@ def check_prompt_lengths(
 
 
 def prompt_batches(source: Sequence[Any], batch_size: int, seed: int) -> grain.IterDataset:
-  """This process's share of `source` as an endless, shuffled grain dataset of `batch_size`-record lists
-  (`PromptBatch`; its iterator's position is checkpointed with the run)."""
-  shard, count = jax.process_index(), jax.process_count()
-  dataset = grain.MapDataset.source(source)[shard::count].shuffle(seed=seed).repeat(None).map(decode_record)
+  """`source` as an endless, shuffled grain dataset of `batch_size`-record lists (`PromptBatch`; its iterator's
+  position is checkpointed with the run), the same in every process.
+
+  A multi-process run's processes each read the step's whole global batch (docs/rl.md §7), not a share: every
+  process decodes every prompt of the step anyway (one engine over the run's mesh, fed the same prompts in every
+  process), the rewards read the records' own columns (any JSON), which an exchange of fixed-shape arrays between
+  processes would have to encode, and reading a step's few records is cheap next to decoding them. So the batches,
+  their order and each process's checkpointed position are the one-process run's by construction.
+  """
+  dataset = grain.MapDataset.source(source).shuffle(seed=seed).repeat(None).map(decode_record)
   return dataset.to_iter_dataset().batch(batch_size, drop_remainder=True, batch_fn=list)
 
 

@@ -11,6 +11,8 @@ what a step is:
    engine with the current weights, on the run's mesh (the parameters are the train state's arrays: nothing is
    copied), with log-probabilities: ReFusion with speculative acceptance (the policy whose probabilities are
    exact, docs/rl.md §1) or AR, at `config.grpo.temperature`. One compiled decode program serves every step.
+   Every process of a multi-process run reads and decodes the whole global batch, in the one-process order, and
+   scores it the same way; the update gets it as global arrays (docs/rl.md §5, "Several processes").
 2. **Rewards.** The reward functions `config.grpo.rewards` names score the decoded answers; their sum's
    group-relative advantages (`objective.group_advantages`) weigh each answer.
 3. **Reference.** With `beta` > 0, each recorded token's log-probability under the reference policy: the
@@ -47,7 +49,7 @@ from refusion_jax.decoding.options import DecodeOptions
 from refusion_jax.decoding.prompts import bucket_length
 from refusion_jax.model import lora
 from refusion_jax.model.adapter import is_adapter
-from refusion_jax.parallel import sharding
+from refusion_jax.parallel import hosts, sharding
 from refusion_jax.rl import prompts, rewards
 from refusion_jax.rl.logprobs import RolloutBatch, policy_logprobs
 from refusion_jax.rl.objective import GRPOConfig, group_advantages, grpo_loss
@@ -88,8 +90,8 @@ def rollout_method(config: ml_collections.ConfigDict) -> Method:
 class GRPOSteps(Steps):
   """GRPO's step for `train_and_evaluate`: rollout, rewards, reference, `num_iterations` updates (module docstring).
 
-  Its batches are lists of `config.batch_size` prompt records; the update's rows are their
-  batch_size x num_generations answers.
+  Its batches are lists of `config.batch_size` prompt records, the global batch in every process of a multi-process
+  run; the update's rows are their batch_size x num_generations answers.
   """
 
   def __init__(self, config: ml_collections.ConfigDict):
@@ -128,14 +130,10 @@ class GRPOSteps(Steps):
     prompts.check_prompt_lengths(
       source, tokenizer, self.max_prompt_length, config.data.chat_template, "the training prompts"
     )
-    return prompts.prompt_batches(source, config.batch_size // jax.process_count(), config.seed)
+    # The global batch in every process (`prompts.prompt_batches` says why).
+    return prompts.prompt_batches(source, config.batch_size, config.seed)
 
   def build(self, parts: StepParts) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
-    if jax.process_count() > 1:
-      raise NotImplementedError(
-        "GRPO runs in one process for now (its rollouts decode each process's own prompts, which one engine over "
-        "a multi-process mesh does not do yet): run it on one host, whose devices the mesh may span."
-      )
     return _GRPOStep(self, parts)
 
 
@@ -146,9 +144,9 @@ def rollout_options(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) 
 
 
 def rollout_rows(config: ml_collections.ConfigDict, steps: GRPOSteps) -> int:
-  """K, the rows the rollout's decode loop keeps busy: `config.grpo.rollout_rows`, else every answer of this
-  process's share of a step at once."""
-  return int(config.grpo.get("rollout_rows") or steps.rows(config) // jax.process_count())
+  """K, the rows the rollout's decode loop keeps busy: `config.grpo.rollout_rows`, else every answer of a step at
+  once (the global batch, which every process decodes)."""
+  return int(config.grpo.get("rollout_rows") or steps.rows(config))
 
 
 def rollout_engine(model: nnx.Module, steps: GRPOSteps, options: DecodeOptions, rules: Any) -> Engine:
@@ -265,7 +263,7 @@ class _GRPOStep:
     completions = [self.tokenizer.decode(tokens) for tokens in result.tokens]
     total, _ = rewards.score(self.steps.rewards, queries, completions, columns)
     advantages = group_advantages(total, self.grpo.num_generations, self.grpo.advantage_estimator)
-    rollout = self.placement.batch(self._rollout_batch(prompt_ids, result, advantages))
+    rollout = self._placed(self._rollout_batch(prompt_ids, result, advantages))
     if not self.steps.use_rollout_logps:
       rollout["old_logprobs"] = self._logprobs(state.params, rollout)
     if self.grpo.beta:
@@ -314,6 +312,11 @@ class _GRPOStep:
       advantages=advantages.astype(np.float32),
       ref_logprobs=np.zeros(tokens.shape, np.float32),
     )
+
+  def _placed(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """The update's batch, whole in every process, as global arrays split by rows over the run's mesh: the
+    one-process run's arrays (in a multi-process run each process contributes the rows of its own devices)."""
+    return hosts.place(batch, sharding.batch_shardings(batch, self.placement.mesh, self.placement.rules))
 
   def _reference_params(self, params: nnx.State) -> nnx.State:
     """The reference policy's parameters: the kept start, or (LoRA) `params` with every adapter's B zero."""

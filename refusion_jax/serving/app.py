@@ -234,10 +234,20 @@ class _Choice:
 
 
 def _usage(choices: list[_Choice]) -> schemas.Usage:
-  """Prompt tokens counted once per prompt (its n answers share it), answer tokens of every choice."""
-  prompts = {id(c.job.prompt_ids): len(c.job.prompt_ids) for c in choices}
+  """Prompt tokens counted once per prompt (its n answers share it), answer tokens of every choice; a prompt's
+  cached tokens are those the prefix cache supplied to every one of its answers (a cold prompt's first answer
+  computes them, so it has none)."""
+  prompts, cached = {}, {}
+  for c in choices:
+    key = id(c.job.prompt_ids)
+    prompts[key] = len(c.job.prompt_ids)
+    reused = c.last.cached_tokens if c.last else 0
+    cached[key] = min(cached.get(key, reused), reused)
   prompt, answer = sum(prompts.values()), sum(c.last.answer_tokens for c in choices if c.last)
-  return schemas.Usage(prompt_tokens=prompt, completion_tokens=answer, total_tokens=prompt + answer)
+  details = schemas.PromptTokensDetails(cached_tokens=sum(cached.values()))
+  return schemas.Usage(
+    prompt_tokens=prompt, completion_tokens=answer, total_tokens=prompt + answer, prompt_tokens_details=details
+  )
 
 
 def create_app(

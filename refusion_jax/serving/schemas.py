@@ -204,10 +204,18 @@ class DetokenizeRequest(pydantic.BaseModel):
   model: str | None = None
 
 
+class PromptTokensDetails(pydantic.BaseModel):
+  """OpenAI's `usage.prompt_tokens_details`: `cached_tokens`, the prompt tokens whose KV was reused (the prefix
+  cache, docs/serving.md) rather than computed."""
+
+  cached_tokens: int = 0
+
+
 class Usage(pydantic.BaseModel):
   prompt_tokens: int
   completion_tokens: int
   total_tokens: int
+  prompt_tokens_details: PromptTokensDetails = pydantic.Field(default_factory=PromptTokensDetails)
 
 
 class DecodeStats(pydantic.BaseModel):

@@ -46,6 +46,7 @@ class Update:
   tokens: the answer ids read since the last update (the text may hold back the end of theirs).
   logprobs: their log-probabilities, aligned with `tokens`, for a job that asked (`Job.logprobs`), else None.
   answer_tokens: the answer ids read so far, these included.
+  cached_tokens: at the end, the prompt tokens whose KV the prefix cache supplied (`Engine.reused_tokens`).
   queue_seconds: from arrival to the start of the row's decode (the wait for a free row included).
   error: set instead when the request failed (then nothing else follows).
   """
@@ -55,6 +56,7 @@ class Update:
   tokens: list[int] = dataclasses.field(default_factory=list)
   logprobs: list[float] | None = None
   answer_tokens: int = 0
+  cached_tokens: int = 0
   forwards: int = 0
   queue_seconds: float = 0.0
   decode_seconds: float = 0.0
@@ -336,6 +338,7 @@ class DecodeWorker:
       tokens=tokens,
       logprobs=logprobs,
       answer_tokens=read,
+      cached_tokens=self.engine.reused_tokens(job.request),
       forwards=self.engine.forwards(job.request),
       queue_seconds=started - job.arrived,
       decode_seconds=now - started,

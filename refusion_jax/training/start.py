@@ -43,6 +43,7 @@ from refusion_jax.data.tokenizer import Tokenizer, load_tokenizer
 from refusion_jax.model import lora
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer
+from refusion_jax.parallel import hosts
 from refusion_jax.training.interrupts import Interrupts
 from refusion_jax.training.metrics import console
 from refusion_jax.training.run_config import (
@@ -121,7 +122,7 @@ def begin(
       step=-1,
     )
   with interrupts.phase("loading the initial model", blocking=True):
-    start = _from_init(config, checkpoints.directory) if config.init_from else _random(config)
+    start = _from_init(config, checkpoints.directory, mesh) if config.init_from else _random(config)
     return _build(config, _as_configured(start, config), checkpoints, tx, mesh, train_batches)
 
 
@@ -132,8 +133,8 @@ def starting_params(
   init of `config.seed`), placed as the run's parameters are: what a resumed GRPO run keeps as its reference
   policy (refusion_jax.rl). Full parameters only (a LoRA run's start is its base, which it holds already)."""
   if config.init_from:
-    params = _as_configured(_from_init(config, checkpoint_dir), config).params
-    return jax.device_put(params, placement.state_shardings.params)
+    params = _as_configured(_from_init(config, checkpoint_dir, placement.mesh), config).params
+    return hosts.place(params, placement.state_shardings.params)
   init = lambda: nnx.state(Transformer(model_config, rngs=nnx.Rngs(params=config.seed)))
   return jax.jit(init, out_shardings=placement.state_shardings.params)()
 
@@ -172,12 +173,15 @@ def _random(config: ml_collections.ConfigDict) -> Start:
   return Start(model_config_from(config, load_tokenizer(config.tokenizer)), config.tokenizer)
 
 
-def _from_init(config: ml_collections.ConfigDict, checkpoint_dir: str) -> Start:
-  """The parameters of `config.init_from`, whatever its format (precedence 2)."""
+def _from_init(config: ml_collections.ConfigDict, checkpoint_dir: str, mesh: jax.sharding.Mesh) -> Start:
+  """The parameters of `config.init_from`, whatever its format (precedence 2), read straight onto `mesh` by
+  `config.sharding_rules`: each process reads its own shards (on a mesh spanning processes no device of one
+  process could hold them all)."""
   found = locate(config.init_from, config.init_format)
   dtype, param_dtype = config.model.get("dtype"), config.model.get("param_dtype")
   # A QLoRA run quantizes the base while reading it: the float base never sits on the devices whole.
   quantized = dict(quantize=config.get("quantize"), quantize_group_size=config.get("quantize_group_size", 128))
+  quantized.update(mesh=mesh, rules=tuple(tuple(rule) for rule in config.sharding_rules))
   if found.format == "hf":
     return _from_hf(config, found.path, checkpoint_dir, quantized)
   if found.format == "refusion":
@@ -206,8 +210,8 @@ def _from_hf(config: ml_collections.ConfigDict, path: str, checkpoint_dir: str, 
   (process 0 writes the extended tokenizer into the checkpoint directory, the
   others wait for it) and, when its id lies past the embedding table, the table
   grows to hold it, rounded up to `config.vocab_multiple` rows so the vocabulary
-  still shards. `quantized` (load_model's quantize arguments) quantizes the projections while reading;
-  the embedding and LM head, which grow, stay float.
+  still shards. `quantized` (load_model's quantize, mesh and rules arguments) quantizes the projections while
+  reading; the embedding and LM head, which grow, stay float.
   """
   dtype = config.model.get("dtype") or "float32"
   model_config = hf.load_hf_config(path, dtype=dtype, param_dtype=config.model.get("param_dtype") or dtype)
@@ -265,6 +269,7 @@ def _build(
     console(f"Resumed from {checkpoints.directory} at step {start.resume_step}.")
     state = TrainState(params=params, **restored.train)
   elif start.params is not None:
+    console(f"Started from the parameters of {config.init_from}.")
     params = start.params
     if lora_config.enabled:
       params = lora_run.with_adapters(params, start.model_config, lora_config, config.seed)

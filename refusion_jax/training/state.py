@@ -29,7 +29,7 @@ from flax import nnx
 from refusion_jax.model import lora
 from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer
-from refusion_jax.parallel import sharding
+from refusion_jax.parallel import hosts, sharding
 from refusion_jax.training.objective import ObjectiveConfig, loss_fn
 
 # A training step's input: tokens, prompt_len, answer_len (data/pipeline.py's batch contract), on host or device.
@@ -326,8 +326,9 @@ def _state_from_params(params: nnx.State, tx: optax.GradientTransformation, seed
 def state_with_params(
   params: nnx.State, tx: optax.GradientTransformation, seed: int, placement: Placement
 ) -> TrainState:
-  """A step-0 TrainState around given parameters, placed with the placement's shardings."""
-  params = jax.device_put(params, placement.state_shardings.params)
+  """A step-0 TrainState around given parameters, placed with the placement's shardings (`hosts.place`: on a
+  mesh spanning processes as well)."""
+  params = hosts.place(params, placement.state_shardings.params)
   init = jax.jit(
     lambda p: _state_from_params(p, tx, seed),
     in_shardings=(placement.state_shardings.params,),
