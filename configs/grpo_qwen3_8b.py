@@ -1,6 +1,6 @@
-"""GRPO on Qwen3-8B ReFusion with LoRA: speculative ReFusion rollouts, 8 answers a prompt, on one TPU host.
+"""GRPO on Qwen3-8B ReFusion with LoRA: speculative ReFusion rollouts, 8 answers a prompt, on a v5p slice.
 
-    launch/tpu_pod.sh --accelerator=v5p-8 my-tpu us-east5-a configs/grpo_qwen3_8b.py /mnt/b/grpo \\
+    launch/tpu_pod.sh --accelerator=v5p-16 my-tpu us-east5-a configs/grpo_qwen3_8b.py /mnt/b/grpo \\
         --config.init_from=/mnt/b/refusion_qwen3_8b --config.data.train_files=/mnt/b/prompts.json
     # one 16 GB v5e chip, the base's projections in int8: configs/grpo_qwen3_8b.py:v5e
 
@@ -12,12 +12,13 @@ whose answer probabilities are exact, docs/rl.md §1), scores them with `grpo.re
 group-relative advantages, with a KL penalty to the base (the reference is the base with its adapters off: no
 second copy of the weights). Prompts are JSON records with a "query" and the columns the rewards read (the
 built-in rewards: "response"; docs/rl.md §6), up to `grpo.max_prompt_length` tokens with the chat template.
+Every process of a pod decodes the step's global batch on the whole mesh (docs/rl.md §5, "Several processes").
 
 Fit (ahead-of-time compile of the step's programs, `python -m refusion_jax.aot --config configs/grpo_qwen3_8b.py
---topology v5p:2x2x1 --programs grpo`; results/rl_scale.md has the table and the commands): the rollout, the
-reference log-probs and the update of 64 answers (8 prompts x 8) of 256 + 256 tokens, FSDP over the 4 chips of
-one v5p host. GRPO runs in one process for now (refusion_jax.rl.trainer), so a slice of one host (v5p-8, 4
-chips) is what the launcher starts; `:v5e` fits one 16 GB v5e chip with an int8 base.
+--topology v5p:2x2x2 --programs grpo`; results/rl_scale.md has the table and the commands): the rollout, the
+reference log-probs and the update of 64 answers (8 prompts x 8) of 256 + 256 tokens, FSDP over the chips, fit
+one v5p host (4 chips, 40 GB of a chip's 103 at most) and a v5p-16 slice (8 chips); `:v5e` fits one 16 GB v5e
+chip with an int8 base.
 
 Variants: "" the v5p recipe; "v5e" one v5e chip (int8 base, 1 prompt x 8 answers a step, the update in
 microbatches of 2 answers, logits 128 answer tokens at a time); "smoke" the recipe's path (LoRA, speculative
@@ -57,7 +58,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
 
   config.data.dataset = "json"  # prompt records (docs/rl.md §6)
   config.data.seq_len = config.grpo.max_prompt_length + config.eval.gen_length  # validation's loss rows
-  config.batch_size = 8  # prompts per step: 64 answers, 16 rows per chip of a v5p host
+  config.batch_size = 8  # prompts per step: 64 answers, 8 rows a chip on v5p-16 (16 on one v5p host)
   config.update(grad_accum_steps=1, num_train_steps=500, num_epochs=1, log_every=1, eval_every=100)
   config.optimizer.update(lr=1e-5, warmup_steps=10, decay="constant")  # half the LoRA recipe's 2e-5, then constant
   config.checkpoint.every = 50

@@ -11,8 +11,8 @@
 #          --setup='sudo mkdir -p /mnt/b && sudo chmod 777 /mnt/b && gcsfuse --implicit-dirs my-bucket /mnt/b' \
 #          refusion-pod us-east5-a configs/refusion_qwen3_8b.py /mnt/b/refusion \
 #          --config.init_from=/mnt/b/Qwen3-8B --config.data.train_files=/mnt/b/train.json
-#   GRPO runs in one process for now: a one-host slice (v5p-8, 4 chips; results/rl_scale.md has its fit), e.g.
-#        launch/tpu_pod.sh --accelerator=v5p-8 grpo-pod us-east5-a configs/grpo_qwen3_8b.py /mnt/b/grpo \
+#   GRPO with LoRA on Qwen3-8B over a v5p-16 slice (2 hosts, 8 chips; results/rl_scale.md has its fit), e.g.
+#        launch/tpu_pod.sh --accelerator=v5p-16 grpo-pod us-east5-a configs/grpo_qwen3_8b.py /mnt/b/grpo \
 #          --config.init_from=/mnt/b/refusion_qwen3_8b --config.data.train_files=/mnt/b/prompts.json
 #
 # Training (the first form):
