@@ -11,6 +11,9 @@
 #          --setup='sudo mkdir -p /mnt/b && sudo chmod 777 /mnt/b && gcsfuse --implicit-dirs my-bucket /mnt/b' \
 #          refusion-pod us-east5-a configs/refusion_qwen3_8b.py /mnt/b/refusion \
 #          --config.init_from=/mnt/b/Qwen3-8B --config.data.train_files=/mnt/b/train.json
+#   GRPO with LoRA on Qwen3-8B over a v5p-16 slice (2 hosts, 8 chips; results/rl_scale.md has its fit), e.g.
+#        launch/tpu_pod.sh --accelerator=v5p-16 grpo-pod us-east5-a configs/grpo_qwen3_8b.py /mnt/b/grpo \
+#          --config.init_from=/mnt/b/refusion_qwen3_8b --config.data.train_files=/mnt/b/prompts.json
 #
 # Training (the first form):
 #   1. with --accelerator: creates the TPU as a queued resource (TYPE as gcloud names it: v5p-128 is 64
@@ -36,7 +39,7 @@
 set -euo pipefail
 
 usage() {
-  sed -n '2,35p' "$0"
+  sed -n '2,38p' "$0"
   exit 2
 }
 

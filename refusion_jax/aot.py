@@ -8,12 +8,15 @@
         --remat_policies=full,projections_except_mlp,projections        # one row per remat policy
     python -m refusion_jax.aot --config configs/refusion_qwen3_8b.py --topology v5e:2x2 --config.mesh.data=1 \
         --programs decode --decode_mesh=data:1 --decode_batch=1,8 --quantize int8   # int8 decode on one v5e chip
+    python -m refusion_jax.aot --config configs/grpo_qwen3_8b.py --topology v5p:2x2x1 --programs grpo  # GRPO
 
 Compiles (a) the training step at the config's batch, sequence length,
 gradient accumulation and mesh (once per `--remat_policies` entry, one row
 each, to compare their memory and FLOPs), and (b) the ReFusion decode loop (prefill +
 plan-and-infill while_loop) per `--decode_batch`, at `--decode_prompt_length`
-+ `config.eval.gen_length` on `--decode_mesh`. Nothing is allocated and no
++ `config.eval.gen_length` on `--decode_mesh`; `--programs grpo` compiles a GRPO step's programs
+(`config.grpo`, refusion_jax.rl.trainer) as the trainer builds them: the rollout's decode loop, the reference
+log-probabilities (beta > 0) and the update, at batch_size x num_generations rows. Nothing is allocated and no
 TPU is needed: a topology is described by libtpu (`pip install
 "jax[tpu]==<your jax version>"`). For each program it prints the per-device
 memory (arguments, outputs, temporaries, total) against the chip's HBM, the
@@ -37,7 +40,11 @@ from refusion_jax.cli import report_errors
 from refusion_jax.model import quant
 from refusion_jax.parallel import compiled
 from refusion_jax.parallel.mesh_spec import parse_mesh_spec
-from refusion_jax.training.aot_report import decode_mesh_ways, decode_reports, train_reports
+from refusion_jax.training.aot_report import decode_mesh_ways, decode_reports, grpo_reports, train_reports
+
+# What --programs takes: a GRPO step's rollout and update (a config with a `grpo` section), the supervised
+# training step, the decode loop.
+_PROGRAMS = ("grpo", "train", "decode")
 
 
 def _print_each(reports: Iterator[compiled.Report]) -> list[compiled.Report]:
@@ -66,6 +73,15 @@ def report(f: flags.FlagValues) -> None:
   decode_mesh = parse_mesh_spec(f.decode_mesh) if f.decode_mesh else dict(f.config.mesh)
   print(f"{len(devices)} devices ({devices[0].device_kind}){'' if chip else ', HBM unknown (pass --hbm_gib)'}")
   reports = []
+  unknown = sorted(set(f.programs) - set(_PROGRAMS))
+  if unknown:
+    raise ValueError(f"--programs={','.join(f.programs)}: unknown {unknown}; choose from {', '.join(_PROGRAMS)}.")
+  if "grpo" in f.programs:
+    if "grpo" not in f.config:
+      raise ValueError(
+        "--programs=grpo compiles a GRPO step: give a config with a `grpo` section (e.g. configs/grpo_qwen3_8b.py)."
+      )
+    reports += _print_each(grpo_reports(f.config, devices, chip))
   if "train" in f.programs:
     reports += _print_each(train_reports(f.config, devices, chip, f.remat_policies))
   if "decode" in f.programs:
@@ -103,7 +119,9 @@ def report(f: flags.FlagValues) -> None:
 if __name__ == "__main__":
   config_flags.DEFINE_config_file("config", None, "Training config file (see configs/).", lock_config=True)
   flags.DEFINE_string("topology", "", 'TPU topology to compile for, e.g. "v5p:4x4x4"; "" = the local devices.')
-  flags.DEFINE_list("programs", ["train", "decode"], "Which programs to compile: train, decode.")
+  flags.DEFINE_list(
+    "programs", ["train", "decode"], "Programs to compile: train, decode, grpo (a GRPO step's rollout and update)."
+  )
   flags.DEFINE_list("decode_batch", ["1", "32"], "Decode batch sizes to compile.")
   flags.DEFINE_integer("decode_prompt_length", 512, "Prompt bucket of the decode programs.")
   flags.DEFINE_string("decode_mesh", "", 'Decode mesh, e.g. "tensor:4" or "data:1" (one chip); "" = config.mesh.')

@@ -1,6 +1,7 @@
 """The pod and SLURM launchers' --dry_run: every command, printed so that a shell reads it back unchanged."""
 
 import os
+import re
 import shlex
 import stat
 import subprocess
@@ -78,6 +79,33 @@ def test_tpu_pod_dry_run_prints_the_whole_lifecycle(no_cloud_tools):
     "# set up",
     "# run",
   ]
+  assert not calls.exists()
+
+
+def test_tpu_pod_dry_run_of_the_grpo_recipe_as_its_config_gives_it(no_cloud_tools):
+  """configs/grpo_qwen3_8b.py's launch command, dry run: every worker of the v5p slice trains the GRPO config
+  with its overrides."""
+  env, calls = no_cloud_tools
+  with open(os.path.join(REPO, "configs", "grpo_qwen3_8b.py")) as f:
+    text = f.read()
+  given = re.search(r"^ *launch/tpu_pod\.sh (.*?)\n(?! *--config)", text.replace("\\\n", "\n"), re.M | re.S)
+  args = shlex.split(given.group(1).replace("\n", " "))
+  assert args[:2] == ["--accelerator=v5p-16", "my-tpu"] and "configs/grpo_qwen3_8b.py" in args, args
+  lines = dry_run("tpu_pod.sh", args, env)
+  create = command(lines, "queued-resources create")
+  assert create[create.index("--accelerator-type") + 1] == "v5p-16"
+  remote = command(lines, "nohup")
+  assert "--worker=all" in remote
+  train = shlex.split(remote[-1].split("&&", 1)[1])
+  assert train[train.index("refusion_jax.train") + 1 :][:4] == [
+    "--config",
+    "configs/grpo_qwen3_8b.py",
+    "--workdir",
+    "/mnt/b/grpo",
+  ]
+  assert (
+    "--config.init_from=/mnt/b/refusion_qwen3_8b" in train and "--config.data.train_files=/mnt/b/prompts.json" in train
+  )
   assert not calls.exists()
 
 

@@ -29,13 +29,14 @@ from refusion_jax.decoding.checks import (
   check_temperature,
   decoder_special_tokens,
 )
-from refusion_jax.decoding.contract import DecodeOutputs, Method
+from refusion_jax.decoding.contract import DecodeOutputs, Decoder, Method
 from refusion_jax.decoding.mesh import padded_rows, pick_rows_on
 from refusion_jax.decoding.options import DecodeOptions, decode_options
 from refusion_jax.decoding.prefix_cache import PrefixCache, PrefixPool, PrefixQueue, pool_shape
 from refusion_jax.decoding.programs import placed_program, start_for
 from refusion_jax.decoding.prompts import bucket_length
 from refusion_jax.decoding.result import PHASE_NONE, DecodeResult, Rollout
+from refusion_jax.model.config import ModelConfig
 from refusion_jax.model.transformer import Transformer, inference_view
 from refusion_jax.parallel.activations import normalize_rules
 from refusion_jax.parallel.hosts import to_host
@@ -53,6 +54,24 @@ class _Submitted:
   top_k: int
   top_p: float
   min_p: float
+
+
+def engine_decoder(
+  config: ModelConfig, method: Method, options: DecodeOptions, rules: Rules = LOGICAL_AXIS_RULES, sampling: bool = False
+) -> Decoder:
+  """The decoder an `Engine` of `method` splits for a model of (inference) `config` under `options` (its special
+  ids and mesh) and `rules`: what fixes its compiled loop besides the parameters (`loop.loop_for`) and the rows.
+  `python -m refusion_jax.aot` compiles a GRPO step's rollout from it."""
+  return _split_method(config, method, options, rules, sampling)[0]
+
+
+def _split_method(
+  config: ModelConfig, method: Method, options: DecodeOptions, rules: Rules, sampling: bool
+) -> tuple[Decoder, Any, bool]:
+  """(`engine_decoder`'s decoder, the special ids it was split with, whether it samples)."""
+  special = decoder_special_tokens(config, **options.special_ids)
+  sample = method.temperature > 0 or sampling
+  return method.decoder(config, special, pick_rows=pick_rows_on(options.mesh, rules), sample=sample), special, sample
 
 
 class Engine:
@@ -128,9 +147,7 @@ class Engine:
     check_positive("prompt_width", prompt_width, "the bucket of the longest prompt")
     model = inference_view(model)  # every decoder runs without remat, on weights cast once (docs/method.md §5)
     self.config = config = model.config
-    special = decoder_special_tokens(config, **options.special_ids)
-    sample = method.temperature > 0 or sampling
-    self.decoder = method.decoder(config, special, pick_rows=pick_rows_on(mesh, rules), sample=sample)
+    self.decoder, special, sample = _split_method(config, method, options, rules, sampling)
     self.pad_id = check_special_id("pad_id", special.pad, config)
     self.rows = padded_rows(rows, mesh, rules)
     self.prompt_width = prompt_width

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 from flax import nnx
 
 from refusion_jax.data.tokenizer import Tokenizer, format_prompt
@@ -54,7 +55,7 @@ from refusion_jax.rl.logprobs import RolloutBatch, policy_logprobs
 from refusion_jax.rl.objective import GRPOConfig, group_advantages, grpo_loss
 from refusion_jax.training import run_config, start
 from refusion_jax.training.loop import StepParts, Steps, TrainResult, train_and_evaluate
-from refusion_jax.training.state import TrainState, make_update_step
+from refusion_jax.training.state import Placement, TrainState, make_update_step
 
 # The GRPOConfig fields a config's `grpo` section sets (the rest of the section configures the trainer).
 _GRPO_FIELDS = tuple(f.name for f in dataclasses.fields(GRPOConfig))
@@ -114,6 +115,8 @@ class GRPOSteps(Steps):
     self.use_rollout_logps = bool(config.grpo.get("use_rollout_logps", True))
     self.method = rollout_method(config)
     self.max_prompt_length = int(config.grpo.max_prompt_length)
+    # The rollout's prompt bucket: every prompt of a step, left-padded to it.
+    self.prompt_width = bucket_length(self.max_prompt_length)
 
   def open_splits(self, config: ml_collections.ConfigDict, workdir: str) -> dict[str, Sequence[Any]]:
     return prompts.open_prompt_splits(config, workdir)
@@ -134,6 +137,91 @@ class GRPOSteps(Steps):
     return _GRPOStep(self, parts)
 
 
+def rollout_options(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> DecodeOptions:
+  """The rollouts' decode options on the run's `mesh`, with log-probabilities (the replay reads the recorded
+  trajectories); the step sets the rows and its seed, the trainer the tokenizer's special ids."""
+  return DecodeOptions(seed=config.seed, mesh=mesh, logprobs=True)
+
+
+def rollout_rows(config: ml_collections.ConfigDict, steps: GRPOSteps) -> int:
+  """K, the rows the rollout's decode loop keeps busy: `config.grpo.rollout_rows`, else every answer of a step at
+  once (the global batch, which every process decodes)."""
+  return int(config.grpo.get("rollout_rows") or steps.rows(config))
+
+
+def rollout_engine(model: nnx.Module, steps: GRPOSteps, options: DecodeOptions, rules: Any) -> Engine:
+  """The engine a step's rollout decodes with: `steps.method` on `model` (the train state's arrays, nothing
+  copied), at `options`' rows and seed on its mesh, prompts in the bucket `steps.prompt_width`."""
+  return Engine(model, steps.method, options, prompt_width=steps.prompt_width, rules=rules)
+
+
+def rollout_batch_shapes(rows: int, prompt_length: int, gen_length: int) -> dict[str, jax.ShapeDtypeStruct]:
+  """The update's inputs (`RolloutBatch`'s fields, as the step builds them) for `rows` answers of `gen_length`
+  tokens to prompts left-padded to `prompt_length`: {name: [rows, ...] shape and dtype}."""
+  widths = dict(prompt=prompt_length, tokens=gen_length, iteration=gen_length)
+  widths.update(old_logprobs=gen_length, mask=gen_length, ref_logprobs=gen_length)
+  shapes = {}
+  for key, rank in _BATCH_RANKS.items():
+    dtype = np.int32 if key in ("prompt", "prompt_len", "tokens", "iteration") else np.float32
+    shapes[key] = jax.ShapeDtypeStruct((rows, widths[key]) if rank == 2 else (rows,), dtype)
+  return shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdatePrograms:
+  """The jitted programs of GRPO's update, on the run's placement (what `python -m refusion_jax.aot` compiles too).
+
+  update:   (state, batch) -> (state, metrics): `num_iterations` optimizer updates on GRPO's loss (the trainable
+            part only: the LoRA adapters when the model has them), the state donated. batch: `rollout_batch_shapes`.
+  logprobs: (params, batch) -> [rows, G] float32 each recorded token's log-probability (the reference policy's
+            when given its parameters, e.g. a LoRA model's with the adapters off; the old policy's for AR
+            without `use_rollout_logps`).
+  """
+
+  update: Callable
+  logprobs: Callable
+
+
+def update_programs(
+  steps: GRPOSteps,
+  config: ml_collections.ConfigDict,
+  graphdef: nnx.GraphDef,
+  placement: Placement,
+  tx: optax.GradientTransformation,
+  schedule: optax.Schedule,
+  loss_chunk: int,
+  options: DecodeOptions,
+) -> UpdatePrograms:
+  """The update's jitted programs (`UpdatePrograms`), replaying answers decoded with `options`' mask and EOS ids."""
+  method, temperature, grpo = steps.method, steps.temperature, steps.grpo
+  special = dict(mask_id=options.mask_id, eos_id=options.eos_id)
+
+  def logprobs_of_model(model: nnx.Module, rollout: RolloutBatch, dropout_key: jax.Array | None) -> jax.Array:
+    return policy_logprobs(
+      model, rollout, method, temperature=temperature, chunk=loss_chunk, dropout_key=dropout_key, **special
+    )
+
+  def loss_of_model(model: nnx.Module, batch: dict, key: jax.Array) -> tuple[jax.Array, dict]:
+    rollout = RolloutBatch(**batch)
+    logps = logprobs_of_model(model, rollout, lora.dropout_key(model, key))
+    reference = rollout.ref_logprobs if grpo.beta else None
+    return grpo_loss(logps, rollout.old_logprobs, rollout.advantages, rollout.mask, grpo, reference)
+
+  example = {key: np.zeros((1,) * rank, np.int32) for key, rank in _BATCH_RANKS.items()}
+  update = make_update_step(graphdef, tx, schedule, loss_of_model, config.grad_accum_steps, grpo.num_iterations)
+
+  def logprobs_of(params: nnx.State, batch: dict) -> jax.Array:
+    return logprobs_of_model(nnx.merge(graphdef, params), RolloutBatch(**batch), None)
+
+  shardings = sharding.batch_shardings(example, placement.mesh, placement.rules)
+  return UpdatePrograms(
+    update=placement.jit_step(update, batch_example=example),
+    logprobs=jax.jit(
+      logprobs_of, in_shardings=(placement.state_shardings.params, shardings), out_shardings=shardings["tokens"]
+    ),
+  )
+
+
 class _GRPOStep:
   """One GRPO step, (state, prompt records) -> (state, metrics), its compiled parts built once."""
 
@@ -141,37 +229,16 @@ class _GRPOStep:
     config, run, graphdef = parts.config, parts.run, parts.graphdef
     self.steps, self.config, self.grpo = steps, config, steps.grpo
     self.graphdef, self.placement, self.tokenizer = graphdef, run.placement, run.tokenizer
-    method, temperature, chunk, grpo = steps.method, steps.temperature, parts.objective.loss_chunk, steps.grpo
+    grpo = steps.grpo
     # The rollouts record their trajectories (`logprobs`); the replay lays them out with the decode's mask and EOS
     # ids (the tokenizer's, else the model config's).
-    options = DecodeOptions(seed=config.seed, mesh=run.placement.mesh, logprobs=True)
-    self._options = options.with_tokenizer_ids(run.tokenizer, run.origin.model_config)
-    special = dict(mask_id=self._options.mask_id, eos_id=self._options.eos_id)
-
-    def logprobs_of_model(model: nnx.Module, rollout: RolloutBatch, dropout_key: jax.Array | None) -> jax.Array:
-      return policy_logprobs(
-        model, rollout, method, temperature=temperature, chunk=chunk, dropout_key=dropout_key, **special
-      )
-
-    def loss_of_model(model: nnx.Module, batch: dict, key: jax.Array) -> tuple[jax.Array, dict]:
-      rollout = RolloutBatch(**batch)
-      logps = logprobs_of_model(model, rollout, lora.dropout_key(model, key))
-      reference = rollout.ref_logprobs if grpo.beta else None
-      return grpo_loss(logps, rollout.old_logprobs, rollout.advantages, rollout.mask, grpo, reference)
-
-    example = {key: np.zeros((1,) * rank, np.int32) for key, rank in _BATCH_RANKS.items()}
-    update = make_update_step(
-      graphdef, parts.tx, parts.schedule, loss_of_model, config.grad_accum_steps, grpo.num_iterations
+    self._options = rollout_options(config, run.placement.mesh).with_tokenizer_ids(
+      run.tokenizer, run.origin.model_config
     )
-    self._update = run.placement.jit_step(update, batch_example=example)
-
-    def logprobs_of(params: nnx.State, batch: dict) -> jax.Array:
-      return logprobs_of_model(nnx.merge(graphdef, params), RolloutBatch(**batch), None)
-
-    shardings = sharding.batch_shardings(example, run.placement.mesh, run.placement.rules)
-    self._logprobs = jax.jit(
-      logprobs_of, in_shardings=(run.placement.state_shardings.params, shardings), out_shardings=shardings["tokens"]
+    programs = update_programs(
+      steps, config, graphdef, run.placement, parts.tx, parts.schedule, parts.objective.loss_chunk, self._options
     )
+    self._update, self._logprobs = programs.update, programs.logprobs
     # The reference policy, frozen at the start: a LoRA run's base with its adapters off (`_reference_params`: the
     # state's own base arrays); a full run's starting parameters, kept (reloaded when the run resumes).
     self._lora = run_config.lora_config_from(config).enabled
@@ -181,8 +248,7 @@ class _GRPOStep:
         self._reference = jax.tree.map(jnp.copy, run.state.params)  # the state's own are donated to the update
       else:
         self._reference = start.starting_params(config, run.checkpoint_dir, run.origin.model_config, run.placement)
-    self._rows = int(config.grpo.get("rollout_rows") or steps.rows(config))
-    self._prompt_width = bucket_length(steps.max_prompt_length)
+    self._rows = rollout_rows(config, steps)
     self._pad_id = run.tokenizer.pad_id
 
   def __call__(self, state: TrainState, batch: prompts.PromptBatch) -> tuple[TrainState, dict]:
@@ -224,10 +290,7 @@ class _GRPOStep:
     """The answers to `prompt_ids` sampled with `params`: one engine on the train state's arrays, decoding with
     the step's seed (a resumed run draws what an uninterrupted one did)."""
     options = dataclasses.replace(self._options, rows=self._rows, seed=_step_seed(self.config.seed, step))
-    model = nnx.merge(self.graphdef, params)
-    return Engine(model, self.steps.method, options, prompt_width=self._prompt_width, rules=self.placement.rules).run(
-      prompt_ids
-    )
+    return rollout_engine(nnx.merge(self.graphdef, params), self.steps, options, self.placement.rules).run(prompt_ids)
 
   def _rollout_batch(self, prompt_ids: list[list[int]], result: Any, advantages: np.ndarray) -> dict[str, np.ndarray]:
     """The update's inputs (`RolloutBatch`'s fields) as host arrays."""

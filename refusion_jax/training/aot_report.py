@@ -9,6 +9,7 @@ placeholders (they do not change the compiled program). `python -m refusion_jax.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator, Sequence
 
@@ -16,18 +17,20 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
-from refusion_jax.decoding.checks import decoder_special_tokens
+from refusion_jax.decoding.contract import Decoder
+from refusion_jax.decoding.engine import engine_decoder
 from refusion_jax.decoding.loop import loop_for, start_state
-from refusion_jax.decoding.mesh import loop_shardings, padded_rows, pick_rows_on
+from refusion_jax.decoding.mesh import padded_rows
 from refusion_jax.decoding.methods import config_method
+from refusion_jax.decoding.options import DecodeOptions
 from refusion_jax.model import flops, lora
 from refusion_jax.model.config import ModelConfig
-from refusion_jax.model.transformer import inference_config, init_model
+from refusion_jax.model.transformer import inference_config, inference_view, init_model
 from refusion_jax.parallel import compiled, sharding
 from refusion_jax.parallel.activations import normalize_rules, sharded_activations
 from refusion_jax.parallel.mesh_spec import format_mesh_spec
+from refusion_jax.rl import trainer
 from refusion_jax.training.run_config import (
   check_quantize,
   lora_config_from,
@@ -126,27 +129,17 @@ def decode_report(
   model_config = inference_config(model_config_of(config))
   rules = normalize_rules(config.sharding_rules)
   mesh = sharding.make_mesh(mesh_shape, mesh_devices(mesh_shape, devices))
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: init_model(model_config)))
-  params = _abstract(abstract, sharding.state_shardings(abstract, mesh, rules))
-  replicated = NamedSharding(mesh, PartitionSpec())
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: init_model(model_config)))
   method = config_method("refusion", config.eval)  # the ReFusion value validation decodes with, greedy
-  special = decoder_special_tokens(model_config)
-  decoder = method.decoder(model_config, special, pick_rows=pick_rows_on(mesh, rules), sample=method.temperature > 0)
-  knobs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), decoder.knobs)
+  decoder = engine_decoder(model_config, method, DecodeOptions(mesh=mesh), rules)
   rows, ways = padded_rows(batch, mesh, rules), sharding.batch_parallel_ways(mesh, rules)
-  state = start_state(decoder, model_config, rows, prompt_length)
-  loop = loop_for(decoder, graphdef, mesh, rules)
-  state = _abstract(state, loop_shardings(state, mesh, rules))
-  max_iterations = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-
   padding = f" as {rows} rows (a multiple of {ways} batch-parallel devices)" if rows != batch else ""
   name = (
     f"decode (prefill + 1 loop iteration), batch {batch}{padding}, prompt {prompt_length} + {method.gen_length} "
     f"(S={method.slot_size}, {method.serial_blocks} blocks), {model_config.param_dtype} weights"
     f"{_quantized(model_config)}, mesh {mesh_text(mesh)}"
   )
-  lower = lambda: loop.lower(params, state, max_iterations, knobs)
-  report = compiled.compile_report(name, lower, (params, state, knobs), list(mesh.devices.flat), chip)
+  report = _loop_report(name, decoder, graphdef, params, model_config, rows, prompt_length, mesh, rules, chip)
   if report.fits is False:
     report.advice = [
       f"decode batch {batch} does not fit: lower --decode_batch, or split the weights over more chips "
@@ -154,6 +147,113 @@ def decode_report(
       + ("." if model_config.quantize == "int4" else ", or quantize the projections (--quantize int8 or int4).")
     ]
   return report
+
+
+def _loop_report(
+  name: str,
+  decoder: Decoder,
+  graphdef: nnx.GraphDef,
+  params: nnx.State,
+  model_config: ModelConfig,
+  rows: int,
+  prompt_length: int,
+  mesh: jax.sharding.Mesh,
+  rules: tuple,
+  chip: compiled.Chip | None,
+) -> compiled.Report:
+  """Compile `decoder`'s loop as an `Engine` of `rows` rows and prompt bucket `prompt_length` runs it on `mesh`,
+  for the abstract inference-view `params` of a model of `model_config` (prefill + 1 loop iteration)."""
+  loop = loop_for(decoder, graphdef, mesh, rules)
+  state = start_state(decoder, model_config, rows, prompt_length)
+  param_shardings, state_shardings, replicated, _ = loop.shardings(params, state)
+  params, state = _abstract(params, param_shardings), _abstract(state, state_shardings)
+  knobs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), decoder.knobs)
+  max_iterations = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+  lower = lambda: loop.lower(params, state, max_iterations, knobs)
+  return compiled.compile_report(name, lower, (params, state, knobs), list(mesh.devices.flat), chip)
+
+
+def grpo_reports(
+  config: ml_collections.ConfigDict, devices: Sequence[jax.Device], chip: compiled.Chip | None
+) -> Iterator[compiled.Report]:
+  """A GRPO step's compiled programs (`config.grpo`, docs/rl.md §5), built by the trainer's own functions
+  (`refusion_jax.rl.trainer`) on the config's mesh, one at a time, yielding each report as it is done:
+
+  1. the rollout: the jitted decode loop of `rollout_method` (speculative ReFusion, or AR) at the trainer's
+     rows (`rollout_rows`: batch_size x num_generations unless `grpo.rollout_rows`) and prompt bucket, on the
+     inference view of the train state's parameters (LoRA adapters and an integer base included);
+  2. with beta > 0, the reference log-probabilities (`UpdatePrograms.logprobs`, a LoRA model's with adapters off:
+     the same program on the same parameters);
+  3. the update (`UpdatePrograms.update`): the replay, GRPO's loss, its gradient (the adapters only under LoRA)
+     and `num_iterations` optimizer updates, at batch_size x num_generations rows.
+  """
+  steps = trainer.GRPOSteps(config)
+  model_config = model_config_of(config)
+  rules = normalize_rules(config.sharding_rules)
+  mesh = sharding.make_mesh(dict(config.mesh), mesh_devices(dict(config.mesh), devices))
+  rows, accum = steps.rows(config), config.grad_accum_steps
+  sharding.check_batch_split(rows, accum, mesh, rules, processes=1)
+  tx, schedule = make_optimizer(config.optimizer, total_steps=max(config.num_train_steps, 1) * steps.updates_per_step)
+  lora_config = lora_config_from(config)
+  check_quantize(config)
+  placement = make_placement(init_state_fn(model_config, tx, config.seed, lora_config), mesh, rules)
+  graphdef, _ = lora.abstract_lora_model(model_config, lora_config)
+  # The trainer takes the special ids from the tokenizer; placeholders here (they do not change the programs).
+  options = dataclasses.replace(
+    trainer.rollout_options(config, mesh),
+    mask_id=model_config.mask_token_id,
+    eos_id=model_config.eos_token_id,
+    pad_id=model_config.pad_token_id,
+  )
+  method, prompt_width = steps.method, steps.prompt_width
+  described = (
+    f"{f', LoRA r={lora_config.rank}' if lora_config.enabled else ''}{_quantized(model_config)}, mesh {mesh_text(mesh)}"
+  )
+
+  # 1. The rollout: what `Engine(nnx.merge(graphdef, state.params), method, options, ...)` compiles.
+  view_graphdef, view_params = nnx.split(
+    nnx.eval_shape(lambda p: inference_view(nnx.merge(graphdef, p)), placement.abstract_state.params)
+  )
+  view_config = inference_config(model_config)
+  k = trainer.rollout_rows(config, steps)
+  decoder = engine_decoder(view_config, method, dataclasses.replace(options, rows=k), rules)
+  loop_rows = padded_rows(k, mesh, rules)
+  name = (
+    f"GRPO rollout ({method.name}{', speculative' if method.name == 'refusion' else ''}, T={method.temperature}, "
+    f"logprobs, prefill + 1 loop iteration), {loop_rows} rows x (prompt {prompt_width} + {method.gen_length}), "
+    f"{view_config.param_dtype} weights{described}"
+  )
+  yield _loop_report(name, decoder, view_graphdef, view_params, view_config, loop_rows, prompt_width, mesh, rules, chip)
+
+  # 2. and 3. The reference log-probabilities and the update, at every answer of a step.
+  objective = objective_config_from(config, model_config)
+  programs = trainer.update_programs(steps, config, graphdef, placement, tx, schedule, objective.loss_chunk, options)
+  batch = {
+    key: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding.batch_sharding(mesh, len(s.shape), rules))
+    for key, s in trainer.rollout_batch_shapes(rows, steps.max_prompt_length, method.gen_length).items()
+  }
+  shape = f"{rows} rows x (prompt {steps.max_prompt_length} + {method.gen_length})"
+  devices_used = list(mesh.devices.flat)
+  if steps.grpo.beta:
+    args = (placement.abstract_state.params, batch)
+    traced = programs.logprobs.trace(*args)
+    name = f"GRPO reference log-probs ({'adapters off' if lora_config.enabled else 'the start'}), {shape}{described}"
+    report = compiled.compile_report(name, traced.lower, args, devices_used, chip)
+    report.traced_flops = compiled.matmul_flops(traced.jaxpr) / mesh.devices.size
+    yield report
+  args = (placement.abstract_state, batch)
+  traced = programs.update.trace(*args)
+  name = (
+    f"GRPO update ({steps.grpo.num_iterations} x replay + loss + gradient + optimizer), {shape}, grad_accum {accum}, "
+    f"remat {model_config.remat}{', layers scanned' if model_config.scan_layers else ''}{described}"
+  )
+  loops = accum * steps.grpo.num_iterations
+  report = compiled.compile_report(name, traced.lower, args, devices_used, chip, loop_count=loops)
+  report.traced_flops = compiled.matmul_flops(traced.jaxpr) / mesh.devices.size
+  if model_config.scan_layers:  # XLA's cost analysis counts the scan's one layer once: no FLOPs rather than wrong ones
+    report.flops = report.bytes_accessed = None
+  report.advice = train_advice(report, config, model_config, sharding.batch_parallel_ways(mesh, rules))
+  yield report
 
 
 def _quantized(model_config: ModelConfig) -> str:
