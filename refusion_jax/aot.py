@@ -23,7 +23,8 @@ memory (arguments, outputs, temporaries, total) against the chip's HBM, the
 compiled FLOPs and bytes, a roofline *estimate* of its time and its compile time; it exits with
 status 1, saying what to change, when something does not fit.
 
-The programs are built by `refusion_jax.training.aot_report`, from
+The programs are built by `refusion_jax.training.aot_report` (a GRPO step's by
+`refusion_jax.rl.aot_report`), from
 `config.model`'s shapes (preset + overrides), not from `init_from`.
 """
 
@@ -40,7 +41,8 @@ from refusion_jax.cli import report_errors
 from refusion_jax.model import quant
 from refusion_jax.parallel import compiled
 from refusion_jax.parallel.mesh_spec import parse_mesh_spec
-from refusion_jax.training.aot_report import decode_mesh_ways, decode_reports, grpo_reports, train_reports
+from refusion_jax.rl.aot_report import grpo_reports
+from refusion_jax.training.aot_report import decode_mesh_ways, decode_reports, train_reports
 
 # What --programs takes: a GRPO step's rollout and update (a config with a `grpo` section), the supervised
 # training step, the decode loop.

@@ -13,6 +13,7 @@ from flax import nnx
 
 from refusion_jax.model import lora
 from refusion_jax.parallel import compiled, sharding
+from refusion_jax.rl import aot_report as rl_aot_report
 from refusion_jax.rl import trainer
 from refusion_jax.training import aot_report
 from refusion_jax.training.config_file import load_config
@@ -73,7 +74,7 @@ def test_the_reports_compile_the_trainers_own_programs(monkeypatch):
   monkeypatch.setattr(aot_report.compiled, "compile_report", lowered_only)
   monkeypatch.setattr(aot_report, "loop_for", lambda *a: loops.append(loop_for(*a)) or loops[-1])
   monkeypatch.setattr(aot_report, "start_state", lambda *a: starts.append(start_state(*a)) or starts[-1])
-  reports = list(aot_report.grpo_reports(config, jax.devices()[:1], None))
+  reports = list(rl_aot_report.grpo_reports(config, jax.devices()[:1], None))
   assert [r.name.split(" (")[0] for r in reports] == ["GRPO rollout", "GRPO reference log-probs", "GRPO update"]
   assert traced == ["ref", "update"] and len(loops) == len(starts) == 1
 
