@@ -17,21 +17,18 @@ from flax import nnx
 
 from refusion_jax.decoding.engine import engine_decoder
 from refusion_jax.decoding.mesh import padded_rows
-from refusion_jax.model import lora
 from refusion_jax.model.transformer import inference_config, inference_view
 from refusion_jax.parallel import compiled, sharding
-from refusion_jax.parallel.activations import normalize_rules
 from refusion_jax.rl import trainer
 from refusion_jax.training.aot_report import (
+  abstract_run,
   loop_report,
-  mesh_devices,
   mesh_text,
-  model_config_of,
   quantized_text,
+  step_report,
   train_advice,
 )
-from refusion_jax.training.run_config import check_quantize, lora_config_from, objective_config_from
-from refusion_jax.training.state import init_state_fn, make_optimizer, make_placement
+from refusion_jax.training.run_config import objective_config_from
 
 
 def grpo_reports(
@@ -49,16 +46,10 @@ def grpo_reports(
      and `num_iterations` optimizer updates, at batch_size x num_generations rows.
   """
   steps = trainer.GRPOSteps(config)
-  model_config = model_config_of(config)
-  rules = normalize_rules(config.sharding_rules)
-  mesh = sharding.make_mesh(dict(config.mesh), mesh_devices(dict(config.mesh), devices))
   rows, accum = steps.rows(config), config.grad_accum_steps
-  sharding.check_batch_split(rows, accum, mesh, rules, processes=1)
-  tx, schedule = make_optimizer(config.optimizer, total_steps=max(config.num_train_steps, 1) * steps.updates_per_step)
-  lora_config = lora_config_from(config)
-  check_quantize(config)
-  placement = make_placement(init_state_fn(model_config, tx, config.seed, lora_config), mesh, rules)
-  graphdef, _ = lora.abstract_lora_model(model_config, lora_config)
+  run = abstract_run(config, devices, rows, max(config.num_train_steps, 1) * steps.updates_per_step)
+  model_config, rules, mesh, lora_config = run.model_config, run.rules, run.mesh, run.lora_config
+  placement, graphdef = run.placement, run.graphdef
   # The trainer takes the special ids from the tokenizer; placeholders here (they do not change the programs).
   options = dataclasses.replace(
     trainer.rollout_options(config, mesh),
@@ -87,30 +78,26 @@ def grpo_reports(
 
   # 2. and 3. The reference log-probabilities and the update, at every answer of a step.
   objective = objective_config_from(config, model_config)
-  programs = trainer.update_programs(steps, config, graphdef, placement, tx, schedule, objective.loss_chunk, options)
+  programs = trainer.update_programs(
+    steps, config, graphdef, placement, run.tx, run.schedule, objective.loss_chunk, options
+  )
   batch = {
     key: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding.batch_sharding(mesh, len(s.shape), rules))
     for key, s in trainer.rollout_batch_shapes(rows, steps.max_prompt_length, method.gen_length).items()
   }
   shape = f"{rows} rows x (prompt {steps.max_prompt_length} + {method.gen_length})"
-  devices_used = list(mesh.devices.flat)
   if steps.grpo.beta:
     args = (placement.abstract_state.params, batch)
     traced = programs.logprobs.trace(*args)
     name = f"GRPO reference log-probs ({'adapters off' if lora_config.enabled else 'the start'}), {shape}{described}"
-    report = compiled.compile_report(name, traced.lower, args, devices_used, chip)
+    report = compiled.compile_report(name, traced.lower, args, list(mesh.devices.flat), chip)
     report.traced_flops = compiled.matmul_flops(traced.jaxpr) / mesh.devices.size
     yield report
-  args = (placement.abstract_state, batch)
-  traced = programs.update.trace(*args)
   name = (
     f"GRPO update ({steps.grpo.num_iterations} x replay + loss + gradient + optimizer), {shape}, grad_accum {accum}, "
     f"remat {model_config.remat}{', layers scanned' if model_config.scan_layers else ''}{described}"
   )
   loops = accum * steps.grpo.num_iterations
-  report = compiled.compile_report(name, traced.lower, args, devices_used, chip, loop_count=loops)
-  report.traced_flops = compiled.matmul_flops(traced.jaxpr) / mesh.devices.size
-  if model_config.scan_layers:  # XLA's cost analysis counts the scan's one layer once: no FLOPs rather than wrong ones
-    report.flops = report.bytes_accessed = None
+  report = step_report(name, programs.update, (placement.abstract_state, batch), run, chip, loop_count=loops)
   report.advice = train_advice(report, config, model_config, sharding.batch_parallel_ways(mesh, rules))
   yield report

@@ -106,7 +106,7 @@ def prompt_batches(source: Sequence[Any], batch_size: int, seed: int) -> grain.I
   """`source` as an endless, shuffled grain dataset of `batch_size`-record lists (`PromptBatch`; its iterator's
   position is checkpointed with the run), the same in every process.
 
-  A multi-process run's processes each read the step's whole global batch (docs/rl.md §7), not a share: every
+  A multi-process run's processes each read the step's whole global batch (docs/rl.md §5), not a share: every
   process decodes every prompt of the step anyway (one engine over the run's mesh, fed the same prompts in every
   process), the rewards read the records' own columns (any JSON), which an exchange of fixed-shape arrays between
   processes would have to encode, and reading a step's few records is cheap next to decoding them. So the batches,

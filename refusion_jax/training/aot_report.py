@@ -9,12 +9,15 @@ placeholders (they do not change the compiled program). `python -m refusion_jax.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
+import optax
 from flax import nnx
 
 from refusion_jax.decoding.contract import Decoder
@@ -25,6 +28,7 @@ from refusion_jax.decoding.methods import config_method
 from refusion_jax.decoding.options import DecodeOptions
 from refusion_jax.model import flops, lora
 from refusion_jax.model.config import ModelConfig
+from refusion_jax.model.lora import LoraConfig
 from refusion_jax.model.transformer import inference_config, init_model
 from refusion_jax.parallel import compiled, sharding
 from refusion_jax.parallel.activations import normalize_rules, sharded_activations
@@ -36,7 +40,7 @@ from refusion_jax.training.run_config import (
   preset_with_overrides,
   quantized_as_configured,
 )
-from refusion_jax.training.state import init_state_fn, make_optimizer, make_placement, make_train_step
+from refusion_jax.training.state import Placement, init_state_fn, make_optimizer, make_placement, make_train_step
 
 
 def model_config_of(config: ml_collections.ConfigDict) -> ModelConfig:
@@ -61,6 +65,53 @@ def mesh_devices(mesh_shape: dict[str, int], devices: Sequence[jax.Device]) -> l
   return list(devices[:needed])
 
 
+@dataclasses.dataclass(frozen=True)
+class AbstractRun:
+  """A training run built from a config's shapes alone on a topology's devices: what its compiled steps take
+  (the placement's state is abstract; nothing is allocated)."""
+
+  model_config: ModelConfig
+  rules: Any
+  mesh: jax.sharding.Mesh
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule
+  lora_config: LoraConfig
+  placement: Placement
+  graphdef: nnx.GraphDef
+
+
+def abstract_run(
+  config: ml_collections.ConfigDict, devices: Sequence[jax.Device], rows: int, total_steps: int
+) -> AbstractRun:
+  """The run of `config` on the config's mesh over `devices`, its steps taking `rows` rows (checked to split over
+  the mesh and `config.grad_accum_steps`) and its schedule `total_steps` optimizer updates long."""
+  model_config = model_config_of(config)
+  rules = normalize_rules(config.sharding_rules)
+  mesh = sharding.make_mesh(dict(config.mesh), mesh_devices(dict(config.mesh), devices))
+  # One process compiles for the whole topology; the job's processes do not change the per-device split.
+  sharding.check_batch_split(rows, config.grad_accum_steps, mesh, rules, processes=1)
+  tx, schedule = make_optimizer(config.optimizer, total_steps=total_steps)
+  lora_config = lora_config_from(config)
+  check_quantize(config)
+  placement = make_placement(init_state_fn(model_config, tx, config.seed, lora_config), mesh, rules)
+  graphdef, _ = lora.abstract_lora_model(model_config, lora_config)
+  return AbstractRun(model_config, rules, mesh, tx, schedule, lora_config, placement, graphdef)
+
+
+def step_report(
+  name: str, step: Any, args: tuple, run: AbstractRun, chip: compiled.Chip | None, loop_count: int = 1
+) -> compiled.Report:
+  """The compile report of the jitted `step` on `args` (abstract, on `run`'s mesh), FLOPs per chip of the mesh
+  (which may use fewer chips than the topology has: a one-chip mesh on v5p:2x2x1)."""
+  traced = step.trace(*args)
+  devices = list(run.mesh.devices.flat)
+  report = compiled.compile_report(name, traced.lower, args, devices, chip, loop_count=loop_count)
+  report.traced_flops = compiled.matmul_flops(traced.jaxpr) / run.mesh.devices.size
+  if run.model_config.scan_layers:  # XLA's cost analysis counts the scan's one layer once: no FLOPs, not wrong ones
+    report.flops = report.bytes_accessed = None
+  return report
+
+
 def _abstract(tree, shardings):
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
@@ -69,20 +120,13 @@ def train_report(
   config: ml_collections.ConfigDict, devices: Sequence[jax.Device], chip: compiled.Chip | None
 ) -> compiled.Report:
   """Compile the training step as `refusion_jax.train` would run it, with the activations sharded like the batch."""
-  model_config = model_config_of(config)
-  rules = normalize_rules(config.sharding_rules)
-  mesh = sharding.make_mesh(dict(config.mesh), mesh_devices(dict(config.mesh), devices))
-  ways, accum = sharding.batch_parallel_ways(mesh, rules), config.grad_accum_steps
-  # One process compiles for the whole topology; the job's processes do not change the per-device split.
-  sharding.check_batch_split(config.batch_size, accum, mesh, rules, processes=1)
-  tx, schedule = make_optimizer(config.optimizer, total_steps=max(config.num_train_steps, 1))
-  lora_config = lora_config_from(config)
-  check_quantize(config)
-  placement = make_placement(init_state_fn(model_config, tx, config.seed, lora_config), mesh, rules)
-  graphdef, _ = lora.abstract_lora_model(model_config, lora_config)
+  run = abstract_run(config, devices, config.batch_size, max(config.num_train_steps, 1))
+  model_config, rules, mesh, lora_config = run.model_config, run.rules, run.mesh, run.lora_config
+  accum = config.grad_accum_steps
+  ways = sharding.batch_parallel_ways(mesh, rules)
   objective = objective_config_from(config, model_config)
-  step_fn = sharded_activations(make_train_step(graphdef, tx, schedule, objective, accum), mesh, rules)
-  step = placement.jit_step(step_fn)
+  step_fn = sharded_activations(make_train_step(run.graphdef, run.tx, run.schedule, objective, accum), mesh, rules)
+  step = run.placement.jit_step(step_fn)
   # Packed rows give each row's example lengths, [batch, max_segments]; unpacked rows one length each.
   lengths = (config.batch_size, config.data.max_segments) if config.data.packing else (config.batch_size,)
   shapes = {"tokens": (config.batch_size, config.data.seq_len), "prompt_len": lengths, "answer_len": lengths}
@@ -95,13 +139,7 @@ def train_report(
     f"batch {config.batch_size} x {config.data.seq_len}, grad_accum {accum}, "
     f"remat {model_config.remat}{', layers scanned' if model_config.scan_layers else ''}, mesh {mesh_text(mesh)}"
   )
-  args = (placement.abstract_state, batch)
-  traced = step.trace(*args)
-  report = compiled.compile_report(name, traced.lower, args, list(mesh.devices.flat), chip, loop_count=accum)
-  # Per chip of the mesh, which may use fewer chips than the topology has (a one-chip mesh on v5p:2x2x1).
-  report.traced_flops = compiled.matmul_flops(traced.jaxpr) / mesh.devices.size
-  if model_config.scan_layers:  # XLA's cost analysis counts the scan's one layer once: no FLOPs rather than wrong ones
-    report.flops = report.bytes_accessed = None
+  report = step_report(name, step, (run.placement.abstract_state, batch), run, chip, loop_count=accum)
   # MFU is judged on rows full of real tokens (packed rows come close): one causal example of seq_len per row.
   rows = [config.data.seq_len] * config.batch_size
   causal = objective.kind != "mdm"
