@@ -87,12 +87,8 @@ def grpo_reports(
   }
   shape = f"{rows} rows x (prompt {steps.max_prompt_length} + {method.gen_length})"
   if steps.grpo.beta:
-    args = (placement.abstract_state.params, batch)
-    traced = programs.logprobs.trace(*args)
     name = f"GRPO reference log-probs ({'adapters off' if lora_config.enabled else 'the start'}), {shape}{described}"
-    report = compiled.compile_report(name, traced.lower, args, list(mesh.devices.flat), chip)
-    report.traced_flops = compiled.matmul_flops(traced.jaxpr) / mesh.devices.size
-    yield report
+    yield step_report(name, programs.logprobs, (placement.abstract_state.params, batch), run, chip)
   name = (
     f"GRPO update ({steps.grpo.num_iterations} x replay + loss + gradient + optimizer), {shape}, grad_accum {accum}, "
     f"remat {model_config.remat}{', layers scanned' if model_config.scan_layers else ''}{described}"
