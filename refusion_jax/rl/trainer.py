@@ -63,8 +63,18 @@ _GRPO_FIELDS = tuple(f.name for f in dataclasses.fields(GRPOConfig))
 _TRAINER_FIELDS = ("temperature", "rewards", "max_prompt_length", "rollout_rows", "use_rollout_logps")
 # The methods whose answers have a probability GRPO can differentiate.
 _POLICY_KINDS = ("refusion", "ar")
-# Keys of the update's batch, with their ranks (the row axis first, split over the batch-parallel devices).
-_BATCH_RANKS = dict(prompt=2, prompt_len=1, tokens=2, iteration=2, old_logprobs=2, mask=2, advantages=1, ref_logprobs=2)
+# The update's batch (`RolloutBatch`'s fields): each one's width after the row axis ("prompt": the prompt bucket,
+# "answer": gen_length, None: one value per row) and dtype. The row axis is split over the batch-parallel devices.
+_BATCH_FIELDS = dict(
+  prompt=("prompt", np.int32),
+  prompt_len=(None, np.int32),
+  tokens=("answer", np.int32),
+  iteration=("answer", np.int32),
+  old_logprobs=("answer", np.float32),
+  mask=("answer", np.float32),
+  advantages=(None, np.float32),
+  ref_logprobs=("answer", np.float32),
+)
 
 
 def grpo_config_from(config: ml_collections.ConfigDict) -> GRPOConfig:
@@ -158,13 +168,8 @@ def rollout_engine(model: nnx.Module, steps: GRPOSteps, options: DecodeOptions, 
 def rollout_batch_shapes(rows: int, prompt_length: int, gen_length: int) -> dict[str, jax.ShapeDtypeStruct]:
   """The update's inputs (`RolloutBatch`'s fields, as the step builds them) for `rows` answers of `gen_length`
   tokens to prompts left-padded to `prompt_length`: {name: [rows, ...] shape and dtype}."""
-  widths = dict(prompt=prompt_length, tokens=gen_length, iteration=gen_length)
-  widths.update(old_logprobs=gen_length, mask=gen_length, ref_logprobs=gen_length)
-  shapes = {}
-  for key, rank in _BATCH_RANKS.items():
-    dtype = np.int32 if key in ("prompt", "prompt_len", "tokens", "iteration") else np.float32
-    shapes[key] = jax.ShapeDtypeStruct((rows, widths[key]) if rank == 2 else (rows,), dtype)
-  return shapes
+  widths = {"prompt": (prompt_length,), "answer": (gen_length,), None: ()}
+  return {key: jax.ShapeDtypeStruct((rows, *widths[width]), dtype) for key, (width, dtype) in _BATCH_FIELDS.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +212,7 @@ def update_programs(
     reference = rollout.ref_logprobs if grpo.beta else None
     return grpo_loss(logps, rollout.old_logprobs, rollout.advantages, rollout.mask, grpo, reference)
 
-  example = {key: np.zeros((1,) * rank, np.int32) for key, rank in _BATCH_RANKS.items()}
+  example = {key: np.zeros(shape.shape, shape.dtype) for key, shape in rollout_batch_shapes(1, 1, 1).items()}
   update = make_update_step(graphdef, tx, schedule, loss_of_model, config.grad_accum_steps, grpo.num_iterations)
 
   def logprobs_of(params: nnx.State, batch: dict) -> jax.Array:
@@ -300,18 +305,18 @@ class _GRPOStep:
       prompt[row, width - len(ids) :] = ids
     trajectory = result.rollout
     tokens, iteration = np.asarray(trajectory.tokens, np.int32), np.asarray(trajectory.iteration, np.int32)
-    old = np.asarray(trajectory.logprobs, np.float32)
-    mask = (tokens >= 0).astype(np.float32)
-    return dict(
+    mask = tokens >= 0
+    batch = dict(
       prompt=prompt,
-      prompt_len=np.array([len(ids) for ids in prompt_ids], np.int32),
+      prompt_len=np.array([len(ids) for ids in prompt_ids]),
       tokens=tokens,
       iteration=iteration,
-      old_logprobs=np.where(mask > 0, old, 0.0).astype(np.float32),
+      old_logprobs=np.where(mask, np.asarray(trajectory.logprobs), 0.0),
       mask=mask,
-      advantages=advantages.astype(np.float32),
-      ref_logprobs=np.zeros(tokens.shape, np.float32),
+      advantages=advantages,
+      ref_logprobs=np.zeros(tokens.shape),
     )
+    return {key: np.asarray(batch[key], dtype) for key, (_, dtype) in _BATCH_FIELDS.items()}
 
   def _placed(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     """The update's batch, whole in every process, as global arrays split by rows over the run's mesh: the
