@@ -95,11 +95,15 @@ def read_jsonl(path) -> list[dict]:
 
 
 def reference_texts(model, tokenizer, prompts: list[str], until: list[str]) -> list[str]:
-  """What `rj.Sampler` answers, cut at the stop strings (one queue: every prompt padded to the longest's bucket)."""
-  texts, _ = rj.Sampler(model, tokenizer, rj.ReFusion(gen_length=16, slot_size=4), rows=4).generate(prompts)
+  """What `rj.Sampler` answers (one queue: every prompt padded to the longest's bucket), post-processed as the
+  official harness does: spelled with its special tokens, cut at the stop strings, spelled again without them."""
+  _, result = rj.Sampler(model, tokenizer, rj.ReFusion(gen_length=16, slot_size=4), rows=4).generate(prompts)
+  # Not the Sampler's text: a special token drawn inside a multi-byte character leaves it cut when spelled out.
+  spelled = dict(skip_special_tokens=False) if isinstance(tokenizer, HFTokenizer) else {}  # bytes: none to spell
+  texts = [tokenizer.decode(tokens, **spelled) for tokens in result.tokens]
   for stop in until:
     texts = [t.split(stop)[0] for t in texts]
-  return texts
+  return [tokenizer.decode(tokenizer.encode(t)) for t in texts]
 
 
 # --- the command line -----------------------------------------------------------------------------------------
@@ -222,8 +226,7 @@ def test_simple_evaluate_continues_the_assistant_turn_of_a_gen_prefix_task(bpe):
     chat = [{"role": "user", "content": sample["doc"]["query"]}, {"role": "assistant", "content": "Answer:"}]
     expected = hf.apply_chat_template(chat, tokenize=False, continue_final_message=True, enable_thinking=True)
     assert prompt == expected and prompt.endswith("<|im_start|>assistant\nAnswer:")
-  references = reference_texts(model, tokenizer, prompts, ["\n"])
-  assert [s["resps"][0][0] for s in samples] == [tokenizer.decode(tokenizer.encode(t)) for t in references]
+  assert [s["resps"][0][0] for s in samples] == reference_texts(model, tokenizer, prompts, ["\n"])
 
 
 def test_chat_template_renders_a_generation_prompt_with_thinking_on(bpe):
