@@ -7,7 +7,8 @@ prompts into idle rows, in input order (the decoder's `admit`: a prefill into
 that row), then runs one decode step for all rows (the decoder's `step`),
 whose finished rows turn idle. Outputs are written by queue entry, and a
 row's decode never depends on the other rows (docs/method.md §3.3), so each
-prompt gets its B = 1 decode whatever row decodes it and whenever.
+prompt gets its B = 1 decode whatever row decodes it and whenever (bit for bit
+at one row count; across row counts up to XLA's summation order, §3.3).
 
 The queue is not the list of prompts: the host feeds it (`engine.Engine`). The
 loop returns when a row turns idle with no prompt waiting while the host

@@ -91,7 +91,8 @@ class Engine:
 
   Request numbers restart at 0 whenever the engine is idle with no result left to pop; a request's number is what its
   sampling noise folds in (docs/method.md §3.3), so a run of N prompts from idle draws what `decode` draws for them. A
-  row's decode never depends on the other rows, so each request gets its B = 1 decode whenever it runs. A request may
+  row's decode never depends on the other rows, so each request gets its B = 1 decode whenever it runs (bit for bit
+  at the engine's K; docs/method.md §3.3 says what another K may round differently). A request may
   bring its own temperature and seed (`submit`; a server's requests do): they ride in its queue entry, so requests of
   any temperatures and seeds share the rows of one compiled program. The loop hands back to the host when a row turns
   idle while submitted prompts wait on the host, after `iterations` iterations, or when every entry is done; nothing
