@@ -98,10 +98,18 @@ def test_decode_refuses_what_is_not_a_method_value():
 
 
 def test_decode_gives_each_method_the_tokens_of_its_eager_reference():
-  seed = int(np.random.default_rng().integers(1 << 20))
-  rng = np.random.default_rng(seed)
-  model = random_model(seed, head_std=float(rng.uniform(0.5, 1.5)))
-  prompts = random_prompts(rng, 3)
+  # LLaDA ranks confidences in float64; the jitted MDM's float32 ones within ~1e-6 (often two 1.0s) may rank the
+  # other way (3 of 300 draws), so a draw with such a near-tie is drawn again (~14% of draws, as test_decode_fuzz).
+  for _ in range(20):
+    seed = int(np.random.default_rng().integers(1 << 20))
+    rng = np.random.default_rng(seed)
+    model = random_model(seed, head_std=float(rng.uniform(0.5, 1.5)))
+    prompts, margins = random_prompts(rng, 3), []
+    llada = [llada_low_confidence(model, p, 8, 4, 4, MASK, margins) for p in prompts]
+    if min(margins) >= 1e-5:
+      break
+  else:
+    raise AssertionError("20 draws in a row had a near-tie in LLaDA's ranking")
   refusion = rj.ReFusion(
     gen_length=16,
     slot_size=4,
@@ -116,7 +124,6 @@ def test_decode_gives_each_method_the_tokens_of_its_eager_reference():
   ar = rj.decode(model, prompts, rj.AR(gen_length=8), eos_id=EOS, rows=2)
   assert ar.tokens == [naive_greedy(model, p, 8, eos_id=EOS) for p in prompts], f"seed {seed}"
   mdm = rj.decode(model, prompts, rj.MDM(gen_length=8, block_length=4, steps=4), mask_id=MASK, eos_id=EOS)
-  llada = [llada_low_confidence(model, p, 8, 4, 4, MASK) for p in prompts]
   assert mdm.tokens == [t[: t.index(EOS) + 1] if EOS in t else t for t in llada], f"seed {seed}"
 
 

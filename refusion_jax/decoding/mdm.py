@@ -2,7 +2,7 @@
 
 No cache: every step is one bidirectional forward over prompt + answer. The
 answer is decoded in semi-autoregressive blocks, and per step the most
-confident masked tokens of the current block are unmasked (LLaDA's
+confident masked tokens up to the current block's end are unmasked (LLaDA's
 `generate.py`). The `MDM` value (its class a `contract.Method`): batched and
 jitted end to end as one `lax.while_loop` over a
 `refusion_jax.decoding.batching.LoopState` (so `batch_size` gives continuous
@@ -164,7 +164,9 @@ def _step(
   logits, _ = model(jnp.concatenate([state.prompt, state.answer], 1), positions, mask)
   draft, confidence, draft_logprob = pick_tokens(logits[:, width:], sampling.key, sampling.rule, step, settings.sample)
   block_of = jnp.arange(G) // settings.block_length
-  candidate = (state.answer == knobs.mask_id) & (block_of[None, :] == (step // per_block)[:, None])
+  # Masked positions up to the current block's end, as LLaDA's generate.py: a position of an earlier block is
+  # masked still only where the model drafted the mask id itself, and LLaDA drafts it again.
+  candidate = (state.answer == knobs.mask_id) & (block_of[None, :] <= (step // per_block)[:, None])
   confidence = jnp.where(candidate, confidence, -jnp.inf)
   # Rank by confidence (stable: ties go to the earlier position) and take the top k.
   order = jnp.argsort(-confidence, axis=-1, stable=True)
@@ -209,8 +211,9 @@ class MDM(MethodFacts):
   `rj.decode(model, ids, MDM(gen_length=64))`.
 
   The answer starts as G mask tokens, split into G / block_length blocks decoded left to right with steps /
-  num_blocks steps each. Each step is one bidirectional forward over prompt + answer; of the current block's
-  masked positions, the `num_transfer_tokens` most confident predictions are unmasked. Every row runs all
+  num_blocks steps each. Each step is one bidirectional forward over prompt + answer; of the masked positions up
+  to the current block's end (earlier blocks hold masks only where the model drafted the mask id), the
+  `num_transfer_tokens` most confident predictions are unmasked. Every row runs all
   `steps` forwards (as LLaDA does); the answer is cut after its first EOS. commit_iteration is the step that
   unmasked each position.
 

@@ -29,8 +29,12 @@ def naive_greedy(model, prompt, gen_length, eos_id=None):
   return answer
 
 
-def llada_low_confidence(model, prompt, gen_length, block_length, steps, mask_id):
-  """LLaDA generate.py (temperature 0, low_confidence remasking), batch 1, in NumPy."""
+def llada_low_confidence(model, prompt, gen_length, block_length, steps, mask_id, margins=None):
+  """LLaDA generate.py (temperature 0, low_confidence remasking), batch 1, in NumPy.
+
+  `margins`, a list, gets each step's float64 confidence gap between the last position unmasked and the first
+  left masked: where it is within float32 rounding, the jitted decoder may rank the two the other way.
+  """
   x = np.array(list(prompt) + [mask_id] * gen_length)
   start = len(prompt)
   num_blocks = gen_length // block_length
@@ -51,6 +55,9 @@ def llada_low_confidence(model, prompt, gen_length, block_length, steps, mask_id
       x0_p[hi:] = -np.inf
       x0 = np.where(mask_index, x0, x)
       confidence = np.where(mask_index, x0_p, -np.inf)
-      select = np.argsort(-confidence, kind="stable")[: counts[i]]
+      order = np.argsort(-confidence, kind="stable")
+      select = order[: counts[i]]
+      if margins is not None and np.isfinite(confidence[order[counts[i]]]):
+        margins.append(confidence[order[counts[i] - 1]] - confidence[order[counts[i]]])
       x[select] = x0[select]
   return x[start:].tolist()
