@@ -65,11 +65,6 @@ def _model():
   return random_weights(init_model(tiny(vocab_size=VOCAB)), seed=1, weight_std=0.3, head_std=1.0)
 
 
-@pytest.fixture(scope="module")
-def model():
-  return _model()
-
-
 replay_jit = nnx.jit(
   replay.trajectory_logprobs, static_argnames=("method", "tail_length", "chunk", "mask_id", "eos_id")
 )
@@ -86,13 +81,13 @@ def replayed(model, method, leaves: list[policy_tree.Leaf]) -> np.ndarray:
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_every_trajectory_listed_sums_to_one_and_the_replay_gives_each_ones_probability(model, case):
+def test_every_trajectory_listed_sums_to_one_and_the_replay_gives_each_ones_probability(case):
   leaves = _leaves(case)
   trajectories = {(tuple(leaf.tokens), tuple(leaf.iteration)) for leaf in leaves}
   assert len(trajectories) == len(leaves) > 2000  # distinct trajectories, the answers of ~7^4 grids
   reference = np.array([leaf.logprob for leaf in leaves])
   assert abs(np.exp(reference).sum() - 1) < 1e-5
-  got = replayed(model, case.method, leaves)
+  got = replayed(_model(), case.method, leaves)
   np.testing.assert_allclose(got, reference, atol=1e-4, rtol=0)
   assert abs(np.exp(got).sum() - 1) < 1e-5
   if case.name == "one-slot-per-cycle":
