@@ -11,7 +11,7 @@ LoRA, the mesh) is the training loop's. `--config.objective.kind=ar` with an AR 
 policy the same way.
 
 The defaults are the recipe results/rl_demo.md measured best: 32 prompts a step, learning rate 1e-4, the
-exact-match reward (partial credit paid lookup's near misses and lowered its exact match), 40 steps, about 9
+exact-match reward (partial credit paid lookup's near misses and lowered its exact match), 40 steps, about 10
 minutes on an idle 2-core CPU. From the README main job's model they leave validation exact match near the start's
 43%; from a model given 1,500 more supervised steps (55%) they add 3-4 points and raise tokens per forward from 2.5
 to about 3. Continued SFT is the cheaper way to learn on these tasks in both cases (results/rl_demo.md).
