@@ -55,7 +55,8 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   config.grpo.use_rollout_logps = True  # old policy = the rollout's log-probabilities (AR may recompute: False)
 
   # Prompts per step (each answered num_generations times). 8 gave a gradient too noisy to move the model at any
-  # rate tried (2e-4 once collapsed it to 32%); 32 at 1e-4 is the recipe that gained (results/rl_demo.md).
+  # rate tried (2e-4 once collapsed it to 32%); 32 at 1e-4 gained 3-4 points from a later SFT model
+  # (results/rl_demo.md).
   config.batch_size = 32
   config.num_train_steps = 40
   config.optimizer.lr = 1e-4
